@@ -1,0 +1,197 @@
+"""`goinfer chat`: a terminal REPL, or one reply with --prompt for scripts.
+
+Only the model's reply goes to stdout; notices and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from commands.errors import EXIT_INTERRUPTED, fail, user_errors
+from commands.ui import FetchProgress, err
+from engine import generate, load_model
+from engine.errors import GoinferError
+from engine.store.paths import goinfer_home
+
+HELP = """Chat with a model in the terminal, or answer one prompt and exit.
+
+Examples:
+
+  goinfer chat                                  # REPL with the default model (smollm2-135m)
+
+  goinfer chat --prompt "What is the capital of France?" --temp 0
+
+  echo "Summarize: ..." | goinfer chat --prompt - --max 200
+
+  goinfer chat --model gemma3-270m --system "Answer briefly."
+
+In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /quit. Ctrl-C stops a reply; Ctrl-D quits.
+"""
+
+REPL_HELP = "/reset  /system TEXT  /temp T  /seed N  /max N  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
+
+
+@dataclass
+class Session:
+    """What the REPL carries between turns."""
+
+    system: str | None
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    max_tokens: int
+    messages: list[dict] = field(default_factory=list)
+
+    def conversation(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+
+def chat(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path or a built-in model name.")] = None,
+    system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
+    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.7,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.95,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.")] = 512,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
+    quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
+) -> None:
+    if temp < 0:
+        raise fail(f"--temp must be >= 0, got {temp}")
+    if max_tokens < 1:
+        raise fail(f"--max must be >= 1, got {max_tokens}")
+    session = Session(system, temp, top_k, top_p, seed, max_tokens)
+    with user_errors():
+        progress = FetchProgress()
+        try:
+            llm = load_model(model, quant=quant, progress=progress)
+        finally:
+            progress.close()
+        if prompt is not None:
+            text = sys.stdin.read() if prompt == "-" else prompt
+            if not text.strip():
+                raise fail("the prompt is empty")
+            session.messages.append({"role": "user", "content": text})
+            _reply(llm, session)
+            return
+    _repl(llm, session)
+
+
+def _reply(llm, session: Session) -> str:
+    """Stream one assistant reply to stdout; return its text (also when stopped by Ctrl-C)."""
+    text = llm.render_chat(session.conversation(), add_generation_prompt=True)
+    ids = _encode_prompt(llm, text)
+    parts: list[str] = []
+    try:
+        for ev in generate(llm, ids, max_tokens=session.max_tokens, temperature=session.temperature,
+                           top_k=session.top_k, top_p=session.top_p, seed=session.seed):
+            if ev.text:
+                parts.append(ev.text)
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    finally:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return "".join(parts)
+
+
+def _encode_prompt(llm, text: str) -> list[int]:
+    # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
+    tok = llm.tokenizer
+    bos_text = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+    return tok.encode(text, add_bos=False if bos_text and text.startswith(bos_text) else None)
+
+
+def _repl(llm, session: Session) -> None:
+    interactive = sys.stdin.isatty()
+    reader = _terminal_reader() if interactive else _pipe_reader()
+    if interactive:
+        err.print(f"[bold]{llm.name}[/bold] ready. {REPL_HELP}")
+    while True:
+        try:
+            line = reader()
+        except EOFError:
+            return
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt clears the line, as in a shell
+        if line is None:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if _command(line, session):
+                return
+            continue
+        session.messages.append({"role": "user", "content": line})
+        try:
+            reply = _reply(llm, session)
+        except KeyboardInterrupt:
+            err.print("[dim](stopped)[/dim]")
+            session.messages.pop()
+            continue
+        except GoinferError as e:
+            err.print(f"[red]error:[/red] {e}")
+            session.messages.pop()
+            continue
+        session.messages.append({"role": "assistant", "content": reply})
+
+
+def _command(line: str, session: Session) -> bool:
+    """Apply a /command; return True to quit."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/quit", "/exit", "/q"):
+            return True
+        if name == "/reset":
+            session.messages.clear()
+            err.print("conversation cleared")
+        elif name == "/system":
+            session.system = arg or None
+            session.messages.clear()
+            err.print("system prompt " + ("set" if arg else "removed") + "; conversation cleared")
+        elif name == "/temp":
+            value = float(arg)
+            if value < 0:
+                raise ValueError
+            session.temperature = value
+        elif name == "/seed":
+            session.seed = int(arg) if arg else None
+        elif name == "/max":
+            value = int(arg)
+            if value < 1:
+                raise ValueError
+            session.max_tokens = value
+        else:
+            err.print(f"unknown command {name}. {REPL_HELP}")
+    except ValueError:
+        err.print(f"invalid value for {name}: {arg!r}")
+    return False
+
+
+def _terminal_reader():
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+
+    history = goinfer_home() / "chat_history"
+    history.parent.mkdir(parents=True, exist_ok=True)
+    prompt_session = PromptSession(history=FileHistory(str(history)))
+    return lambda: prompt_session.prompt(">>> ")
+
+
+def _pipe_reader():
+    def read() -> str | None:
+        line = sys.stdin.readline()
+        return line if line else None
+
+    return read

@@ -1,0 +1,42 @@
+"""Terminal output shared by the commands: one Rich console on stderr (progress, notices), plain
+stdout for data. Progress bars appear only on a terminal; NO_COLOR is honoured by Rich itself.
+"""
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+err = Console(stderr=True, highlight=False)
+
+
+class FetchProgress:
+    """A progress callback for engine.store: a Rich bar on a terminal, plain lines otherwise."""
+
+    def __init__(self):
+        self._progress: Progress | None = None
+        self._tasks: dict[str, int] = {}
+        self._last_plain: dict[str, int] = {}
+
+    def __call__(self, description: str, done: int, total: int | None) -> None:
+        if not err.is_terminal:
+            step = self._last_plain.get(description, -1)
+            pct = int(100 * done / total) if total else -1
+            if pct // 25 != step // 25 or (total and done >= total and step != 100):
+                self._last_plain[description] = pct
+                print(f"goinfer: {description}: {done / 1e6:.1f} MB" + (f" / {total / 1e6:.1f} MB" if total else ""),
+                      file=sys.stderr)
+            return
+        if self._progress is None:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=False)
+            self._progress.start()
+        if description not in self._tasks:
+            self._tasks[description] = self._progress.add_task(description, total=total)
+        self._progress.update(self._tasks[description], completed=done, total=total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,59 @@
+"""The KV cache of one sequence, kept outside the model.
+
+f32 keys and values per layer, grown in steps as the sequence grows (a server must not reserve the
+whole context window for every request), with the small protocol the engine needs: length,
+write, truncate (prefix reuse and rewinding), and a snapshot for save/restore.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ContextOverflow
+
+_GROW_STEP = 256  # tokens; capacity grows to the next multiple, doubling for long sequences
+
+
+class KVCache:
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int):
+        self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
+        self.max_tokens = max_tokens
+        self.length = 0  # tokens whose keys/values every layer holds
+        self._k: list[np.ndarray] = [np.empty((0, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
+        self._v: list[np.ndarray] = [np.empty((0, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
+
+    @property
+    def capacity(self) -> int:
+        return self._k[0].shape[0]
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for n_new more tokens; refuse past max_tokens."""
+        need = self.length + n_new
+        if need > self.max_tokens:
+            raise ContextOverflow(f"{need} tokens do not fit the context window of {self.max_tokens}")
+        if need <= self.capacity:
+            return
+        cap = min(self.max_tokens, max(need, 2 * self.capacity, _GROW_STEP))
+        for store in (self._k, self._v):
+            for i, old in enumerate(store):
+                new = np.empty((cap, self.n_head_kv, self.head_dim), np.float32)
+                new[: self.length] = old[: self.length]
+                store[i] = new
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k, v (T, Hkv, D) at positions length..length+T-1; return all keys/values (L, Hkv, D)."""
+        end = self.length + k.shape[0]
+        self._k[layer][self.length : end] = k
+        self._v[layer][self.length : end] = v
+        return self._k[layer][:end], self._v[layer][:end]
+
+    def advance(self, n: int) -> None:
+        """Commit n tokens written to every layer."""
+        self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Forget everything from position n on (keeps the storage)."""
+        self.length = min(self.length, max(0, n))
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._k) + sum(a.nbytes for a in self._v)

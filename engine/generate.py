@@ -1,0 +1,114 @@
+"""Generation: prefill the prompt, then decode token by token, as a generator of events.
+
+Ends at an end-of-generation token (yielded last, with empty text), at a stop string (text cut
+before it), or at max_tokens. Text is streamed through the incremental detokenizer and held back
+while it could still be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from engine.cache.kv import KVCache
+from engine.errors import ContextOverflow, InvalidRequest
+from engine.models.base import Model, log_softmax
+from engine.sampling import SamplingParams, make_logits_processors, make_sampler
+from engine.tokenizer import IncrementalDecoder
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # text this token adds for the user (control tokens and held-back text excluded)
+    logprob: float  # log-probability of this token under the model (before sampling processors)
+    finish_reason: str | None = None  # "stop" (EOG or stop string) or "length" on the last event
+    # the most likely tokens at this step as (id, logprob), best first; only when generate(top_logprobs=k)
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
+             seed: int | None = None, stop: str | Sequence[str] | None = None, *, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             logit_bias: dict[int, float] | None = None, cache: KVCache | None = None,
+             top_logprobs: int = 0) -> Iterator[TokenEvent]:
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}))
+    params.validate(model.vocab_size)
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty (no tokens)")
+    if max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 0 <= top_logprobs <= model.vocab_size:
+        raise InvalidRequest(f"top_logprobs must be in [0, {model.vocab_size}], got {top_logprobs}")
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    window = cache.max_tokens if cache is not None else model.context_length
+    if len(prompt_ids) >= window:
+        raise ContextOverflow(f"the prompt has {len(prompt_ids)} tokens; the context window is {window}")
+    cache = cache if cache is not None else model.new_cache(min(window, len(prompt_ids) + max_tokens))
+    max_tokens = min(max_tokens, cache.max_tokens - len(prompt_ids))
+    return _run(model, prompt_ids, max_tokens, params, stops, cache, top_logprobs)
+
+
+def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str],
+         cache: KVCache, top_logprobs: int = 0) -> Iterator[TokenEvent]:
+    tok = model.tokenizer
+    processors = make_logits_processors(params)
+    sampler = make_sampler(params)
+    decoder = IncrementalDecoder(tok, skip_special=True)
+    history = list(prompt_ids)
+    pending = ""  # decoded text not yet shown: it may be the start of a stop string
+    logits = model.eval(prompt_ids, cache)[0]
+    for n in range(1, max_tokens + 1):
+        logprobs = log_softmax(logits[None])[0]
+        work = logits.copy()
+        for proc in processors:
+            work = proc(work, history)
+        token = sampler(work)
+        history.append(token)
+        lp = float(logprobs[token])
+        top = _top(logprobs, top_logprobs) if top_logprobs else None  # from the same row: no extra pass
+        if token in tok.eog_ids:
+            yield TokenEvent(token, pending + decoder.flush(), lp, "stop", top)
+            return
+        pending += decoder.push(token)
+        cut = _find_stop(pending, stops)
+        if cut is not None:
+            yield TokenEvent(token, pending[:cut], lp, "stop", top)
+            return
+        if n == max_tokens:
+            yield TokenEvent(token, pending + decoder.flush(), lp, "length", top)
+            return
+        safe = _safe_prefix_len(pending, stops)
+        yield TokenEvent(token, pending[:safe], lp, None, top)
+        pending = pending[safe:]
+        logits = model.eval([token], cache)[0]
+
+
+def _top(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely (id, logprob) of one row (vocab,), best first; ties by ascending id."""
+    k = min(k, len(logprobs))
+    ids = np.argpartition(-logprobs, k - 1)[:k]
+    ids = ids[np.lexsort((ids, -logprobs[ids]))]
+    return [(int(i), float(logprobs[i])) for i in ids]
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the prefix of text that cannot be part of a stop string still to come."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return len(text) - hold

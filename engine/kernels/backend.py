@@ -1,0 +1,105 @@
+"""The backend interface the model code calls: matmul, embed, dequantize over QTensors kept as stored blocks.
+
+ReferenceBackend is the numpy oracle (reference.py); NumbaBackend runs the numba kernels (cpu.py):
+small batches (decode) use the fused matvec that reads blocks in place, larger ones (prefill) dequantize the
+weight into a reused scratch buffer and call BLAS. No f32 copy of a whole model is ever kept.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from engine.kernels import cpu, reference
+from engine.kernels.quant_types import GGMLType, QTensor
+
+MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize + sgemm
+SCRATCH_MAX_FLOATS = 1 << 24  # 64 MB: bigger weights (vocab heads) are dequantized in row chunks
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        """x (T, cols) f32 -> x @ W.T, (T, rows) f32."""
+
+    def embed(self, w: QTensor, ids) -> np.ndarray:
+        """Rows ids of w as f32 (len(ids), cols): an embedding lookup."""
+
+    def dequantize(self, w: QTensor) -> np.ndarray:
+        """The whole of w as a new f32 (rows, cols) array."""
+
+
+def _f32_view(w: QTensor) -> np.ndarray:
+    return w.raw.view(np.float32).reshape(w.rows, w.cols)  # (rows, cols), no copy
+
+
+def _as_input(x: np.ndarray, w: QTensor) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"{w.name}: input {x.shape} does not match weight (rows, cols) = {w.shape}")
+    return x
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        return reference.matmul(_as_input(x, w), w)
+
+    def embed(self, w: QTensor, ids) -> np.ndarray:
+        return reference.embed_rows(w, ids)
+
+    def dequantize(self, w: QTensor) -> np.ndarray:
+        return reference.dequantize(w)
+
+
+class NumbaBackend:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._scratch = np.empty(0, dtype=np.float32)  # grows to the largest (chunk of a) weight used
+
+    def _scratch_for(self, rows: int, cols: int) -> np.ndarray:
+        if self._scratch.size < rows * cols:
+            self._scratch = np.empty(rows * cols, dtype=np.float32)
+        return self._scratch[: rows * cols].reshape(rows, cols)
+
+    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        x = _as_input(x, w)  # (T, cols)
+        T = x.shape[0]
+        if w.ggml_type == GGMLType.F32:
+            return x @ _f32_view(w).T
+        out = np.empty((T, w.rows), dtype=np.float32)
+        if T <= MATVEC_MAX_T:
+            return cpu.matvec(w.raw, w.ggml_type, x, out)
+        step = max(1, SCRATCH_MAX_FLOATS // w.cols)
+        for r0 in range(0, w.rows, step):
+            r1 = min(w.rows, r0 + step)
+            # Serial dequantize: a parallel one leaves OpenMP workers spinning against the BLAS threads.
+            wf = cpu.dequantize_into(w.raw[r0:r1], w.ggml_type, self._scratch_for(r1 - r0, w.cols), parallel=False)
+            if r0 == 0 and r1 == w.rows:
+                np.matmul(x, wf.T, out=out)
+            else:
+                out[:, r0:r1] = x @ wf.T
+        return out
+
+    def embed(self, w: QTensor, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), dtype=np.float32))
+
+    def dequantize(self, w: QTensor) -> np.ndarray:
+        return cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, dtype=np.float32))
+
+
+_BACKENDS = {"cpu": NumbaBackend, "numba": NumbaBackend, "reference": ReferenceBackend}
+
+
+def get_backend(name: str = "cpu") -> Backend:
+    """"cpu" (numba kernels; alias "numba") or "reference" (numpy oracle). A new instance per call."""
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; choose from {sorted(_BACKENDS)}") from None

@@ -1,0 +1,85 @@
+"""GGML tensor types we can compute with, and the quantized-tensor handle the kernels consume.
+
+Lives with the kernels (not in engine.formats) because the kernels are the lowest layer and need the
+block geometry; the GGUF reader imports it from here.
+"""
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+
+class GGMLType(IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# type -> (weights per block, bytes per block)
+BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.BF16: (1, 2),
+    GGMLType.Q4_0: (32, 2 + 16),
+    GGMLType.Q4_1: (32, 2 + 2 + 16),
+    GGMLType.Q5_0: (32, 2 + 4 + 16),
+    GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
+    GGMLType.Q8_0: (32, 2 + 32),
+    GGMLType.Q4_K: (256, 2 + 2 + 12 + 128),
+    GGMLType.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
+    GGMLType.Q6_K: (256, 128 + 64 + 16 + 2),
+}
+
+# Every type id ggml defines, so an unsupported one can be named in the error message.
+GGML_TYPE_NAMES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 4: "Q4_2", 5: "Q4_3", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+    9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
+    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0",
+    35: "TQ2_0", 39: "MXFP4",
+}
+
+
+def type_name(type_id: int) -> str:
+    return GGML_TYPE_NAMES.get(int(type_id), f"type {int(type_id)}")
+
+
+def row_bytes(ggml_type: GGMLType, n_cols: int) -> int:
+    """Bytes one row of n_cols weights occupies; n_cols must be a multiple of the block size."""
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    return (n_cols // block) * size
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A weight matrix kept in its stored GGUF blocks (usually a view of the memory-mapped file).
+
+    shape is numpy order (rows, cols): rows = output features, cols = input features, so a linear
+    layer computes x @ W.T. raw is uint8 (rows, row_bytes), never copied.
+    """
+
+    name: str
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    raw: np.ndarray  # (rows, row_bytes) uint8
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes

@@ -1,0 +1,69 @@
+"""load_model: model reference -> ready Model (file opened, checked, tokenizer and template built).
+
+Cheap checks come first (file, header, architecture, tensor types) so a bad model is refused
+before any heavy work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from pathlib import Path
+
+from engine.errors import InvalidRequest
+from engine.formats.gguf import GGUFFile
+from engine.kernels.backend import get_backend
+from engine.models.base import Model
+from engine.models.config import config_from_gguf
+from engine.models.registry import family
+from engine.models.weights import Weights
+from engine.templates import template_for
+from engine.tokenizer import Tokenizer
+
+# auto: the best path for the stored blocks (for now the exact f32 path; the int8-activation numba
+# kernels replace it in the fast-CPU issue). f32: weights dequantized per use, f32 activations and KV.
+QUANT_MODES = ("auto", "f32")
+COMPUTE_PATH = {"auto": "f32", "f32": "f32"}  # quant mode -> the kernels that actually run
+
+
+def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None) -> Model:
+    """Load a model from a .gguf path or a built-in name (None: the default built-in model)."""
+    quant = quant or "auto"
+    if quant not in QUANT_MODES:
+        raise InvalidRequest(f"unknown quant mode {quant!r} (choose from: {', '.join(QUANT_MODES)})")
+    path = _resolve(ref, progress)
+    gguf = GGUFFile(path)
+    meta = gguf.metadata
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(meta.get(f"{gguf.architecture}.vocab_size", 0))
+    config = config_from_gguf(meta, vocab)
+    gguf.check_tensor_types()
+    fam = family(config.arch)
+    weights = Weights(gguf)
+    weights.require(["token_embd", "output_norm"]
+                    + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.LAYER_TENSORS])
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    release_free_memory()  # building a 262k-token vocabulary leaves ~80 MB of freed heap behind
+    template = template_for(config.arch, meta.get("tokenizer.chat_template"),
+                            bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+                            eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
+    return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=get_backend("cpu"),
+                 tokenizer=tokenizer, template=template, quant=quant,
+                 compute_path=COMPUTE_PATH[quant], metadata=meta)
+
+
+def release_free_memory() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise); a no-op elsewhere."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _resolve(ref, progress) -> Path:
+    if ref is not None and Path(ref).suffix == ".gguf":
+        return Path(ref)  # a file path: GGUFFile reports a missing file itself
+    from engine.store import resolve_model_ref  # the store fetches built-in models on first use
+
+    return resolve_model_ref(None if ref is None else str(ref), progress=progress)

@@ -1,0 +1,48 @@
+"""The `gemma3` family forward pass.
+
+Four norms per block (pre/post attention, pre/post FFN), per-head RMSNorm on q and k, GELU (tanh)
+gated MLP, embeddings scaled by sqrt(n_embd), NeoX RoPE, and interleaved sliding-window layers:
+local layers attend to the last `window` positions with RoPE base 10000, every 6th layer is global.
+The GGUF's norm weights already include Gemma's +1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.cache.kv import KVCache
+from engine.kernels.backend import Backend
+from engine.models.config import ModelConfig
+from engine.models.ops import apply_rope, attention, gelu_tanh, rms_norm, rope_tables
+from engine.models.weights import Weights
+
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+
+
+def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+    """Run ids (T,) at positions cache.length.. ; append their K/V; return final-normed hidden (T, n_embd)."""
+    T, pos0 = len(ids), cache.length
+    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    eps = cfg.rms_eps
+    x = be.embed(w.tensor("token_embd"), ids) * np.float32(cfg.embed_scale)  # (T, n_embd)
+    positions = np.arange(pos0, pos0 + T)
+    tables = {base: rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor)
+              for base in set(cfg.layer_rope_base)}
+    for i in range(cfg.n_layer):
+        blk = f"blk.{i}."
+        cos, sin = tables[cfg.layer_rope_base[i]]
+        h = rms_norm(x, w.vector(blk + "attn_norm"), eps)
+        q = be.matmul(h, w.tensor(blk + "attn_q")).reshape(T, H, D)
+        k = be.matmul(h, w.tensor(blk + "attn_k")).reshape(T, Hkv, D)
+        v = be.matmul(h, w.tensor(blk + "attn_v")).reshape(T, Hkv, D)
+        q = apply_rope(rms_norm(q, w.vector(blk + "attn_q_norm"), eps), cos, sin, cfg.rope_style)
+        k = apply_rope(rms_norm(k, w.vector(blk + "attn_k_norm"), eps), cos, sin, cfg.rope_style)
+        keys, values = cache.write(i, k, v)
+        a = attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i]).reshape(T, H * D)
+        x = x + rms_norm(be.matmul(a, w.tensor(blk + "attn_output")), w.vector(blk + "post_attention_norm"), eps)
+        h = rms_norm(x, w.vector(blk + "ffn_norm"), eps)
+        g = gelu_tanh(be.matmul(h, w.tensor(blk + "ffn_gate"))) * be.matmul(h, w.tensor(blk + "ffn_up"))
+        x = x + rms_norm(be.matmul(g, w.tensor(blk + "ffn_down")), w.vector(blk + "post_ffw_norm"), eps)
+    cache.advance(T)
+    return rms_norm(x, w.vector("output_norm"), eps)

@@ -1,0 +1,81 @@
+"""Shared forward-pass pieces in exact f32 numpy: norms, RoPE, attention, activations.
+
+Shapes are written next to arrays: T = tokens in this chunk, L = cached keys, H = query heads,
+Hkv = key/value heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (..., n) * rsqrt(mean(x^2) + eps) * weight (n,)."""
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (1.0 / np.sqrt(ms + np.float32(eps)))) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
+                freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (T, rope_dim/2) for the given absolute positions; computed in f64, returned in f32."""
+    inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))  # (rope_dim/2,)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    angles = np.outer(positions.astype(np.float64) / scale, inv_freq)  # (T, rope_dim/2)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """Rotate x (T, heads, D) by position; dims past rope_dim (= 2 * cos.shape[1]) pass through."""
+    half = cos.shape[1]
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, rope_dim/2)
+    out = x.copy()
+    if style == "neox":
+        a, b = x[..., :half], x[..., half : 2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half : 2 * half] = b * c + a * s
+    else:  # interleaved: pairs (2i, 2i+1)
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2] = a * c - b * s
+        out[..., 1 : 2 * half : 2] = b * c + a * s
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0,
+              softcap: float = 0.0) -> np.ndarray:
+    """Causal (optionally sliding-window) grouped-query attention.
+
+    q (T, H, D) for positions pos0..pos0+T-1; k, v (L, Hkv, D) for positions 0..L-1 (L = pos0 + T).
+    A query at position p sees keys j with j <= p and, with a window, p - j < window.
+    Returns (T, H, D).
+    """
+    T, H, D = q.shape
+    L, Hkv, _ = k.shape
+    group = H // Hkv
+    first = max(0, pos0 - window + 1) if window else 0  # keys no query of this chunk can see
+    k, v = k[first:], v[first:]
+    qpos = np.arange(pos0, pos0 + T)[:, None]  # (T, 1)
+    kpos = np.arange(first, L)[None, :]  # (1, L')
+    allowed = kpos <= qpos
+    if window:
+        allowed &= (qpos - kpos) < window
+    bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf))  # (T, L')
+    qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # (Hkv, G, T, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None]) * np.float32(scale)  # (Hkv, G, T, L')
+    if softcap:
+        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
+    scores += bias
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (Hkv, G, T, D)
+    return out.transpose(2, 0, 1, 3).reshape(T, H, D)

@@ -1,0 +1,43 @@
+"""Named access to a model's weights: matrices as in-place QTensors, small vectors as f32 copies."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+from engine.formats.gguf import GGUFFile
+from engine.kernels.quant_types import QTensor
+
+
+class Weights:
+    """GGUF tensor names without the `.weight` suffix are our internal names (`blk.3.attn_q`)."""
+
+    def __init__(self, gguf: GGUFFile):
+        self._file = gguf
+        self._tensors: dict[str, QTensor] = {}
+        self._vectors: dict[str, np.ndarray] = {}
+
+    def has(self, name: str) -> bool:
+        return self._file.has(name + ".weight")
+
+    def tensor(self, name: str) -> QTensor:
+        t = self._tensors.get(name)
+        if t is None:
+            t = self._tensors[name] = self._file.tensor(name + ".weight")
+        return t
+
+    def vector(self, name: str) -> np.ndarray:
+        # Norm weights are tiny and read every layer: dequantize once, keep as f32.
+        v = self._vectors.get(name)
+        if v is None:
+            v = self._vectors[name] = self._file.vector(name + ".weight")
+        return v
+
+    def optional_vector(self, name: str) -> np.ndarray | None:
+        return self.vector(name) if self.has(name) else None
+
+    def require(self, names: list[str]) -> None:
+        missing = [n for n in names if not self.has(n)]
+        if missing:
+            raise ModelLoadError(f"{self._file.path.name}: missing tensors {', '.join(missing[:5])}"
+                                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

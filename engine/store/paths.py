@@ -1,0 +1,34 @@
+"""Where the model cache lives on disk.
+
+    <home>/models/<builtin-name>/<filename>   published, verified model files (the only loadable place)
+    <home>/staging/<name>.<random>/           downloads in progress (wheels, the file being assembled)
+    <home>/locks/<name>.lock                  fcntl locks: one fetch per model at a time across processes
+
+<home> is $GOINFER_HOME, else ~/.cache/goinfer. Read at each call, so tests and users can change it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["goinfer_home", "models_dir", "staging_dir", "locks_dir"]
+
+
+def goinfer_home() -> Path:
+    value = os.environ.get("GOINFER_HOME")
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "goinfer"
+
+
+def models_dir() -> Path:
+    return goinfer_home() / "models"
+
+
+def staging_dir() -> Path:
+    return goinfer_home() / "staging"
+
+
+def locks_dir() -> Path:
+    return goinfer_home() / "locks"

@@ -1,0 +1,52 @@
+"""Model references -> a local file path.
+
+    None            the default built-in model (fetched on first use)
+    path/to/x.gguf  an existing file, used as is
+    smollm2-135m    a built-in name or alias (fetched on first use, offline afterwards)
+    hf:org/repo     not supported yet
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.errors import ModelNotFound
+from engine.store import builtin
+
+__all__ = ["resolve_model_ref"]
+
+Progress = Callable[[str, int, "int | None"], None]
+
+
+def _known() -> str:
+    names = []
+    for model in builtin.BUILTINS.values():
+        label = model.name + (" (default)" if model.name == builtin.DEFAULT_MODEL else "")
+        names.append(label)
+    return "built-in models: " + ", ".join(names)
+
+
+def resolve_model_ref(ref: str | None = None, *, progress: Progress | None = None, offline: bool = False) -> Path:
+    """The local file a model reference names, fetching a built-in model into the cache if needed.
+
+    Raises ModelNotFound for a reference that names nothing (one line, listing the built-in names) and
+    FetchError when fetching a built-in model fails.
+    """
+    if ref is None or not str(ref).strip():
+        return builtin.ensure_builtin(builtin.DEFAULT_MODEL, progress=progress, offline=offline)
+    ref = str(ref).strip()
+    if ref.lower().startswith("hf:"):
+        raise ModelNotFound(f"{ref!r}: Hugging Face references (hf:) are not supported yet; "
+                            f"use a local file or a built-in name ({_known()})")
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ModelNotFound(f"{ref!r} is a directory, not a model file")
+    model = builtin.lookup(ref)
+    if model is not None:
+        return builtin.ensure_builtin(model, progress=progress, offline=offline)
+    if "/" in ref or "\\" in ref or ref.lower().endswith(".gguf"):
+        raise ModelNotFound(f"no such file: {ref} ({_known()})")
+    raise ModelNotFound(f"unknown model {ref!r}: not a file and not a built-in name ({_known()})")

@@ -1,0 +1,29 @@
+"""The `goinfer` Typer app: registers the subcommands; each lives in commands/."""
+
+from __future__ import annotations
+
+import typer
+
+from commands import chat as chat_cmd
+
+app = typer.Typer(
+    name="goinfer",
+    help="Run open LLMs locally: chat in the terminal, serve OpenAI/Anthropic-compatible APIs, batch jobs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command(name="chat", help=chat_cmd.HELP, no_args_is_help=False)(chat_cmd.chat)
+
+
+@app.callback()
+def _root() -> None:
+    """goinfer: a local LLM runtime."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

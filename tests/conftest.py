@@ -1,0 +1,30 @@
+"""Shared fixtures: the real models (fetched into the goinfer cache by .ci/run) and tiny fixtures."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+REFERENCE = SHARED / "reference"
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def _cached_model(name: str, filename: str) -> Path:
+    home = Path(os.environ.get("GOINFER_HOME", Path.home() / ".cache" / "goinfer"))
+    path = home / "models" / name / filename
+    if not path.exists():
+        pytest.fail(f"{path} missing: run `goinfer pull {name}` (.ci/run does) before the tests")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return _cached_model("smollm2-135m", SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    return _cached_model("gemma3-270m", GEMMA_FILE)

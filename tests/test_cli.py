@@ -1,0 +1,107 @@
+"""`goinfer chat` as a user runs it: a real process, real model, stdout/stderr/exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testdata import make_fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def goinfer(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NO_COLOR="1")
+    return subprocess.run([sys.executable, "-m", "goinfer_cli.app", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_one_shot_prompt_answers_paris(smollm2_gguf):
+    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "What is the capital of France?", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "<|im_end|>" not in r.stdout and "<|im_start|>" not in r.stdout
+
+
+def test_built_in_default_model_is_used_without_model_flag(smollm2_gguf):
+    # conftest guarantees the default built-in model is in the cache, so this resolves offline.
+    r = goinfer("chat", "--prompt", "What is the capital of France?", "--temp", "0", "--max", "32")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_prompt_from_stdin(smollm2_gguf):
+    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "-", "--temp", "0", "--max", "32",
+                stdin="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_repl_reads_commands_and_turns_from_a_pipe(smollm2_gguf):
+    script = "/temp 0\n/max 40\nWhat is the capital of France?\n/reset\n/temp nope\n/quit\n"
+    r = goinfer("chat", "--model", str(smollm2_gguf), stdin=script)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "conversation cleared" in r.stderr
+    assert "invalid value for /temp" in r.stderr
+
+
+def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert r.stdout == ""
+
+
+def test_missing_file(tmp_path):
+    _one_error_line(goinfer("chat", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"), "no such file")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is not a model\n" * 10)
+    _one_error_line(goinfer("chat", "--model", str(bad), "--prompt", "hi"), "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path):
+    whole = tmp_path / "whole.gguf"
+    make_fixtures.write_llama_fixture(whole)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    _one_error_line(goinfer("chat", "--model", str(cut), "--prompt", "hi"), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "arch.gguf"
+    make_fixtures.write_unsupported_arch_fixture(path)
+    r = goinfer("chat", "--model", str(path), "--prompt", "hi")
+    _one_error_line(r, "architecture", "not supported")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = tmp_path / "type.gguf"
+    make_fixtures.write_unsupported_type_fixture(path)
+    _one_error_line(goinfer("chat", "--model", str(path), "--prompt", "hi"), "type", "not support")
+
+
+def test_unknown_model_name():
+    _one_error_line(goinfer("chat", "--model", "no-such-model", "--prompt", "hi"), "no-such-model")
+
+
+def test_bad_flag_value(smollm2_gguf):
+    _one_error_line(goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "hi", "--temp", "-1"), "--temp")
+
+
+@pytest.mark.parametrize("writer", ["write_llama_fixture", "write_gemma3_fixture"])
+def test_tiny_fixtures_generate_text(tmp_path, writer):
+    path = tmp_path / "tiny.gguf"
+    getattr(make_fixtures, writer)(path)
+    r = goinfer("chat", "--model", str(path), "--prompt", "hello", "--temp", "0", "--max", "8")
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,129 @@
+"""Generation on the real default model: stopping rules, sampling controls, reproducibility."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine
+from engine.errors import ContextOverflow, InvalidRequest
+from engine.sampling import SamplingParams, make_logits_processors, make_sampler
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    return engine.load_model(smollm2_gguf)
+
+
+def _chat_ids(model, text):
+    return model.tokenizer.encode(model.render_chat([{"role": "user", "content": text}]))
+
+
+def _run(model, ids, **kw):
+    events = list(engine.generate(model, ids, **kw))
+    return events, "".join(e.text for e in events)
+
+
+def test_greedy_chat_answer_ends_at_end_of_turn(smol):
+    events, text = _run(smol, _chat_ids(smol, "What is the capital of France?"), max_tokens=64, temperature=0)
+    assert "Paris" in text
+    last = events[-1]
+    assert last.finish_reason == "stop" and last.token in smol.tokenizer.eog_ids and last.text == ""
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert "<|im_end|>" not in text
+
+
+def test_max_tokens_ends_with_length(smol):
+    events, _ = _run(smol, smol.tokenizer.encode("Once upon a time"), max_tokens=5, temperature=0)
+    assert len(events) == 5 and events[-1].finish_reason == "length"
+
+
+def test_stop_string_cuts_text_before_it(smol):
+    ids = smol.tokenizer.encode("The days of the week are Monday, Tuesday,")
+    _, full = _run(smol, ids, max_tokens=20, temperature=0)
+    assert "day" in full
+    stop = "day"
+    events, text = _run(smol, ids, max_tokens=20, temperature=0, stop=[stop, "never-seen"])
+    assert text == full[: full.index(stop)]
+    assert events[-1].finish_reason == "stop"
+
+
+def test_same_seed_same_text_and_streamed_text_equals_decode(smol):
+    ids = smol.tokenizer.encode("My favourite food is")
+    a, text_a = _run(smol, ids, max_tokens=24, temperature=1.0, seed=1234)
+    b, text_b = _run(smol, ids, max_tokens=24, temperature=1.0, seed=1234)
+    assert [e.token for e in a] == [e.token for e in b] and text_a == text_b
+    tokens = [e.token for e in a if e.token not in smol.tokenizer.eog_ids]
+    assert text_a == smol.tokenizer.decode(tokens, skip_special=True)
+
+
+def test_top_k_one_is_greedy(smol):
+    ids = smol.tokenizer.encode("Water boils at")
+    greedy = [e.token for e in engine.generate(smol, ids, max_tokens=8, temperature=0)]
+    topk1 = [e.token for e in engine.generate(smol, ids, max_tokens=8, temperature=1.5, top_k=1, seed=7)]
+    assert topk1 == greedy
+
+
+def test_event_logprob_is_the_models(smol):
+    ids = smol.tokenizer.encode("Water boils at")
+    first = next(iter(engine.generate(smol, ids, max_tokens=1, temperature=0)))
+    lp = smol.next_logprobs(ids)
+    assert first.token == int(np.argmax(lp))
+    assert first.logprob == pytest.approx(float(lp[first.token]), abs=1e-4)
+
+
+def test_logprobs_rows_match_next_logprobs(smol):
+    ids = smol.tokenizer.encode("One, two, three, four")
+    rows = smol.logprobs(ids, start=2)
+    assert rows.shape == (len(ids) - 2, smol.vocab_size) and rows.dtype == np.float32
+    np.testing.assert_allclose(rows[-1], smol.next_logprobs(ids), atol=1e-4)
+    np.testing.assert_allclose(rows[0], smol.next_logprobs(ids[:3]), atol=1e-4)
+    np.testing.assert_allclose(np.exp(rows.astype(np.float64)).sum(axis=1), 1.0, atol=1e-4)
+
+
+def test_bad_requests_are_refused(smol):
+    ids = smol.tokenizer.encode("Hi")
+    with pytest.raises(InvalidRequest, match="temperature"):
+        list(engine.generate(smol, ids, temperature=-1))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        list(engine.generate(smol, ids, max_tokens=0))
+    with pytest.raises(InvalidRequest, match="empty"):
+        list(engine.generate(smol, [], max_tokens=4))
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        list(engine.generate(smol, ids, logit_bias={10**9: 1.0}))
+    with pytest.raises(ContextOverflow, match="context window"):
+        list(engine.generate(smol, ids * smol.context_length, max_tokens=4))
+
+
+def test_logit_bias_forces_a_token(smol):
+    ids = smol.tokenizer.encode("Hello")
+    forced = smol.tokenizer.encode(" banana")[0]
+    events = list(engine.generate(smol, ids, max_tokens=3, temperature=0, logit_bias={forced: 100.0}))
+    assert [e.token for e in events] == [forced] * 3
+
+
+# --- samplers and processors on synthetic logits ---
+
+def test_sampler_follows_the_distribution():
+    logits = np.log(np.array([0.5, 0.3, 0.2, 1e-9], dtype=np.float32))
+    sample = make_sampler(SamplingParams(temperature=1.0, seed=0))
+    counts = np.bincount([sample(logits.copy()) for _ in range(4000)], minlength=4) / 4000
+    np.testing.assert_allclose(counts[:3], [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    top_p = make_sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=0))
+    assert {top_p(logits.copy()) for _ in range(300)} == {0, 1}
+    min_p = make_sampler(SamplingParams(temperature=1.0, min_p=0.5, seed=0))
+    assert {min_p(logits.copy()) for _ in range(300)} == {0, 1}
+
+
+def test_penalties_lower_seen_tokens():
+    logits = np.array([2.0, 2.0, -1.0, 0.5], dtype=np.float32)
+    (rep,) = make_logits_processors(SamplingParams(repetition_penalty=2.0))
+    out = rep(logits.copy(), [0, 2])
+    np.testing.assert_allclose(out, [1.0, 2.0, -2.0, 0.5])
+    (pen,) = make_logits_processors(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    out = pen(logits.copy(), [1, 1, 3])
+    np.testing.assert_allclose(out, [2.0, 2.0 - 0.5 - 0.5, -1.0, 0.5 - 0.5 - 0.25])

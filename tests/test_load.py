@@ -1,0 +1,123 @@
+"""Loading: our GGUF reader against gguf.GGUFReader, typed errors for bad files, memory stays bounded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import gguf
+import numpy as np
+import pytest
+
+import engine
+from engine.errors import ModelLoadError, UnsupportedModel
+from engine.formats.gguf import GGUFFile
+from engine.kernels.quant_types import GGMLType
+from testdata import make_fixtures
+
+
+def _assert_same_as_gguf_reader(path):
+    ours = GGUFFile(path)
+    theirs = gguf.GGUFReader(path)
+    for field in theirs.fields.values():
+        if field.name.startswith("GGUF."):
+            continue
+        value = ours.metadata[field.name]
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            expected = field.contents()
+            got = value if isinstance(value, list) else value.tolist()
+            assert got == list(expected), field.name
+        else:
+            assert value == pytest.approx(field.contents()), field.name
+    assert set(ours.entries) == {t.name for t in theirs.tensors}
+    for t in theirs.tensors:
+        e = ours.entries[t.name]
+        assert e.type_id == int(t.tensor_type) and e.offset == t.data_offset
+        assert e.shape == tuple(int(d) for d in reversed(t.shape))
+        q = ours.tensor(t.name)
+        assert np.array_equal(q.raw.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1))
+
+
+def test_reader_matches_gguf_on_smollm2(smollm2_gguf):
+    _assert_same_as_gguf_reader(smollm2_gguf)
+
+
+@pytest.mark.parametrize("writer", ["write_llama_fixture", "write_gemma3_fixture"])
+def test_reader_matches_gguf_on_fixtures(tmp_path, writer):
+    path = tmp_path / "f.gguf"
+    getattr(make_fixtures, writer)(path)
+    _assert_same_as_gguf_reader(path)
+
+
+def test_fixtures_cover_every_supported_type(tmp_path):
+    types = set()
+    for writer in ("write_llama_fixture", "write_gemma3_fixture"):
+        path = tmp_path / f"{writer}.gguf"
+        getattr(make_fixtures, writer)(path)
+        types |= {e.type_id for e in GGUFFile(path).entries.values()}
+    assert {int(t) for t in GGMLType} <= types
+
+
+def test_weights_are_views_of_the_mapped_file(smollm2_gguf):
+    model = engine.load_model(smollm2_gguf)
+    t = model.weights.tensor("blk.0.attn_q")
+    assert not t.raw.flags.owndata and not t.raw.flags.writeable
+
+
+def test_typed_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        engine.load_model(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\x00" * 1000)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        engine.load_model(junk)
+    whole = tmp_path / "whole.gguf"
+    make_fixtures.write_gemma3_fixture(whole)
+    for keep in (30, whole.stat().st_size // 3, whole.stat().st_size - 1):
+        cut = tmp_path / f"cut{keep}.gguf"
+        cut.write_bytes(whole.read_bytes()[:keep])
+        with pytest.raises(ModelLoadError, match="truncated"):
+            engine.load_model(cut)
+    arch = tmp_path / "arch.gguf"
+    make_fixtures.write_unsupported_arch_fixture(arch)
+    with pytest.raises(UnsupportedModel, match="architecture"):
+        engine.load_model(arch)
+    qtype = tmp_path / "qtype.gguf"
+    make_fixtures.write_unsupported_type_fixture(qtype)
+    with pytest.raises(UnsupportedModel, match="type"):
+        engine.load_model(qtype)
+    with pytest.raises(engine.InvalidRequest, match="quant"):
+        engine.load_model(whole, quant="int3")
+
+
+def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
+    # A fresh process, so other tests' allocations do not count. Counted: anonymous memory (heap, numpy,
+    # tokenizer, KV) plus the model file's resident pages; not counted: shared-library code (llvmlite
+    # alone maps ~70 MB), which does not grow with the model. Bound: file size + 200 MB, KV excluded.
+    code = textwrap.dedent(f"""
+        import engine
+        m = engine.load_model({str(gemma_gguf)!r})
+        cache = m.new_cache(64)
+        ids = m.tokenizer.encode("The history of the city begins")
+        for _ in engine.generate(m, ids, max_tokens=8, temperature=0, cache=cache):
+            pass
+        anon = model_pages = 0
+        current = None
+        for line in open("/proc/self/smaps"):
+            parts = line.split()
+            if not parts[0].endswith(":"):
+                current = parts[5] if len(parts) > 5 else None
+            elif parts[0] == "Anonymous:":
+                anon += int(parts[1]) * 1024
+            elif parts[0] == "Rss:" and current == {str(gemma_gguf)!r}:
+                model_pages += int(parts[1]) * 1024
+        print(anon, model_pages, cache.nbytes())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    anon, model_pages, kv = map(int, out.stdout.split())
+    assert model_pages > 0.9 * gemma_gguf.stat().st_size  # the generation did read the weights through the map
+    used = anon + model_pages - kv
+    limit = gemma_gguf.stat().st_size + 200 * 2**20
+    assert used <= limit, f"{used / 2**20:.0f} MiB resident (anonymous {anon / 2**20:.0f}) > {limit / 2**20:.0f} MiB"
