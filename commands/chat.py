@@ -5,18 +5,17 @@ Only the model's reply goes to stdout; notices and progress go to stderr.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from commands.errors import EXIT_INTERRUPTED, fail, user_errors
+from commands.errors import fail, user_errors
 from commands.ui import FetchProgress, err
 from engine import generate, load_model
 from engine.errors import GoinferError
+from engine.requests import encode_prompt
 from engine.store.paths import goinfer_home
 
 HELP = """Chat with a model in the terminal, or answer one prompt and exit.
@@ -89,7 +88,7 @@ def chat(
 def _reply(llm, session: Session) -> str:
     """Stream one assistant reply to stdout; return its text (also when stopped by Ctrl-C)."""
     text = llm.render_chat(session.conversation(), add_generation_prompt=True)
-    ids = _encode_prompt(llm, text)
+    ids = encode_prompt(llm, text)  # no second BOS when the template writes one
     parts: list[str] = []
     try:
         for ev in generate(llm, ids, max_tokens=session.max_tokens, temperature=session.temperature,
@@ -102,13 +101,6 @@ def _reply(llm, session: Session) -> str:
         sys.stdout.write("\n")
         sys.stdout.flush()
     return "".join(parts)
-
-
-def _encode_prompt(llm, text: str) -> list[int]:
-    # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-    tok = llm.tokenizer
-    bos_text = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
-    return tok.encode(text, add_bos=False if bos_text and text.startswith(bos_text) else None)
 
 
 def _repl(llm, session: Session) -> None:

@@ -72,7 +72,7 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
         token = sampler(work)
         history.append(token)
         lp = float(logprobs[token])
-        top = _top(logprobs, top_logprobs) if top_logprobs else None  # from the same row: no extra pass
+        top = top_logprobs_of(logprobs, top_logprobs) if top_logprobs else None  # from the same row: no extra pass
         if token in tok.eog_ids:
             yield TokenEvent(token, pending + decoder.flush(), lp, "stop", top)
             return
@@ -90,7 +90,7 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
         logits = model.eval([token], cache)[0]
 
 
-def _top(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+def top_logprobs_of(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely (id, logprob) of one row (vocab,), best first; ties by ascending id."""
     k = min(k, len(logprobs))
     ids = np.argpartition(-logprobs, k - 1)[:k]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from commands import batch as batch_cmd
 from commands import chat as chat_cmd
 
 app = typer.Typer(
@@ -14,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command(name="chat", help=chat_cmd.HELP, no_args_is_help=False)(chat_cmd.chat)
+app.command(name="batch", help=batch_cmd.HELP, no_args_is_help=True)(batch_cmd.batch)
 
 
 @app.callback()

@@ -1,0 +1,206 @@
+"""`goinfer batch IN.jsonl -o OUT.jsonl`: run an OpenAI Batch file through a local model, resumably.
+
+Data goes only to the output files; progress and notices go to stderr.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from commands.errors import EXIT_INTERRUPTED, fail, user_errors
+from commands.ui import FetchProgress, err
+from engine import load_model
+from engine.batch import BatchPlan, LineResult, run_batch
+from engine.requests import SamplingOptions
+
+EXIT_SOME_FAILED = 1
+
+HELP = """Run a JSONL file of OpenAI Batch requests through a model; rerun the same command to resume.
+
+Each input line: {"custom_id": "a1", "method": "POST", "url": "/v1/chat/completions", "body": {...}} (or "url": "/v1/completions"). Responses go to OUT.jsonl, failures to OUT.errors.jsonl.
+
+A line's own settings win; the flags fill in what a line leaves unset; otherwise the OpenAI defaults apply (temperature 1, top_p 1, max_tokens 512, a random seed).
+
+Examples:
+
+  goinfer batch requests.jsonl -o results.jsonl
+
+  goinfer batch requests.jsonl -o results.jsonl --temp 0 --max 256   # the same again resumes
+
+  goinfer batch evals.jsonl -o out.jsonl --model gemma3-270m --system "Answer with one word."
+
+Exit status: 0 every line done, 1 some lines failed, 2 bad usage or input file, 130 interrupted. See docs/batch.md.
+"""
+
+
+def batch(
+    input_file: Annotated[Path, typer.Argument(metavar="IN.jsonl", help="Requests, one JSON object per line.",
+                                               show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="OUT.jsonl",
+                                         help="Responses (appended; failures go to OUT.errors.jsonl).",
+                                         show_default=False)],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path or a built-in model name.")] = None,
+    system: Annotated[Optional[str], typer.Option(help="System prompt for chats that have none.")] = None,
+    temp: Annotated[Optional[float], typer.Option("--temp", help="Temperature where a line sets none.")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="top_k where a line sets none (0 = off).")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="top_p where a line sets none.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed where a line sets none.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max", help="max_tokens where a line sets none.")] = None,
+    quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
+) -> None:
+    if temp is not None and not 0 <= temp <= 2:
+        raise fail(f"--temp must be in [0, 2], got {temp}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise fail(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 0:
+        raise fail(f"--top-k must be >= 0, got {top_k}")
+    if max_tokens is not None and max_tokens < 1:
+        raise fail(f"--max must be >= 1, got {max_tokens}")
+    defaults = SamplingOptions(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                               seed=None if seed is None else seed % (1 << 64))
+    view = _ProgressView()
+    stop = _StopOnCtrlC()
+
+    def load():
+        fetch = FetchProgress()
+        try:
+            return load_model(model, quant=quant, progress=fetch)
+        finally:
+            fetch.close()
+
+    with user_errors(), stop:
+        try:
+            summary = run_batch(input_file, output, load, defaults=defaults, system=system,
+                                should_stop=stop.requested, on_plan=view.plan, on_line=view.line,
+                                on_token=view.token)
+        finally:
+            view.close()
+    view.finish(summary)
+    if summary.interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    if summary.failed:
+        raise typer.Exit(EXIT_SOME_FAILED)
+
+
+class _StopOnCtrlC:
+    """The first Ctrl-C abandons the current line (nothing of it is written) and ends the run; a second
+    one quits at once. Either way the output holds only whole lines."""
+
+    def __init__(self):
+        self._requested = False
+        self._previous = None
+
+    def requested(self) -> bool:
+        return self._requested
+
+    def _handle(self, signum, frame) -> None:
+        if self._requested:
+            raise KeyboardInterrupt
+        self._requested = True
+        _note("stopping: the current line is abandoned (Ctrl-C again to quit at once)")
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+class _ProgressView:
+    """A Rich bar on a terminal (done/total, tokens/s, ETA); one plain line per finished request otherwise."""
+
+    def __init__(self):
+        self._tty = err.is_terminal
+        self._progress: Progress | None = None
+        self._task = None
+        self._plan: BatchPlan | None = None
+        self._finished = 0  # lines finished this run
+        self._tokens = 0  # completion tokens of finished lines
+        self._line_tokens = 0  # tokens of the line in flight
+        self._start = time.monotonic()
+
+    def plan(self, plan: BatchPlan) -> None:
+        self._plan = plan
+        self._start = time.monotonic()
+        if plan.to_run == 0:
+            return
+        if plan.done:
+            _note(f"batch: {plan.total} requests, {plan.done} already in {plan.output}, {plan.to_run} to run")
+        else:
+            _note(f"batch: {plan.total} requests")
+
+    def _bar(self) -> None:
+        if self._tty and self._progress is None and self._plan is not None:
+            self._progress = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[tps]}"), TimeElapsedColumn(),
+                                      TextColumn("eta"), TimeRemainingColumn(), console=err)
+            self._progress.start()
+            self._task = self._progress.add_task("batch", total=self._plan.total, completed=self._plan.done,
+                                                 tps="")
+
+    def token(self, n: int) -> None:
+        self._line_tokens = n
+        if self._tty:
+            self._bar()
+            self._progress.update(self._task, tps=self._rate())
+
+    def _rate(self) -> str:
+        seconds = time.monotonic() - self._start
+        return f"{(self._tokens + self._line_tokens) / seconds:.1f} tok/s" if seconds > 0 else ""
+
+    def line(self, r: LineResult) -> None:
+        self._finished += 1
+        self._tokens += r.completion_tokens
+        self._line_tokens = 0
+        done = self._plan.done + self._finished
+        if self._tty:
+            self._bar()
+            self._progress.update(self._task, completed=done, tps=self._rate())
+            if not r.ok:
+                self._progress.console.print(f"[red]error[/red] {r.error}")
+            return
+        elapsed = time.monotonic() - self._start
+        what = f"ok {r.completion_tokens} tok {self._rate()}" if r.ok else f"error: {r.error}"
+        left = self._plan.to_run - self._finished
+        eta = f" eta ~{_duration(elapsed / self._finished * left)}" if left else ""
+        who = r.custom_id if r.custom_id is not None else f"(line {r.lineno})"
+        _note(f"[{done}/{self._plan.total}] {who} {what} elapsed {_duration(elapsed)}{eta}")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def finish(self, summary) -> None:
+        plan = summary.plan
+        if summary.interrupted:
+            _note(f"interrupted: {summary.succeeded} done, {summary.failed} failed this run; "
+                  "rerun the same command to resume")
+        elif plan.to_run == 0:
+            _note(f"batch: nothing to do: all {plan.total} requests are already in {plan.output}")
+        elif summary.failed:
+            _note(f"batch: {summary.succeeded} done, {summary.failed} failed (see {plan.errors}); "
+                  "rerun the same command to retry them")
+        else:
+            _note(f"batch: {summary.succeeded} done; all {plan.total} requests are in {plan.output}")
+
+
+def _note(text: str) -> None:
+    print(f"goinfer: {text}", file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -1,0 +1,383 @@
+"""The OpenAI wire format: request bodies -> GenerationRequest, Completion -> response objects.
+
+Pure functions (no I/O), shared by `goinfer batch` and `goinfer serve`, so a body means the same thing
+in a batch file and over HTTP. Every refusal is a RequestError naming the field (`param`) and a
+machine-readable `code`; a request is never answered without something it asked for.
+
+    parse_chat_request(body) / parse_completion_request(body) / parse_request(url, body)
+    chat_completion(result, ...) / text_completion(result, ...)     -> the response objects
+    run_request(model, req, ...)                                     -> execute + the right object
+    error_code(exc) / error_body(exc)                                -> OpenAI-style error payloads
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable
+
+from engine.errors import ContextOverflow, GoinferError, InvalidRequest, RequestError, TemplateError
+from engine.requests import Completion, GenerationRequest, SamplingOptions, execute
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
+MAX_STOP = 4
+
+# Accepted and without effect here: routing, bookkeeping and hints about how to deliver.
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "safety_identifier",
+            "prompt_cache_key", "parallel_tool_calls", "reasoning_effort"}
+_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream"}
+_CHAT_FIELDS = _IGNORED | _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                       "response_format", "tool_choice"}
+_COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+# Asked for by name, and not done yet: refused with a message that says so.
+_UNSUPPORTED_CHAT = {"tools": "tools (function calling)", "functions": "functions (function calling)",
+                     "function_call": "function_call (function calling)", "audio": "audio output",
+                     "prediction": "predicted outputs", "web_search_options": "web search",
+                     "modalities": "output modalities other than text"}
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_IMAGE_PARTS = {"image_url", "input_image", "image"}
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+def parse_request(url: str, body: Any) -> GenerationRequest:
+    """The request a POST to `url` with `body` asks for."""
+    if url == CHAT_URL:
+        return parse_chat_request(body)
+    if url == COMPLETIONS_URL:
+        return parse_completion_request(body)
+    raise RequestError(f"url {url!r} is not supported (supported: {', '.join(URLS)})", "url", "invalid_url")
+
+
+def parse_chat_request(body: Any) -> GenerationRequest:
+    """A /v1/chat/completions body -> GenerationRequest (RequestError names what is wrong)."""
+    body = _object(body)
+    for name, what in _UNSUPPORTED_CHAT.items():
+        value = body.get(name)
+        if value is None or value == [] or (name == "modalities" and value == ["text"]):
+            continue
+        raise RequestError(f"{name}: {what} is not supported", name, "unsupported_parameter")
+    _known(body, _CHAT_FIELDS | set(_UNSUPPORTED_CHAT))
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise RequestError("tool_choice: tools (function calling) are not supported", "tool_choice",
+                           "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind != "text":
+            raise RequestError(f"response_format: type {kind!r} is not supported (only 'text')",
+                               "response_format", "unsupported_value")
+    messages = _messages(body.get("messages"))
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise RequestError("top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
+    max_tokens = _int(body, "max_tokens", 1)
+    max_completion = _int(body, "max_completion_tokens", 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise RequestError("max_completion_tokens: disagrees with max_tokens; send one of them",
+                           "max_completion_tokens", "invalid_value")
+    options = _options(body, max_completion if max_completion is not None else max_tokens)
+    return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
+                             stream=_bool(body, "stream", False), model=_str(body, "model"))
+
+
+def parse_completion_request(body: Any) -> GenerationRequest:
+    """A /v1/completions body -> GenerationRequest (RequestError names what is wrong)."""
+    body = _object(body)
+    _known(body, _COMPLETION_FIELDS)
+    if body.get("suffix") not in (None, ""):
+        raise RequestError("suffix: insertion (fill-in-the-middle) is not supported", "suffix",
+                           "unsupported_parameter")
+    best_of = _int(body, "best_of", 1)
+    if best_of is not None and best_of > 1:
+        raise RequestError(f"best_of: best_of > 1 is not supported (got {best_of})", "best_of", "unsupported_value")
+    top = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, _int(body, "max_tokens", 1)),
+                             logprobs=top is not None, top_logprobs=top or 0, echo=_bool(body, "echo", False),
+                             stream=_bool(body, "stream", False), model=_str(body, "model"))
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}", None, "invalid_type")
+    return body
+
+
+def _known(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown parameter", unknown[0], "unsupported_parameter")
+
+
+def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
+    n = _int(body, "n", 1)
+    if n is not None and n > 1:
+        raise RequestError(f"n: more than one choice (n > 1) is not supported (got {n})", "n", "unsupported_value")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 0.0, 2.0),
+        top_p=_float(body, "top_p", 0.0, 1.0, low_open=True),
+        top_k=_int(body, "top_k", 0),
+        min_p=_float(body, "min_p", 0.0, 1.0),
+        seed=_seed(body),
+        stop=_stop(body.get("stop")),
+        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 0.0, None, low_open=True),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+    )
+
+
+def _seed(body: dict) -> int | None:
+    seed = _int(body, "seed", None)
+    return None if seed is None else seed % (1 << 64)  # OpenAI takes any int64; the generator wants >= 0
+
+
+def _messages(value: Any) -> tuple[dict, ...]:
+    if value is None:
+        raise RequestError("messages: required", "messages", "missing_required_parameter")
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages: must be a non-empty array", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where}: must be an object, not {_kind(m)}", where, "invalid_type")
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise RequestError(f"{where}.role: {role} messages (function calling) are not supported",
+                               f"{where}.role", "unsupported_value")
+        if role not in _ROLES:
+            raise RequestError(f"{where}.role: must be one of system, developer, user, assistant (got {role!r})",
+                               f"{where}.role", "invalid_value")
+        if m.get("tool_calls") or m.get("function_call"):
+            key = "tool_calls" if m.get("tool_calls") else "function_call"
+            raise RequestError(f"{where}.{key}: tool calls (function calling) are not supported",
+                               f"{where}.{key}", "unsupported_parameter")
+        content = m.get("content")
+        if content is None and role != "assistant":
+            raise RequestError(f"{where}.content: required", f"{where}.content", "missing_required_parameter")
+        out.append({"role": _ROLES[role], "content": _content(content, f"{where}.content")})
+    return tuple(out)
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content as one string: text parts joined by newlines (as the templates join them)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: must be a string or an array of content parts, not {_kind(content)}",
+                           where, "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _IMAGE_PARTS:
+            raise RequestError(f"{at}: image content ({kind}) is not supported", at, "unsupported_value")
+        if kind != "text" and kind is not None:
+            raise RequestError(f"{at}: content parts of type {kind!r} are not supported (only text)", at,
+                               "unsupported_value")
+        text = part.get("text") if isinstance(part, dict) else None
+        if kind is None or not isinstance(text, str):
+            raise RequestError(f'{at}: must be {{"type": "text", "text": "..."}}', at, "invalid_value")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    if value is None:
+        raise RequestError("prompt: required", "prompt", "missing_required_parameter")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
+        return tuple(value)  # one prompt given as token ids
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return _prompt(value[0])
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise RequestError(f"prompt: more than one prompt per request is not supported (got {len(value)})",
+                           "prompt", "unsupported_value")
+    raise RequestError("prompt: must be a string, an array of token ids, or an array holding one of those",
+                       "prompt", "invalid_value")
+
+
+def _stop(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop: must be a string or an array of strings", "stop", "invalid_value")
+    if len(stops) > MAX_STOP:
+        raise RequestError(f"stop: at most {MAX_STOP} sequences (got {len(stops)})", "stop", "invalid_value")
+    return tuple(s for s in stops if s)
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias: must be an object mapping token ids to numbers", "logit_bias", "invalid_value")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias", "invalid_value") from None
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise RequestError(f"logit_bias: the bias of token {key} must be a number in [-100, 100]",
+                               "logit_bias", "invalid_value")
+        out[token] = float(bias)
+    return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number")
+
+
+def _int(body: dict, name: str, low: int | None, high: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise RequestError(f"{name}: must be an integer, not {_kind(v)}", name, "invalid_type")
+    if (low is not None and v < low) or (high is not None and v > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"{name}: must be {bounds} (got {v})", name, "invalid_value")
+    return v
+
+
+def _float(body: dict, name: str, low: float, high: float | None, low_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_number(v):
+        raise RequestError(f"{name}: must be a number, not {_kind(v)}", name, "invalid_type")
+    if v < low or (low_open and v == low) or (high is not None and v > high):
+        lo = "(" if low_open else "["
+        bounds = f"> {low}" if high is None and low_open else f"in {lo}{low}, {high}]"
+        raise RequestError(f"{name}: must be {bounds} (got {v})", name, "invalid_value")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{name}: must be true or false, not {_kind(v)}", name, "invalid_type")
+    return v
+
+
+def _str(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise RequestError(f"{name}: must be a string, not {_kind(v)}", name, "invalid_type")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+def chat_completion(result: Completion, *, model_name: str, request_id: str | None = None,
+                    created: int | None = None, with_logprobs: bool = False) -> dict:
+    """The chat.completion object for one result."""
+    logprobs = None
+    if with_logprobs:
+        logprobs = {"content": [_chat_logprob(t) for t in result.logprobs or []], "refusal": None}
+    return {
+        "id": request_id or "chatcmpl-" + uuid.uuid4().hex,
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model_name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
+                     "logprobs": logprobs, "finish_reason": result.finish_reason}],
+        "usage": _usage(result),
+    }
+
+
+def text_completion(result: Completion, *, model_name: str, request_id: str | None = None,
+                    created: int | None = None, with_logprobs: bool = False) -> dict:
+    """The text_completion object (legacy /v1/completions) for one result."""
+    logprobs = None
+    if with_logprobs:
+        toks = result.logprobs or []
+        logprobs = {"tokens": [_token_str(t.piece) for t in toks],
+                    "token_logprobs": [t.logprob for t in toks],
+                    "top_logprobs": [None if t.logprob is None else {_token_str(p): lp for _, p, lp in t.top}
+                                     for t in toks],
+                    "text_offset": [t.offset for t in toks]}
+    return {
+        "id": request_id or "cmpl-" + uuid.uuid4().hex,
+        "object": "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model_name,
+        "choices": [{"text": result.text, "index": 0, "logprobs": logprobs, "finish_reason": result.finish_reason}],
+        "usage": _usage(result),
+    }
+
+
+def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
+                should_stop: Callable[[], bool] | None = None,
+                on_token: Callable[[int], None] | None = None) -> dict:
+    """Execute `req` on `model` and return the response object the endpoint it came from returns."""
+    result = execute(model, req, should_stop=should_stop, on_token=on_token)
+    build = chat_completion if req.kind == "chat" else text_completion
+    return build(result, model_name=model_name or model.name, with_logprobs=req.logprobs)
+
+
+def _usage(result: Completion) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def _token_str(piece: bytes) -> str:
+    # A token that holds part of a UTF-8 character shows its bytes escaped (\xe2), as OpenAI does.
+    return piece.decode("utf-8", errors="backslashreplace")
+
+
+def _chat_logprob(t) -> dict:
+    return {"token": _token_str(t.piece), "logprob": t.logprob, "bytes": list(t.piece),
+            "top_logprobs": [{"token": _token_str(p), "logprob": lp, "bytes": list(p)} for _, p, lp in t.top]}
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def error_code(exc: BaseException) -> str:
+    """The machine-readable code for an error raised while parsing or running a request."""
+    if isinstance(exc, RequestError):
+        return exc.code
+    if isinstance(exc, ContextOverflow):
+        return "context_length_exceeded"
+    if isinstance(exc, TemplateError):
+        return "template_error"
+    if isinstance(exc, InvalidRequest):
+        return "invalid_value"
+    if isinstance(exc, GoinferError):
+        return "engine_error"
+    return "internal_error"
+
+
+def error_body(exc: BaseException) -> dict:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    client = isinstance(exc, (InvalidRequest, ContextOverflow, TemplateError))
+    return {"error": {"message": str(exc), "type": "invalid_request_error" if client else "server_error",
+                      "param": getattr(exc, "param", None), "code": error_code(exc)}}

@@ -1,0 +1,317 @@
+"""`goinfer batch` as a user runs it: a real process on the real default model, killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["--temp", "0", "--max", "3"]  # greedy everywhere; lines without max_tokens get 3
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "goinfer_cli.app", "batch", *args]
+
+
+def _env() -> dict:
+    return dict(os.environ, NO_COLOR="1")
+
+
+def goinfer_batch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+
+
+def start_batch(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=_env())
+
+
+def chat(cid: str, text: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": text}], **body}}
+
+
+def cmpl(cid: str, prompt: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
+
+
+LINES = [
+    cmpl("c1", "Once upon a time", max_tokens=4),
+    chat("c2", "What is the capital of France?", max_tokens=3, logprobs=True, top_logprobs=2),
+    cmpl("c3", "The sky is", temperature=0),
+    cmpl("c4", "1, 2, 3,"),
+    cmpl("c5", "Hello, my name", max_tokens=4, logprobs=1),
+    cmpl("c6", "In 1999 the", max_tokens=4),
+    cmpl("c7", "Water boils at", max_tokens=4),
+    cmpl("c8", "My favourite food", max_tokens=4),
+]
+
+
+def write_input(path: Path, lines: list) -> Path:
+    path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
+    return path
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def comparable(body: dict) -> dict:
+    """A response body without what differs between two runs of the same request."""
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def one_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, smollm2_gguf) -> dict:
+    """One uninterrupted run of LINES: custom_id -> response body (the reference the resumed runs must equal)."""
+    d = tmp_path_factory.mktemp("clean")
+    inp, out = write_input(d / "in.jsonl", LINES), d / "out.jsonl"
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""  # data only in the output files
+    progress = [ln for ln in r.stderr.splitlines() if re.match(r"goinfer: \[\d+/8\] c\d ok \d+ tok", ln)]
+    assert len(progress) == 8, r.stderr  # one plain line per finished request when stderr is not a terminal
+    assert not (d / "out.errors.jsonl").exists()
+    recs = records(out)
+    assert [rec["custom_id"] for rec in recs] == [ln["custom_id"] for ln in LINES]
+    return {"dir": d, "out": out, "bodies": {rec["custom_id"]: rec["response"]["body"] for rec in recs}}
+
+
+def test_clean_run_writes_openai_batch_records(clean):
+    rec = records(clean["out"])[1]
+    assert rec["id"].startswith("batch_req_") and rec["error"] is None
+    assert rec["response"]["status_code"] == 200 and rec["response"]["request_id"].startswith("req_")
+    chat_body = clean["bodies"]["c2"]
+    assert chat_body["object"] == "chat.completion"
+    assert chat_body["choices"][0]["message"]["content"] and chat_body["usage"]["completion_tokens"] == 3
+    content = chat_body["choices"][0]["logprobs"]["content"]  # logprobs in a line are honoured
+    assert content and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert clean["bodies"]["c5"]["choices"][0]["logprobs"]["token_logprobs"]
+    # sampling precedence: the body's max_tokens wins; the --max flag fills in where the body says nothing
+    assert clean["bodies"]["c1"]["usage"]["completion_tokens"] == 4
+    assert clean["bodies"]["c4"]["usage"]["completion_tokens"] == 3
+    assert clean["bodies"]["c4"]["choices"][0]["finish_reason"] == "length"
+
+
+def _wait_for_finished_lines(proc: subprocess.Popen, n: int) -> None:
+    seen = 0
+    while seen < n:
+        line = proc.stderr.readline()
+        if not line:
+            return  # the process ended first
+        if re.match(r"goinfer: \[\d+/\d+\] \S+ (ok|error)", line):
+            seen += 1
+
+
+def _check_whole_lines(out: Path) -> list[str]:
+    """custom_ids in out; every line but a torn last one (which a rerun cuts) must parse."""
+    if not out.exists():
+        return []
+    text = out.read_text()
+    lines = text.split("\n")
+    whole = lines[:-1]  # after the last newline: "" or a torn line
+    ids = [json.loads(ln)["custom_id"] for ln in whole]
+    assert len(ids) == len(set(ids)), ids
+    return ids
+
+
+def test_sigkill_anywhere_then_rerun_equals_a_clean_run(tmp_path, smollm2_gguf, clean):
+    inp, out = write_input(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
+    args = (str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+
+    # 1. killed while starting up, before any line finished
+    p = start_batch(*args)
+    time.sleep(0.3)
+    p.kill()
+    p.wait()
+    assert _check_whole_lines(out) == []
+
+    # 2. killed just after the first line finished: the second is in flight
+    p = start_batch(*args)
+    _wait_for_finished_lines(p, 1)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    after_first_kill = _check_whole_lines(out)
+    assert 1 <= len(after_first_kill) < len(LINES), after_first_kill
+
+    # 3. resumed, then killed in the middle of a later line
+    p = start_batch(*args)
+    _wait_for_finished_lines(p, 2)
+    p.kill()
+    p.wait()
+    after_second_kill = _check_whole_lines(out)
+    assert after_second_kill[: len(after_first_kill)] == after_first_kill  # nothing written is ever rewritten
+    assert len(after_second_kill) > len(after_first_kill)
+
+    # 4. Ctrl-C: the line in flight is abandoned cleanly, exit 130
+    p = start_batch(*args)
+    _wait_for_finished_lines(p, 1)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=120)
+    ids = _check_whole_lines(out)
+    if p.returncode != 0:  # 0 only if the run had already finished when the signal came
+        assert p.returncode == 130, stderr
+        assert "interrupted" in stderr and "Traceback" not in stderr
+        assert out.read_text().endswith("\n")  # never a torn line after Ctrl-C
+
+    # 5. rerun: it finishes what is left
+    r = goinfer_batch(*args)
+    assert r.returncode == 0, r.stderr
+    recs = records(out)  # every line parses
+    got = [rec["custom_id"] for rec in recs]
+    assert sorted(got) == sorted(ln["custom_id"] for ln in LINES) and len(got) == len(set(got))
+    assert len(ids) <= len(got)
+    for rec in recs:
+        assert rec["error"] is None and rec["response"]["status_code"] == 200
+        assert comparable(rec["response"]["body"]) == comparable(clean["bodies"][rec["custom_id"]]), rec["custom_id"]
+    assert not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_torn_last_line_is_cut_and_redone(tmp_path, smollm2_gguf, clean):
+    inp, out = write_input(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
+    data = clean["out"].read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    out.write_bytes(data[: last_start + (len(data) - last_start) // 2])  # the process died mid-write
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+    assert r.returncode == 0, r.stderr
+    assert "7 already in" in r.stderr and "1 to run" in r.stderr
+    recs = records(out)
+    assert [rec["custom_id"] for rec in recs] == [ln["custom_id"] for ln in LINES]
+    assert comparable(recs[-1]["response"]["body"]) == comparable(clean["bodies"]["c8"])
+
+
+def test_nothing_left_to_do_exits_without_loading_the_model(tmp_path, clean):
+    inp, out = write_input(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
+    shutil.copy(clean["out"], out)
+    before = out.read_bytes()
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"), *FLAGS)
+    assert r.returncode == 0, r.stderr  # the missing model file is never opened
+    assert "nothing to do" in r.stderr
+    assert out.read_bytes() == before
+
+
+def test_duplicate_custom_id_is_refused_before_any_work(tmp_path):
+    inp = write_input(tmp_path / "in.jsonl", [cmpl("a", "x"), cmpl("b", "y"), "", cmpl("a", "z")])
+    out = tmp_path / "out.jsonl"
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"))
+    one_error_line(r, "duplicate custom_id", "'a'", "lines 1 and 4")
+    assert not out.exists()
+
+
+def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smollm2_gguf, clean):
+    lines = [
+        "{not json",
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        LINES[0],
+        json.dumps({"custom_id": "m4", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        json.dumps({"custom_id": "m5", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps({"custom_id": "m6", "method": "POST", "url": "/v1/completions"}),
+        json.dumps({"custom_id": "m7", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": "hi"}}),
+        json.dumps({"custom_id": "m8", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "x", "temperature": -1}}),
+        json.dumps({"custom_id": "m9", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "x", "frobnicate": True}}),
+        json.dumps(["a", "list"]),
+    ]
+    inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    ok = records(out)
+    assert [rec["custom_id"] for rec in ok] == ["c1"]
+    assert comparable(ok[0]["response"]["body"]) == comparable(clean["bodies"]["c1"])
+    errs = records(tmp_path / "out.errors.jsonl")
+    got = {(e["custom_id"], e["error"]["code"]) for e in errs}
+    assert got == {(None, "invalid_json_line"), (None, "missing_required_parameter"), ("m4", "invalid_method"),
+                   ("m5", "invalid_url"), ("m6", "missing_required_parameter"), ("m7", "invalid_value"),
+                   ("m8", "invalid_value"), ("m9", "unsupported_parameter")}
+    assert len(errs) == 9
+    for e in errs:
+        assert e["response"] is None and e["id"].startswith("batch_req_")
+        assert re.match(r"line \d+: ", e["error"]["message"])
+    assert any("line 1:" in e["error"]["message"] for e in errs)
+    assert any("temperature" in e["error"]["message"] for e in errs if e["custom_id"] == "m8")
+    # a rerun retries the failures (they fail again) and skips the finished line; the errors file holds
+    # only this run's failures, and with no runnable line left the model is not even loaded
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"), *FLAGS)
+    assert r.returncode == 1, r.stderr
+    assert len(records(tmp_path / "out.errors.jsonl")) == 9
+    assert [rec["custom_id"] for rec in records(out)] == ["c1"]
+
+
+def test_lines_asking_for_what_the_runner_cannot_do_are_refused_by_name(tmp_path):
+    lines = [
+        chat("t1", "weather?", tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]),
+        {"custom_id": "t2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}},
+        chat("t3", "Say hi", n=3),
+        cmpl("t4", "Say hi", n=2),
+    ]
+    inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"))
+    assert r.returncode == 1, r.stderr
+    errs = {e["custom_id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
+    assert "tools" in errs["t1"]["message"] and errs["t1"]["code"] == "unsupported_parameter"
+    assert "image" in errs["t2"]["message"] and "messages[0].content[1]" in errs["t2"]["message"]
+    assert "n > 1" in errs["t3"]["message"] and "got 3" in errs["t3"]["message"]
+    assert "n > 1" in errs["t4"]["message"]
+    assert out.read_text() == ""
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_input_is_refused(tmp_path, content):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(content)
+    out = tmp_path / "out.jsonl"
+    one_error_line(goinfer_batch(str(inp), "-o", str(out)), "no requests")
+    assert not out.exists()
+
+
+def test_missing_input_is_refused(tmp_path):
+    one_error_line(goinfer_batch(str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl")), "no such file")
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "directory", "under_a_file", "same_as_input"])
+def test_unwritable_output_is_refused_before_loading_the_model(tmp_path, where):
+    inp = write_input(tmp_path / "in.jsonl", LINES[:1])
+    (tmp_path / "plain").write_text("x")
+    out = {"missing_dir": tmp_path / "no" / "such" / "out.jsonl", "directory": tmp_path,
+           "under_a_file": tmp_path / "plain" / "out.jsonl", "same_as_input": inp}[where]
+    before = inp.read_bytes()
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"))
+    one_error_line(r, str(out))
+    assert "no-such-model" not in r.stderr
+    assert inp.read_bytes() == before
+
+
+def test_output_that_is_not_a_batch_file_is_refused(tmp_path):
+    inp = write_input(tmp_path / "in.jsonl", LINES[:1])
+    out = tmp_path / "out.jsonl"
+    out.write_text("these are my notes\n")
+    one_error_line(goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "m.gguf")),
+                   "not a batch output record")
+    assert out.read_text() == "these are my notes\n"
+
+
+def test_bad_flag_value(tmp_path):
+    inp = write_input(tmp_path / "in.jsonl", LINES[:1])
+    one_error_line(goinfer_batch(str(inp), "-o", str(tmp_path / "o.jsonl"), "--temp", "-1"), "--temp")
