@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
 from commands.ui import FetchProgress, err
-from engine import load_model
+from engine import load_model, set_threads
 from engine.batch import BatchPlan, LineResult, run_batch
 from engine.requests import SamplingOptions
 
@@ -54,7 +54,10 @@ def batch(
     seed: Annotated[Optional[int], typer.Option(help="Seed where a line sets none.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max", help="max_tokens where a line sets none.")] = None,
     quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for the kernels and BLAS (default: all cores).")] = None,
 ) -> None:
+    if threads is not None and threads < 1:
+        raise fail(f"--threads must be >= 1, got {threads}")
     if temp is not None and not 0 <= temp <= 2:
         raise fail(f"--temp must be in [0, 2], got {temp}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -71,6 +74,7 @@ def batch(
     def load():
         fetch = FetchProgress()
         try:
+            set_threads(threads)
             return load_model(model, quant=quant, progress=fetch)
         finally:
             fetch.close()

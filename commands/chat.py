@@ -13,7 +13,7 @@ import typer
 
 from commands.errors import fail, user_errors
 from commands.ui import FetchProgress, err
-from engine import generate, load_model
+from engine import generate, load_model, set_threads
 from engine.errors import GoinferError
 from engine.requests import encode_prompt
 from engine.store.paths import goinfer_home
@@ -63,13 +63,17 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.")] = 512,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
     quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for the kernels and BLAS (default: all cores).")] = None,
 ) -> None:
     if temp < 0:
         raise fail(f"--temp must be >= 0, got {temp}")
     if max_tokens < 1:
         raise fail(f"--max must be >= 1, got {max_tokens}")
+    if threads is not None and threads < 1:
+        raise fail(f"--threads must be >= 1, got {threads}")
     session = Session(system, temp, top_k, top_p, seed, max_tokens)
     with user_errors():
+        set_threads(threads)
         progress = FetchProgress()
         try:
             llm = load_model(model, quant=quant, progress=progress)

@@ -1,0 +1,40 @@
+"""How many threads the CPU kernels use: numba's parallel loops and the BLAS behind numpy.
+
+One setting for both, so `--threads N` means N everywhere. Numba's threading layer is pinned to OpenMP:
+its workqueue layer costs ~20-70 us per parallel launch (research/kernels.md), and TBB, when installed,
+would otherwise be preferred and is slower to launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+from threadpoolctl import threadpool_limits
+
+numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+
+_limits = None  # keeps the BLAS limit in force for the life of the process
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def set_threads(n: int | None) -> int:
+    """Use n threads (None: every core this process may run on); returns the number in force."""
+    global _limits
+    n = available_cores() if n is None else int(n)
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    n = min(n, numba.config.NUMBA_NUM_THREADS)  # numba cannot go above the count it started with
+    numba.set_num_threads(n)
+    _limits = threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()

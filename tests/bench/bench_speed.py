@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Speed benchmark (not a test): goinfer on a GGUF, optionally side by side with llama.cpp.
+
+Measures through the public API, wall clock, medians over --reps runs after one warm-up:
+  load_s            engine.load_model (warm numba cache)
+  ttft_s            time to the first token of a --prompt-tokens prompt (= prefill)
+  prefill_tok_s     prompt tokens / ttft
+  decode_tok_s      the next --gen-tokens greedy tokens / their time
+  peak_rss_mb       the process's peak resident memory
+With --llama-python PY (a python that has llama-cpp-python), runs ../shared/bench/llama_cpp_anchor.py on
+the same file in the same sitting and prints both and our/their ratios.
+
+Usage:
+  python tests/bench/bench_speed.py MODEL.gguf [--quant auto] [--threads 2] [--prompt-tokens 512]
+      [--gen-tokens 128] [--reps 3] [--llama-python /path/to/venv/bin/python]
+The benchmark command may unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for itself (docs/benchmarks.md says
+when it did); the product, tests and CI never touch them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ANCHOR = ROOT.parent / "shared" / "bench" / "llama_cpp_anchor.py"
+FILLER = ("The history of mechanical clocks begins in medieval Europe, where monasteries needed a reliable way "
+          "to mark the hours of prayer. Early tower clocks had no faces; they simply rang bells. ")
+
+
+def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, reps: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import engine
+
+    t0 = time.perf_counter()
+    model = engine.load_model(path, quant=quant)
+    load_s = time.perf_counter() - t0
+    ids = model.tokenizer.encode(FILLER * (prompt_tokens // 10 + 1))[:prompt_tokens]
+    ttfts, decodes = [], []
+    for rep in range(reps + 1):  # the first run warms caches and is not counted
+        cache = model.new_cache(prompt_tokens + gen_tokens + 8)
+        start = time.perf_counter()
+        first = None
+        n = 0
+        # logit_bias on EOG ids keeps generation going for exactly gen_tokens + 1 tokens
+        bias = {t: -1e9 for t in model.tokenizer.eog_ids}
+        for ev in engine.generate(model, ids, max_tokens=gen_tokens + 1, temperature=0, cache=cache, logit_bias=bias):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        if rep:
+            ttfts.append(first - start)
+            decodes.append((n - 1) / (end - first))
+    ttft = statistics.median(ttfts)
+    return {
+        "engine": "goinfer", "quant": quant, "compute_path": model.compute_path, "load_s": round(load_s, 3),
+        "ttft_s": round(ttft, 4), "prefill_tok_s": round(prompt_tokens / ttft, 1),
+        "decode_tok_s": round(statistics.median(decodes), 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--quant", default="auto")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--llama-python", help="a python with llama-cpp-python, to run llama.cpp in the same sitting")
+    a = ap.parse_args()
+    os.environ["NUMBA_NUM_THREADS"] = str(a.threads)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)
+    ours = measure_goinfer(a.model, a.quant, a.prompt_tokens, a.gen_tokens, a.reps)
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {_cpu_name()}, {os.cpu_count()} cores",
+              "threads": a.threads, "model": Path(a.model).name, "goinfer": ours}
+    if a.llama_python:
+        out = subprocess.run([a.llama_python, str(ANCHOR), "--models", a.model, "--threads", str(a.threads),
+                              "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
+                              "--reps", str(a.reps)], capture_output=True, text=True, check=True)
+        theirs = json.loads(out.stdout.strip().splitlines()[-1])
+        result["llama_cpp"] = theirs
+        model_res = theirs["results"][0] if "results" in theirs else theirs
+        pf, dc = model_res.get("prefill_tok_s_median"), model_res.get("decode_tok_s_median")
+        if pf and dc:
+            result["ratio"] = {"prefill": round(ours["prefill_tok_s"] / pf, 2), "decode": round(ours["decode_tok_s"] / dc, 2)}
+    print(json.dumps(result, indent=2))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
