@@ -8,7 +8,7 @@ while it could still be the start of a stop string.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -34,7 +34,9 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              logit_bias: dict[int, float] | None = None, cache: KVCache | None = None,
-             top_logprobs: int = 0) -> Iterator[TokenEvent]:
+             top_logprobs: int = 0, on_prefill: Callable[[int], None] | None = None) -> Iterator[TokenEvent]:
+    """Checks every argument now (raising InvalidRequest / ContextOverflow); the work starts at the first
+    next(). `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}))
@@ -52,18 +54,18 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
         raise ContextOverflow(f"the prompt has {len(prompt_ids)} tokens; the context window is {window}")
     cache = cache if cache is not None else model.new_cache(min(window, len(prompt_ids) + max_tokens))
     max_tokens = min(max_tokens, cache.max_tokens - len(prompt_ids))
-    return _run(model, prompt_ids, max_tokens, params, stops, cache, top_logprobs)
+    return _run(model, prompt_ids, max_tokens, params, stops, cache, top_logprobs, on_prefill)
 
 
 def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str],
-         cache: KVCache, top_logprobs: int = 0) -> Iterator[TokenEvent]:
+         cache: KVCache, top_logprobs: int = 0, on_prefill=None) -> Iterator[TokenEvent]:
     tok = model.tokenizer
     processors = make_logits_processors(params)
     sampler = make_sampler(params)
     decoder = IncrementalDecoder(tok, skip_special=True)
     history = list(prompt_ids)
     pending = ""  # decoded text not yet shown: it may be the start of a stop string
-    logits = model.eval(prompt_ids, cache)[0]
+    logits = model.eval(prompt_ids, cache, on_chunk=on_prefill)[0]
     for n in range(1, max_tokens + 1):
         logprobs = log_softmax(logits[None])[0]
         work = logits.copy()

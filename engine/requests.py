@@ -3,15 +3,19 @@
 Wire layers (engine/api/openai.py; later anthropic.py, responses.py) translate JSON into a
 `GenerationRequest`; `execute` runs it and returns a `Completion` they translate back. Serve and batch
 both go through here, so a request means the same thing on every route.
+
+    prepare(model, req, window=...) -> Prepared     every refusal a request can earn, before any work
+    run(model, prepared) -> iterator of Delta       the pieces a stream sends, choice after choice
+    execute(model, req) -> Completion               prepare + run + Collector: the whole answer
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator
 
-from engine.errors import Cancelled, RequestError
-from engine.generate import generate, top_logprobs_of
+from engine.errors import Cancelled, ContextOverflow, RequestError
+from engine.generate import TokenEvent, generate, top_logprobs_of
 from engine.models.base import Model
 from engine.tokenizer import IncrementalDecoder
 
@@ -54,7 +58,9 @@ class GenerationRequest:
     logprobs: bool = False  # report the log-probability of each generated token
     top_logprobs: int = 0  # ... and the k most likely alternatives at each step
     echo: bool = False  # completion: the prompt is part of the returned text (and of the logprobs)
+    n: int = 1  # how many answers (choices) to generate for the one prompt
     stream: bool = False  # a transport matter (SSE); execute ignores it
+    include_usage: bool = False  # stream: end with a usage chunk (stream_options.include_usage)
     model: str | None = None  # the model the client named (routing); execute ignores it
 
     @property
@@ -83,14 +89,38 @@ class TokenLogprob:
 
 
 @dataclass
-class Completion:
-    """The result of one request, before any wire format."""
+class Choice:
+    """One of a request's n answers."""
 
     text: str  # what the user sees (with echo: the prompt text first)
     finish_reason: str  # "stop" or "length"
-    prompt_tokens: int
     completion_tokens: int  # every generated token, an end-of-generation token included
     logprobs: list[TokenLogprob] | None = None  # echoed prompt tokens, then generated ones (EOG excluded)
+
+
+@dataclass
+class Completion:
+    """The result of one request, before any wire format."""
+
+    choices: list[Choice]
+    prompt_tokens: int  # counted once, however many choices
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    # The first choice, for callers that ask for one (n = 1).
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.choices[0].logprobs
 
 
 def encode_prompt(model: Model, text: str) -> list[int]:
@@ -114,51 +144,131 @@ def prompt_ids(model: Model, req: GenerationRequest) -> list[int]:
     return ids
 
 
-def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,
-            on_token: Callable[[int], None] | None = None) -> Completion:
-    """Run one request to the end. `should_stop` is polled between tokens (True raises Cancelled);
-    `on_token(n)` is told how many tokens have been generated so far."""
+@dataclass
+class Prepared:
+    """A request checked against a model and ready to run: everything a request can get wrong (template,
+    prompt over the window, bad token ids, bad sampling values) has been raised by `prepare`, before any
+    forward pass, so a server can still answer with an error status instead of a broken stream."""
+
+    request: GenerationRequest
+    ids: list[int]  # the prompt's token ids
+    window: int  # the context window this request is held to
+    head: str  # echo: the prompt text that starts every choice
+    runs: list[Iterator[TokenEvent]]  # one lazily started generation per choice
+
+
+def context_window(model: Model, limit: int | None = None) -> int:
+    """The token limit a request is held to: the model's own maximum, or `limit` if smaller."""
+    return model.context_length if limit is None else max(1, min(limit, model.context_length))
+
+
+def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Prepared:
+    """Check `req` against `model` (at most `window` tokens of context) without running it.
+    `should_stop` is also polled between prompt chunks, so a long prefill can be abandoned."""
     opts = req.options.fill(API_DEFAULTS)
     ids = prompt_ids(model, req)
-    tok = model.tokenizer
-    want_top = req.top_logprobs if req.logprobs else 0
-    events = generate(model, ids, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed,
-                      stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
-                      repetition_penalty=opts.repetition_penalty, presence_penalty=opts.presence_penalty,
-                      frequency_penalty=opts.frequency_penalty, logit_bias=opts.logit_bias,
-                      top_logprobs=want_top)
+    if not ids:
+        raise RequestError("prompt: is empty (no tokens)", "prompt")
+    window = context_window(model, window)
+    if len(ids) >= window:
+        raise ContextOverflow(f"the prompt has {len(ids)} tokens; the context window is {window}")
+
+    def on_prefill(done: int) -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"the request was cancelled during the prompt ({done} of {len(ids)} tokens)")
+
+    runs = []
+    for i in range(req.n):
+        # Choice i samples with seed + i: n choices from one seed differ, and each is reproducible.
+        seed = None if opts.seed is None else (opts.seed + i) % (1 << 64)
+        cache = model.new_cache(min(window, len(ids) + opts.max_tokens))  # grows with use, never past window
+        runs.append(generate(model, ids, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=seed,
+                             stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
+                             repetition_penalty=opts.repetition_penalty, presence_penalty=opts.presence_penalty,
+                             frequency_penalty=opts.frequency_penalty, logit_bias=opts.logit_bias,
+                             top_logprobs=req.top_logprobs if req.logprobs else 0, cache=cache,
+                             on_prefill=on_prefill))
     head = ""
     if req.echo:
-        head = req.prompt if isinstance(req.prompt, str) else tok.decode(ids, skip_special=True)
-    logprobs = _prompt_logprobs(model, ids, want_top) if req.logprobs and req.echo else None
-    parts: list[str] = []
-    generated = []
-    finish = "length"
-    for n, ev in enumerate(events, 1):
-        if should_stop is not None and should_stop():
-            raise Cancelled("the request was cancelled")
-        parts.append(ev.text)
-        generated.append(ev)
-        finish = ev.finish_reason or finish
-        if on_token is not None:
-            on_token(n)
-    if req.logprobs:
-        logprobs = (logprobs or []) + _generated_logprobs(tok, generated, len(head))
-    return Completion(text=head + "".join(parts), finish_reason=finish, prompt_tokens=len(ids),
-                      completion_tokens=len(generated), logprobs=logprobs)
+        head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
+    return Prepared(req, ids, window, head, runs)
 
 
-def _generated_logprobs(tok, events: Sequence, base: int) -> list[TokenLogprob]:
-    # An end-of-generation token adds no text, so it is left out (as the OpenAI API leaves it out).
-    decoder = IncrementalDecoder(tok, skip_special=True)
-    out, offset = [], base
-    for ev in events:
-        if ev.finish_reason == "stop" and ev.token in tok.eog_ids:
-            break
-        top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
-        out.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, offset))
-        offset += len(decoder.push(ev.token))
-    return out
+@dataclass
+class Delta:
+    """A piece of one choice, as it is generated: what a stream sends, and what a full answer is built from."""
+
+    index: int  # which choice
+    text: str
+    logprobs: list[TokenLogprob] | None  # the tokens this piece reports (None unless logprobs were asked for)
+    finish_reason: str | None  # set on the choice's last piece
+    new_tokens: int  # generated tokens in this piece: 1, or 0 for the echoed prompt
+
+
+def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None) -> Iterator[Delta]:
+    """Run a prepared request: the choices one after another, each as its pieces (echo first). `should_stop`
+    is polled between tokens; True raises Cancelled."""
+    req, tok = prep.request, model.tokenizer
+    want_top = req.top_logprobs if req.logprobs else 0
+    echoed = None
+    for index, events in enumerate(prep.runs):
+        if req.echo:
+            if req.logprobs and echoed is None:
+                echoed = _prompt_logprobs(model, prep.ids, want_top)
+            yield Delta(index, prep.head, list(echoed) if req.logprobs else None, None, 0)
+        decoder = IncrementalDecoder(tok, skip_special=True)
+        offset = len(prep.head)
+        for ev in events:
+            if should_stop is not None and should_stop():
+                raise Cancelled("the request was cancelled")
+            lps = None
+            if req.logprobs:
+                lps = []
+                # An end-of-generation token adds no text, so it is left out (as the OpenAI API leaves it out).
+                if not (ev.finish_reason == "stop" and ev.token in tok.eog_ids):
+                    top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
+                    lps.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, offset))
+                    offset += len(decoder.push(ev.token))
+            yield Delta(index, ev.text, lps, ev.finish_reason, 1)
+
+
+class Collector:
+    """Builds the Completion from a run's pieces (the same pieces a stream sends)."""
+
+    def __init__(self, prep: Prepared):
+        self._prompt_tokens = len(prep.ids)
+        self._parts: list[list[str]] = [[] for _ in prep.runs]
+        self._finish = ["length"] * len(prep.runs)
+        self._tokens = [0] * len(prep.runs)
+        self._logprobs = [[] if prep.request.logprobs else None for _ in prep.runs]
+        self.generated = 0  # tokens over all choices
+
+    def add(self, d: Delta) -> None:
+        self._parts[d.index].append(d.text)
+        self._tokens[d.index] += d.new_tokens
+        self.generated += d.new_tokens
+        if d.finish_reason:
+            self._finish[d.index] = d.finish_reason
+        if d.logprobs:
+            self._logprobs[d.index].extend(d.logprobs)
+
+    def result(self) -> Completion:
+        return Completion([Choice("".join(p), f, n, lp) for p, f, n, lp in
+                           zip(self._parts, self._finish, self._tokens, self._logprobs)], self._prompt_tokens)
+
+
+def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,
+            on_token: Callable[[int], None] | None = None, window: int | None = None) -> Completion:
+    """Run one request to the end. `should_stop` is polled between tokens (True raises Cancelled);
+    `on_token(n)` is told how many tokens have been generated so far (over all choices)."""
+    prep = prepare(model, req, window=window, should_stop=should_stop)
+    out = Collector(prep)
+    for d in run(model, prep, should_stop=should_stop):
+        out.add(d)
+        if d.new_tokens and on_token is not None:
+            on_token(out.generated)
+    return out.result()
 
 
 def _prompt_logprobs(model: Model, ids: list[int], k: int) -> list[TokenLogprob]:

@@ -6,6 +6,7 @@ import typer
 
 from commands import batch as batch_cmd
 from commands import chat as chat_cmd
+from commands import serve as serve_cmd
 
 app = typer.Typer(
     name="goinfer",
@@ -16,6 +17,7 @@ app = typer.Typer(
 )
 app.command(name="chat", help=chat_cmd.HELP, no_args_is_help=False)(chat_cmd.chat)
 app.command(name="batch", help=batch_cmd.HELP, no_args_is_help=True)(batch_cmd.batch)
+app.command(name="serve", help=serve_cmd.HELP, no_args_is_help=False)(serve_cmd.serve)
 
 
 @app.callback()

@@ -68,7 +68,7 @@ def test_unset_settings_fall_through_flags_then_api_defaults():
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                 {"type": "image_url", "image_url": {"url": "data:"}}]}]},
      "messages[0].content[1]", "image"),
-    ({"messages": USER, "n": 2}, "n", "n > 1"),
+    ({"messages": USER, "n": 17}, "n", "at most 16"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"messages": USER, "frobnicate": 1}, "frobnicate", "unknown parameter"),
 ])
@@ -112,7 +112,9 @@ def test_completion_body():
     assert not parse_completion_request({"prompt": "x"}).logprobs
     assert refused(parse_completion_request, {"prompt": ["a", "b"]}).param == "prompt"
     assert refused(parse_completion_request, {"prompt": "a", "best_of": 3}).param == "best_of"
-    assert refused(parse_completion_request, {"prompt": "a", "n": 2}).param == "n"
+    assert refused(parse_completion_request, {"prompt": "a", "n": 17}).param == "n"
+    assert parse_completion_request({"prompt": "a", "n": 3}).n == 3
+    assert refused(parse_completion_request, {"prompt": "a", "n": 2, "best_of": 1}).param == "best_of"
     assert refused(parse_completion_request, {"prompt": "a", "suffix": "z"}).param == "suffix"
     assert refused(parse_completion_request, {"prompt": "a", "logprobs": 6}).param == "logprobs"
     assert refused(parse_completion_request, {}).code == "missing_required_parameter"

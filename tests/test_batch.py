@@ -263,8 +263,8 @@ def test_lines_asking_for_what_the_runner_cannot_do_are_refused_by_name(tmp_path
         {"custom_id": "t2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [
             {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
                                          {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}},
-        chat("t3", "Say hi", n=3),
-        cmpl("t4", "Say hi", n=2),
+        chat("t3", "Say hi", n=17),
+        cmpl("t4", "Say hi", n=20),
     ]
     inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"))
@@ -272,8 +272,8 @@ def test_lines_asking_for_what_the_runner_cannot_do_are_refused_by_name(tmp_path
     errs = {e["custom_id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
     assert "tools" in errs["t1"]["message"] and errs["t1"]["code"] == "unsupported_parameter"
     assert "image" in errs["t2"]["message"] and "messages[0].content[1]" in errs["t2"]["message"]
-    assert "n > 1" in errs["t3"]["message"] and "got 3" in errs["t3"]["message"]
-    assert "n > 1" in errs["t4"]["message"]
+    assert "at most 16 choices" in errs["t3"]["message"] and "got 17" in errs["t3"]["message"]
+    assert "at most 16 choices" in errs["t4"]["message"]
     assert out.read_text() == ""
 
 

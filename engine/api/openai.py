@@ -7,7 +7,10 @@ machine-readable `code`; a request is never answered without something it asked 
     parse_chat_request(body) / parse_completion_request(body) / parse_request(url, body)
     chat_completion(result, ...) / text_completion(result, ...)     -> the response objects
     run_request(model, req, ...)                                     -> execute + the right object
-    error_code(exc) / error_body(exc)                                -> OpenAI-style error payloads
+    error_code(exc) / error_body(exc) / error_status(exc)            -> OpenAI-style error payloads
+    model_object(name, ...) / model_list(...)                        -> /v1/models entries
+
+Streaming chunks (the same objects cut into SSE events) are built in engine/api/sse.py.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import uuid
 from typing import Any, Callable
 
 from engine.errors import ContextOverflow, GoinferError, InvalidRequest, RequestError, TemplateError
-from engine.requests import Completion, GenerationRequest, SamplingOptions, execute
+from engine.requests import Completion, GenerationRequest, SamplingOptions, TokenLogprob, execute
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -26,12 +29,13 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 MAX_STOP = 4
+MAX_N = 16  # choices per request; they run one after another, so each one costs a whole generation
 
 # Accepted and without effect here: routing, bookkeeping and hints about how to deliver.
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "safety_identifier",
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier",
             "prompt_cache_key", "parallel_tool_calls", "reasoning_effort"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream"}
+             "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
 _CHAT_FIELDS = _IGNORED | _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                        "response_format", "tool_choice"}
 _COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -85,8 +89,9 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         raise RequestError("max_completion_tokens: disagrees with max_tokens; send one of them",
                            "max_completion_tokens", "invalid_value")
     options = _options(body, max_completion if max_completion is not None else max_tokens)
+    stream, include_usage = _stream(body)
     return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
-                             stream=_bool(body, "stream", False), model=_str(body, "model"))
+                             n=_n(body), stream=stream, include_usage=include_usage, model=_str(body, "model"))
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -100,9 +105,13 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     if best_of is not None and best_of > 1:
         raise RequestError(f"best_of: best_of > 1 is not supported (got {best_of})", "best_of", "unsupported_value")
     top = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    n = _n(body)
+    if best_of is not None and best_of < n:
+        raise RequestError(f"best_of: must be >= n (got best_of {best_of}, n {n})", "best_of", "invalid_value")
+    stream, include_usage = _stream(body)
     return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, _int(body, "max_tokens", 1)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=_bool(body, "echo", False),
-                             stream=_bool(body, "stream", False), model=_str(body, "model"))
+                             n=n, stream=stream, include_usage=include_usage, model=_str(body, "model"))
 
 
 def _object(body: Any) -> dict:
@@ -117,10 +126,35 @@ def _known(body: dict, allowed: set[str]) -> None:
         raise RequestError(f"{unknown[0]}: unknown parameter", unknown[0], "unsupported_parameter")
 
 
-def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
+def _n(body: dict) -> int:
     n = _int(body, "n", 1)
-    if n is not None and n > 1:
-        raise RequestError(f"n: more than one choice (n > 1) is not supported (got {n})", "n", "unsupported_value")
+    if n is not None and n > MAX_N:
+        raise RequestError(f"n: at most {MAX_N} choices per request (got {n})", "n", "unsupported_value")
+    return n or 1
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage). stream_options without stream is refused, as OpenAI refuses it."""
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise RequestError(f"stream_options: must be an object, not {_kind(opts)}", "stream_options", "invalid_type")
+    if not stream:
+        raise RequestError("stream_options: only allowed when stream is true", "stream_options", "invalid_value")
+    unknown = sorted(k for k in opts if k not in ("include_usage", "include_obfuscation"))
+    if unknown:
+        raise RequestError(f"stream_options.{unknown[0]}: unknown parameter", f"stream_options.{unknown[0]}",
+                           "unsupported_parameter")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise RequestError(f"stream_options.include_usage: must be true or false, not {_kind(include)}",
+                           "stream_options.include_usage", "invalid_type")
+    return stream, include
+
+
+def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 2.0),
@@ -299,54 +333,57 @@ def _str(body: dict, name: str) -> str | None:
 
 def chat_completion(result: Completion, *, model_name: str, request_id: str | None = None,
                     created: int | None = None, with_logprobs: bool = False) -> dict:
-    """The chat.completion object for one result."""
-    logprobs = None
-    if with_logprobs:
-        logprobs = {"content": [_chat_logprob(t) for t in result.logprobs or []], "refusal": None}
+    """The chat.completion object for one result (one choice per answer)."""
     return {
-        "id": request_id or "chatcmpl-" + uuid.uuid4().hex,
+        "id": request_id or new_id("chat"),
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
-                     "logprobs": logprobs, "finish_reason": result.finish_reason}],
-        "usage": _usage(result),
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                     "logprobs": chat_logprobs(c.logprobs or []) if with_logprobs else None,
+                     "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
+        "usage": usage(result.prompt_tokens, result.completion_tokens),
     }
 
 
 def text_completion(result: Completion, *, model_name: str, request_id: str | None = None,
                     created: int | None = None, with_logprobs: bool = False) -> dict:
     """The text_completion object (legacy /v1/completions) for one result."""
-    logprobs = None
-    if with_logprobs:
-        toks = result.logprobs or []
-        logprobs = {"tokens": [_token_str(t.piece) for t in toks],
-                    "token_logprobs": [t.logprob for t in toks],
-                    "top_logprobs": [None if t.logprob is None else {_token_str(p): lp for _, p, lp in t.top}
-                                     for t in toks],
-                    "text_offset": [t.offset for t in toks]}
     return {
-        "id": request_id or "cmpl-" + uuid.uuid4().hex,
+        "id": request_id or new_id("completion"),
         "object": "text_completion",
         "created": int(time.time()) if created is None else created,
         "model": model_name,
-        "choices": [{"text": result.text, "index": 0, "logprobs": logprobs, "finish_reason": result.finish_reason}],
-        "usage": _usage(result),
+        "choices": [{"text": c.text, "index": i,
+                     "logprobs": completion_logprobs(c.logprobs or []) if with_logprobs else None,
+                     "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
+        "usage": usage(result.prompt_tokens, result.completion_tokens),
     }
 
 
 def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
                 should_stop: Callable[[], bool] | None = None,
-                on_token: Callable[[int], None] | None = None) -> dict:
+                on_token: Callable[[int], None] | None = None, window: int | None = None) -> dict:
     """Execute `req` on `model` and return the response object the endpoint it came from returns."""
-    result = execute(model, req, should_stop=should_stop, on_token=on_token)
+    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window)
+    return response_object(req, result, model_name=model_name or model.name)
+
+
+def response_object(req: GenerationRequest, result: Completion, *, model_name: str,
+                    request_id: str | None = None, created: int | None = None) -> dict:
+    """The object the endpoint `req` came from answers with."""
     build = chat_completion if req.kind == "chat" else text_completion
-    return build(result, model_name=model_name or model.name, with_logprobs=req.logprobs)
+    return build(result, model_name=model_name, request_id=request_id, created=created, with_logprobs=req.logprobs)
 
 
-def _usage(result: Completion) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def new_id(kind: str) -> str:
+    """A fresh response id: chatcmpl-... for chats, cmpl-... for completions."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _token_str(piece: bytes) -> str:
@@ -354,9 +391,30 @@ def _token_str(piece: bytes) -> str:
     return piece.decode("utf-8", errors="backslashreplace")
 
 
-def _chat_logprob(t) -> dict:
-    return {"token": _token_str(t.piece), "logprob": t.logprob, "bytes": list(t.piece),
-            "top_logprobs": [{"token": _token_str(p), "logprob": lp, "bytes": list(p)} for _, p, lp in t.top]}
+def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
+    """A chat choice's `logprobs` for these tokens (a whole answer, or one stream chunk's share)."""
+    return {"content": [{"token": _token_str(t.piece), "logprob": t.logprob, "bytes": list(t.piece),
+                         "top_logprobs": [{"token": _token_str(p), "logprob": lp, "bytes": list(p)}
+                                          for _, p, lp in t.top]} for t in tokens],
+            "refusal": None}
+
+
+def completion_logprobs(tokens: list[TokenLogprob]) -> dict:
+    """A completion choice's `logprobs` (the legacy parallel arrays) for these tokens."""
+    return {"tokens": [_token_str(t.piece) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [None if t.logprob is None else {_token_str(p): lp for _, p, lp in t.top} for t in tokens],
+            "text_offset": [t.offset for t in tokens]}
+
+
+def model_object(name: str, *, created: int, context_window: int) -> dict:
+    """One /v1/models entry; `context_window` is the token limit requests to this model are held to."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "goinfer",
+            "context_window": context_window}
+
+
+def model_list(entries: list[dict]) -> dict:
+    return {"object": "list", "data": entries}
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -376,8 +434,22 @@ def error_code(exc: BaseException) -> str:
     return "internal_error"
 
 
+def _client_fault(exc: BaseException) -> bool:
+    return isinstance(exc, (InvalidRequest, ContextOverflow, TemplateError))
+
+
 def error_body(exc: BaseException) -> dict:
     """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
-    client = isinstance(exc, (InvalidRequest, ContextOverflow, TemplateError))
-    return {"error": {"message": str(exc), "type": "invalid_request_error" if client else "server_error",
-                      "param": getattr(exc, "param", None), "code": error_code(exc)}}
+    return error_object(str(exc), "invalid_request_error" if _client_fault(exc) else "server_error",
+                        getattr(exc, "param", None), error_code(exc))
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status an error raised while parsing or running a request is answered with."""
+    return 400 if _client_fault(exc) else 500
+
+
+def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict:
+    """{"error": {...}} for errors that do not come from an exception (unknown model, auth, limits)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

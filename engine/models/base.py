@@ -65,9 +65,11 @@ class Model:
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return logits[:, : self.config.vocab_size]
 
-    def eval(self, ids, cache: KVCache, logits_from: int | None = None) -> np.ndarray:
+    def eval(self, ids, cache: KVCache, logits_from: int | None = None,
+             on_chunk: Callable[[int], None] | None = None) -> np.ndarray:
         """Append ids to the sequence in cache; return logits (n, vocab) for ids[logits_from:]
-        (default: the last token only)."""
+        (default: the last token only). `on_chunk(done)` is called after each chunk of ids (a server
+        polls it to abandon a long prompt whose client has gone: an exception it raises ends the call)."""
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) == 0:
             raise ValueError("eval needs at least one token")
@@ -81,6 +83,8 @@ class Model:
             keep = max(0, logits_from - c0)
             if keep < len(chunk):
                 rows.append(self.head(hidden[keep:]))
+            if on_chunk is not None:
+                on_chunk(c0 + len(chunk))
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def logprobs(self, ids, start: int = 0) -> np.ndarray:

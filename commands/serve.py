@@ -1,0 +1,171 @@
+"""`goinfer serve`: an OpenAI-compatible HTTP server over one or more local models.
+
+The banner, warnings and the request log go to stderr; nothing is written to stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from commands.errors import fail, user_errors
+from commands.ui import FetchProgress
+from engine import get_threads, load_model, set_threads
+from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
+                           ServerConfig, parse_addr, parse_model_spec)
+from engine.store import DEFAULT_MODEL, lookup_builtin
+
+HELP = """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health).
+
+Point an OpenAI SDK at http://HOST:PORT/v1. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model runs one request at a time; up to --max-queue more wait, further ones get 429 with Retry-After.
+
+With --api-key (or GOINFER_API_KEY) every route needs "Authorization: Bearer KEY" or "x-api-key: KEY". A non-loopback --addr needs a key.
+
+Examples:
+
+  goinfer serve                                              # smollm2-135m on http://127.0.0.1:8080
+
+  goinfer serve --model gemma3-270m --ctx 8192
+
+  goinfer serve -m small=smollm2-135m -m gemma=gemma3-270m --max-queue 4
+
+  GOINFER_API_KEY=secret goinfer serve --addr 0.0.0.0:8443 --tls-cert cert.pem --tls-key key.pem
+
+  curl http://127.0.0.1:8080/v1/chat/completions -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Ctrl-C (or SIGTERM) stops the server: requests in flight are cancelled. See docs/server.md.
+"""
+
+
+def serve(
+    model: Annotated[Optional[List[str]], typer.Option(
+        "--model", "-m", metavar="[NAME=]REF",
+        help="A .gguf path or built-in model name, optionally served as NAME; repeatable.")] = None,
+    addr: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
+        help="Require this key on every route (Bearer or x-api-key).")] = None,
+    tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="PEM certificate: serve HTTPS.")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key for --tls-cert.")] = None,
+    ctx: Annotated[int, typer.Option(help="Context window per request, in tokens (capped at the model's own).")]
+    = DEFAULT_CTX,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait per model.")]
+    = DEFAULT_MAX_QUEUE,
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
+    quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="Compute threads per model (default: all cores).")] = None,
+    sse_keepalive: Annotated[float, typer.Option(
+        "--sse-keepalive", help="Seconds of silence after which a stream gets a keep-alive comment.")]
+    = DEFAULT_KEEPALIVE_S,
+) -> None:
+    if ctx < 16:
+        raise fail(f"--ctx must be >= 16, got {ctx}")
+    specs = [parse_model_spec(s) for s in model] if model else [(None, None)]
+    with user_errors():
+        host, port = parse_addr(addr)
+        config = ServerConfig(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
+                              max_queue=max_queue, max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive,
+                              threads=threads)
+        config.check()  # before any model is loaded: a bad address or missing key costs nothing
+        set_threads(threads)  # BLAS and this thread; each model's worker thread sets numba's count for itself
+        names = [name or _default_name(ref) for name, ref in specs]
+        dupes = sorted({n for n in names if n is not None and names.count(n) > 1})
+        if dupes:
+            raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
+        served = []
+        for (name, ref), default in zip(specs, names):
+            llm = _load(ref, quant)
+            served.append(ServedModel.of(default or llm.name, llm, ctx))
+        names = [s.name for s in served]
+        if len(set(names)) < len(names):
+            raise fail("--model: two models get the same name; name them: --model NAME=REF")
+        server = Server(served, config)
+    _banner(server, served, config)
+    _run_until_signal(server)
+
+
+def _default_name(ref: str | None) -> str | None:
+    """A built-in model is served under its built-in name; a file under its file name (known once loaded)."""
+    if ref is None:
+        return DEFAULT_MODEL
+    builtin = lookup_builtin(ref) if not ref.endswith(".gguf") else None
+    return builtin.name if builtin is not None else None
+
+
+def _load(ref: str | None, quant: str):
+    progress = FetchProgress()
+    try:
+        return load_model(ref, quant=quant, progress=progress)
+    finally:
+        progress.close()
+
+
+def _note(text: str) -> None:
+    print(f"goinfer serve: {text}", file=sys.stderr, flush=True)
+
+
+def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> None:
+    for s in served:
+        m = s.model
+        weights = _weight_type(m)
+        limit = f"context {s.window}" + (f" of {m.context_length}" if s.window < m.context_length else "")
+        _note(f"model {s.name}: {Path(m.path).name} ({m.config.arch}, {weights}), quant {m.quant} "
+              f"(compute {m.compute_path}), {limit}, kernels {m.backend.name} ({_threads(config)} threads)")
+    _note(f"limits: request body {_size(server.body_cap)}, queue {config.max_queue} per model, "
+          f"SSE keep-alive after {config.keepalive_s:g} s of silence")
+    if config.api_key:
+        _note("auth: API key required on every route (Authorization: Bearer KEY or x-api-key: KEY)")
+    else:
+        _note("warning: no API key set: any program on this machine (a web page in a browser included) "
+              "can use this server; set --api-key or GOINFER_API_KEY")
+    if not config.loopback and not config.tls:
+        _note("warning: serving a non-loopback address without TLS: the key and every prompt travel in clear "
+              "text; use --tls-cert/--tls-key or a TLS proxy")
+    _note(f"listening on {server.url} (OpenAI base URL {server.url}/v1); Ctrl-C stops")
+
+
+def _weight_type(m) -> str:
+    try:
+        return m.weights.tensor("blk.0.attn_q").ggml_type.name
+    except Exception:  # a family without that tensor name: the banner just says less
+        return "weights"
+
+
+def _threads(config: ServerConfig) -> int:
+    return get_threads()
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
+def _run_until_signal(server: Server) -> None:
+    """Serve until SIGINT or SIGTERM; then stop cleanly (exit 0). A second signal quits at once."""
+    stop = threading.Event()
+    received: list[str] = []
+
+    def handle(signum, frame) -> None:
+        if stop.is_set():
+            _note("second signal: quitting at once")
+            os._exit(130)
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        while not stop.wait(0.5):
+            pass
+        _note(f"{received[0]}: shutting down")
+        in_flight = server.stop()
+        _note(f"stopped ({in_flight} requests in flight were cancelled)" if in_flight else "stopped")
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

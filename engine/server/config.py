@@ -1,0 +1,138 @@
+"""Server settings, checked before any model is loaded: address, auth, TLS, limits; and the served models."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import GoinferError
+from engine.models.base import Model
+from engine.requests import context_window
+
+DEFAULT_ADDR = "127.0.0.1:8080"
+DEFAULT_CTX = 4096
+DEFAULT_MAX_QUEUE = 8
+DEFAULT_KEEPALIVE_S = 15.0
+MIN_BODY_CAP = 4 << 20  # 4 MiB
+# A prompt token costs at most a few bytes of text; JSON escapes (\uXXXX) and message overhead stay well
+# under this. A body bigger than this many bytes per token of the window could never fit it.
+BODY_BYTES_PER_TOKEN = 32
+
+
+class ServerConfigError(GoinferError):
+    """The server cannot start with these settings (address, key, TLS files, limits)."""
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait per model behind the one running
+    max_body_bytes: int = 0  # 0: derived from the largest context window (body_cap)
+    keepalive_s: float = DEFAULT_KEEPALIVE_S  # SSE comment after this long without an event
+    threads: int | None = None  # compute threads per model (None: numba's default)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def check(self) -> None:
+        """Refuse settings that cannot work or are unsafe, before anything heavy happens."""
+        if not self.loopback and not self.api_key:
+            raise ServerConfigError(f"--addr {self.host}: a non-loopback address needs an API key "
+                                    "(--api-key KEY or GOINFER_API_KEY); without one any machine that can "
+                                    "reach this port could use the server")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServerConfigError("the API key is empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ServerConfigError("--tls-cert and --tls-key go together: give both or neither")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path is not None and not Path(path).is_file():
+                raise ServerConfigError(f"{flag} {path}: no such file")
+        if self.max_queue < 0:
+            raise ServerConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 0:
+            raise ServerConfigError(f"--max-body-bytes must be >= 0, got {self.max_body_bytes}")
+        if self.keepalive_s <= 0:
+            raise ServerConfigError(f"--sse-keepalive must be > 0, got {self.keepalive_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ServerConfigError(f"--threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class ServedModel:
+    """A loaded model under the name requests route on."""
+
+    name: str
+    model: Model
+    window: int  # the context window requests are held to (--ctx, or the model's own maximum if smaller)
+    created: int = field(default=0)  # for /v1/models: the model file's modification time
+
+    @classmethod
+    def of(cls, name: str, model: Model, ctx: int | None) -> ServedModel:
+        try:
+            created = int(os.stat(model.path).st_mtime)
+        except OSError:
+            created = 0
+        return cls(name, model, context_window(model, ctx), created)
+
+
+def body_cap(config: ServerConfig, models: list[ServedModel]) -> int:
+    """The request-body limit: --max-body-bytes, or derived from the largest context window (>= 4 MiB)."""
+    if config.max_body_bytes:
+        return config.max_body_bytes
+    return max(MIN_BODY_CAP, BODY_BYTES_PER_TOKEN * max((m.window for m in models), default=0))
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """HOST:PORT, [IPV6]:PORT, or a bare PORT (on 127.0.0.1) -> (host, port)."""
+    text = text.strip()
+    if text.isdigit():
+        host, port = "127.0.0.1", text
+    elif text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            raise ServerConfigError(f"--addr {text}: expected [IPV6]:PORT")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host:
+            raise ServerConfigError(f"--addr {text}: expected HOST:PORT (e.g. 127.0.0.1:8080)")
+        if ":" in host:
+            raise ServerConfigError(f"--addr {text}: write an IPv6 address as [ADDR]:PORT")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ServerConfigError(f"--addr {text}: the port must be a number in [0, 65535]")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def parse_model_spec(spec: str) -> tuple[str | None, str]:
+    """`--model [NAME=]REF` -> (NAME or None, REF). A path that itself holds '=' is written with a
+    directory part (./a=b.gguf), which is never taken for a name."""
+    name, sep, ref = spec.partition("=")
+    if sep and name and ref and "/" not in name and "\\" not in name:
+        return name, ref
+    return None, spec

@@ -1,0 +1,155 @@
+"""The server: a threaded standard-library HTTP server (one thread per connection), optional TLS, one
+worker per model, and an orderly stop."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import socketserver
+import ssl
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from typing import Callable, Iterator
+
+from engine.errors import RequestError
+from engine.server.config import ServedModel, ServerConfig, ServerConfigError, body_cap
+from engine.server.handler import Handler
+from engine.server.workers import ModelWorker
+
+
+def _stderr(line: str) -> None:
+    print(f"goinfer serve: {line}", file=sys.stderr, flush=True)
+
+
+class ServerState:
+    """What every handler thread shares: the models, their workers, the limits, the counters."""
+
+    def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None]):
+        self.models = {m.name: m for m in models}
+        self.api_key = config.api_key
+        self.body_cap = body_cap(config, models)
+        self.keepalive_s = config.keepalive_s
+        self.max_queue = config.max_queue
+        self.log = log
+        self.started = time.time()
+        self.closing = False
+        self.workers = {m.name: ModelWorker(m, config.max_queue, threads=config.threads, log=log) for m in models}
+        self._active = 0
+        self._lock = threading.Lock()
+
+    def route(self, name: str | None) -> ServedModel | None:
+        """The model a request names (None if it is not served). A request that names none is served by
+        the only model, when there is one."""
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise RequestError(f"model: required when several models are served ({', '.join(self.models)})",
+                               "model", "missing_required_parameter")
+        return self.models.get(name)
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        with self._lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    @property
+    def active_requests(self) -> int:
+        return self._active
+
+    def health(self) -> dict:
+        return {"status": "shutting_down" if self.closing else "ok",
+                "uptime_s": round(time.time() - self.started, 1),
+                "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue},
+                "models": [w.health() for w in self.workers.values()]}
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of clients must not meet refused connections
+    state: ServerState
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves the host's FQDN (a DNS lookup that can stall startup); skip it.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ssl.SSLError, ConnectionError, TimeoutError)):
+            self.state.log(f"{client_address[0]}: connection dropped: {exc}")  # e.g. plain HTTP on the TLS port
+        else:
+            super().handle_error(request, client_address)
+
+
+class Server:
+    """Serve `models` as configured. start() binds and serves in a background thread; stop() ends it."""
+
+    def __init__(self, models: list[ServedModel], config: ServerConfig, *, log: Callable[[str], None] = _stderr):
+        if not models:
+            raise ServerConfigError("no model to serve")
+        config.check()
+        self.config = config
+        self.state = ServerState(models, config, log)
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        server_class = type("GoinferHTTPServer", (_HTTPServer,), {"address_family": family})
+        try:
+            self.httpd = server_class((config.host, config.port), Handler)
+        except OSError as e:
+            self._close_workers("startup failed")
+            raise ServerConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+        self.httpd.state = self.state
+        if config.tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                ctx.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+            except (ssl.SSLError, OSError) as e:
+                self.httpd.server_close()
+                self._close_workers("startup failed")
+                raise ServerConfigError(f"--tls-cert/--tls-key: cannot load the certificate and key: {e}") from None
+            # The handshake happens in each connection's own thread (Handler.setup), never in accept().
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self.config.tls else 'http'}://{host}:{self.port}"
+
+    @property
+    def body_cap(self) -> int:
+        return self.state.body_cap
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="goinfer-http", daemon=True)
+        self._thread.start()
+
+    def stop(self, reason: str = "the server is shutting down", grace_s: float = 3.0) -> int:
+        """Stop accepting, cancel what is queued or running, give handlers `grace_s` to send their last
+        bytes, close. Returns how many requests were still in flight."""
+        self.state.closing = True
+        self.httpd.shutdown()
+        in_flight = sum(w.health()["queued"] + w.health()["busy"] for w in self.state.workers.values())
+        self._close_workers(reason)
+        deadline = time.monotonic() + grace_s
+        while self.state.active_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.httpd.server_close()
+        return in_flight
+
+    def _close_workers(self, reason: str) -> None:
+        for w in self.state.workers.values():
+            w.close(reason)
