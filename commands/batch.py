@@ -46,7 +46,7 @@ def batch(
     output: Annotated[Path, typer.Option("--output", "-o", metavar="OUT.jsonl",
                                          help="Responses (appended; failures go to OUT.errors.jsonl).",
                                          show_default=False)],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path or a built-in model name.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path, a built-in name or hf:OWNER/REPO:QUANT.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt for chats that have none.")] = None,
     temp: Annotated[Optional[float], typer.Option("--temp", help="Temperature where a line sets none.")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="top_k where a line sets none (0 = off).")] = None,
@@ -55,6 +55,7 @@ def batch(
     max_tokens: Annotated[Optional[int], typer.Option("--max", help="max_tokens where a line sets none.")] = None,
     quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for the kernels and BLAS (default: all cores).")] = None,
+    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")] = False,
 ) -> None:
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
@@ -75,7 +76,7 @@ def batch(
         fetch = FetchProgress()
         try:
             set_threads(threads)
-            return load_model(model, quant=quant, progress=fetch)
+            return load_model(model, quant=quant, progress=fetch, selftest=not no_selftest)
         finally:
             fetch.close()
 

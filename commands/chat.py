@@ -5,8 +5,10 @@ Only the model's reply goes to stdout; notices and progress go to stderr.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,6 +16,7 @@ import typer
 from commands.errors import fail, user_errors
 from commands.ui import FetchProgress, err
 from engine import generate, load_model, set_threads
+from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.errors import GoinferError
 from engine.requests import encode_prompt
 from engine.store.paths import goinfer_home
@@ -29,6 +32,8 @@ Examples:
   echo "Summarize: ..." | goinfer chat --prompt - --max 200
 
   goinfer chat --model gemma3-270m --system "Answer briefly."
+
+  goinfer chat --prompt "A cat as JSON" --schema cat.schema.json   # the reply is JSON valid under it
 
 In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /quit. Ctrl-C stops a reply; Ctrl-D quits.
 """
@@ -47,6 +52,7 @@ class Session:
     seed: int | None
     max_tokens: int
     messages: list[dict] = field(default_factory=list)
+    grammar: Grammar | None = None  # --schema: replies constrained to it
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -54,7 +60,7 @@ class Session:
 
 
 def chat(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path or a built-in model name.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path, a built-in name or hf:OWNER/REPO:QUANT.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.7,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
@@ -64,6 +70,8 @@ def chat(
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
     quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for the kernels and BLAS (default: all cores).")] = None,
+    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")] = False,
+    schema: Annotated[Optional[Path], typer.Option("--schema", help="A JSON schema file: every reply is JSON valid under it.")] = None,
 ) -> None:
     if temp < 0:
         raise fail(f"--temp must be >= 0, got {temp}")
@@ -73,10 +81,11 @@ def chat(
         raise fail(f"--threads must be >= 1, got {threads}")
     session = Session(system, temp, top_k, top_p, seed, max_tokens)
     with user_errors():
+        session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
         progress = FetchProgress()
         try:
-            llm = load_model(model, quant=quant, progress=progress)
+            llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest)
         finally:
             progress.close()
         if prompt is not None:
@@ -89,14 +98,26 @@ def chat(
     _repl(llm, session)
 
 
+def _schema_grammar(path: Path) -> Grammar:
+    """--schema FILE: the grammar of JSON valid under the schema in FILE (bad input: one line, exit 2)."""
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise fail(f"--schema: cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise fail(f"--schema: {path} is not valid JSON: {e}") from None
+    return json_schema_grammar(schema, f"--schema {path}")
+
+
 def _reply(llm, session: Session) -> str:
     """Stream one assistant reply to stdout; return its text (also when stopped by Ctrl-C)."""
     text = llm.render_chat(session.conversation(), add_generation_prompt=True)
     ids = encode_prompt(llm, text)  # no second BOS when the template writes one
     parts: list[str] = []
     try:
+        procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
         for ev in generate(llm, ids, max_tokens=session.max_tokens, temperature=session.temperature,
-                           top_k=session.top_k, top_p=session.top_p, seed=session.seed):
+                           top_k=session.top_k, top_p=session.top_p, seed=session.seed, processors=procs):
             if ev.text:
                 parts.append(ev.text)
                 sys.stdout.write(ev.text)

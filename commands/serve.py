@@ -46,7 +46,7 @@ Ctrl-C (or SIGTERM) stops the server: requests in flight are cancelled. See docs
 def serve(
     model: Annotated[Optional[List[str]], typer.Option(
         "--model", "-m", metavar="[NAME=]REF",
-        help="A .gguf path or built-in model name, optionally served as NAME; repeatable.")] = None,
+        help="A .gguf path, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME; repeatable.")] = None,
     addr: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
@@ -61,6 +61,7 @@ def serve(
         "--max-body-bytes", help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
     quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="Compute threads per model (default: all cores).")] = None,
+    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")] = False,
     sse_keepalive: Annotated[float, typer.Option(
         "--sse-keepalive", help="Seconds of silence after which a stream gets a keep-alive comment.")]
     = DEFAULT_KEEPALIVE_S,
@@ -81,7 +82,7 @@ def serve(
             raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
         served = []
         for (name, ref), default in zip(specs, names):
-            llm = _load(ref, quant)
+            llm = _load(ref, quant, not no_selftest)
             served.append(ServedModel.of(default or llm.name, llm, ctx))
         names = [s.name for s in served]
         if len(set(names)) < len(names):
@@ -99,10 +100,10 @@ def _default_name(ref: str | None) -> str | None:
     return builtin.name if builtin is not None else None
 
 
-def _load(ref: str | None, quant: str):
+def _load(ref: str | None, quant: str, selftest: bool = True):
     progress = FetchProgress()
     try:
-        return load_model(ref, quant=quant, progress=progress)
+        return load_model(ref, quant=quant, progress=progress, selftest=selftest)
     finally:
         progress.close()
 

@@ -15,7 +15,7 @@ import numpy as np
 from engine.cache.kv import KVCache
 from engine.errors import ContextOverflow, InvalidRequest
 from engine.models.base import Model, log_softmax
-from engine.sampling import SamplingParams, make_logits_processors, make_sampler
+from engine.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
 from engine.tokenizer import IncrementalDecoder
 
 
@@ -27,6 +27,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" (EOG or stop string) or "length" on the last event
     # the most likely tokens at this step as (id, logprob), best first; only when generate(top_logprobs=k)
     top_logprobs: list[tuple[int, float]] | None = None
+    stop_sequence: str | None = None  # the stop string that ended generation, if one did
 
 
 def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
@@ -34,9 +35,12 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              logit_bias: dict[int, float] | None = None, cache: KVCache | None = None,
-             top_logprobs: int = 0, on_prefill: Callable[[int], None] | None = None) -> Iterator[TokenEvent]:
+             top_logprobs: int = 0, on_prefill: Callable[[int], None] | None = None,
+             processors: Sequence[Processor] = ()) -> Iterator[TokenEvent]:
     """Checks every argument now (raising InvalidRequest / ContextOverflow); the work starts at the first
-    next(). `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run)."""
+    next(). `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run).
+    `processors` run after the sampling ones (a grammar mask last); one with an `accept(token)` method is
+    told each sampled token before the model evaluates it (so it can prepare the next step meanwhile)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}))
@@ -54,13 +58,14 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
         raise ContextOverflow(f"the prompt has {len(prompt_ids)} tokens; the context window is {window}")
     cache = cache if cache is not None else model.new_cache(min(window, len(prompt_ids) + max_tokens))
     max_tokens = min(max_tokens, cache.max_tokens - len(prompt_ids))
-    return _run(model, prompt_ids, max_tokens, params, stops, cache, top_logprobs, on_prefill)
+    return _run(model, prompt_ids, max_tokens, params, stops, cache, top_logprobs, on_prefill, list(processors))
 
 
 def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str],
-         cache: KVCache, top_logprobs: int = 0, on_prefill=None) -> Iterator[TokenEvent]:
+         cache: KVCache, top_logprobs: int = 0, on_prefill=None, extra: list | None = None) -> Iterator[TokenEvent]:
     tok = model.tokenizer
-    processors = make_logits_processors(params)
+    processors = make_logits_processors(params) + (extra or [])
+    accepts = [p.accept for p in processors if hasattr(p, "accept")]
     sampler = make_sampler(params)
     decoder = IncrementalDecoder(tok, skip_special=True)
     history = list(prompt_ids)
@@ -73,6 +78,8 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
             work = proc(work, history)
         token = sampler(work)
         history.append(token)
+        for accept in accepts:
+            accept(token)
         lp = float(logprobs[token])
         top = top_logprobs_of(logprobs, top_logprobs) if top_logprobs else None  # from the same row: no extra pass
         if token in tok.eog_ids:
@@ -81,7 +88,8 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
         pending += decoder.push(token)
         cut = _find_stop(pending, stops)
         if cut is not None:
-            yield TokenEvent(token, pending[:cut], lp, "stop", top)
+            which = next(st for st in stops if pending.find(st) == cut)
+            yield TokenEvent(token, pending[:cut], lp, "stop", top, which)
             return
         if n == max_tokens:
             yield TokenEvent(token, pending + decoder.flush(), lp, "length", top)

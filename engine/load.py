@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import sys
 from pathlib import Path
 
 from engine.errors import InvalidRequest
-from engine.formats.gguf import GGUFFile
+from engine.formats.gguf import open_gguf
 from engine.kernels.backend import get_backend
 from engine.models.base import Model
 from engine.models.config import config_from_gguf
@@ -26,13 +28,17 @@ QUANT_MODES = ("auto", "f32")
 COMPUTE_PATH = {"auto": "f32", "f32": "f32"}  # quant mode -> the kernels that actually run
 
 
-def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None) -> Model:
-    """Load a model from a .gguf path or a built-in name (None: the default built-in model)."""
+def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
+               selftest: bool = True) -> Model:
+    """Load a model from a .gguf path, a built-in name or an hf: reference (None: the default built-in model).
+
+    selftest=False (or GOINFER_NO_SELFTEST=1) skips the once-per-process kernel self-test.
+    """
     quant = quant or "auto"
     if quant not in QUANT_MODES:
         raise InvalidRequest(f"unknown quant mode {quant!r} (choose from: {', '.join(QUANT_MODES)})")
     path = _resolve(ref, progress)
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)  # one file, or every shard of a split model read as one
     meta = gguf.metadata
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens is not None else int(meta.get(f"{gguf.architecture}.vocab_size", 0))
@@ -47,9 +53,24 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     template = template_for(config.arch, meta.get("tokenizer.chat_template"),
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
-    return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=get_backend("cpu"),
+    return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=cpu_backend(selftest),
                  tokenizer=tokenizer, template=template, quant=quant,
                  compute_path=COMPUTE_PATH[quant], metadata=meta)
+
+
+def cpu_backend(selftest: bool = True):
+    """The CPU backend, after the kernel self-test (first load of the process): a type whose fast kernel
+    disagreed with the reference runs on the reference tier instead."""
+    from engine.kernels import selftest as st
+
+    if not selftest or os.environ.get("GOINFER_NO_SELFTEST", "").strip() not in ("", "0"):
+        st.mark_skipped()
+        return get_backend("cpu")
+    st.run_selftest(warn=lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
+    slow = st.disabled_types()
+    if not slow:
+        return get_backend("cpu")
+    return st.TieredBackend(get_backend("cpu"), get_backend(st.TIERS[1]), slow)
 
 
 def release_free_memory() -> None:
@@ -62,7 +83,7 @@ def release_free_memory() -> None:
 
 
 def _resolve(ref, progress) -> Path:
-    if ref is not None and Path(ref).suffix == ".gguf":
+    if ref is not None and Path(ref).suffix == ".gguf" and not str(ref).lower().startswith("hf:"):
         return Path(ref)  # a file path: GGUFFile reports a missing file itself
     from engine.store import resolve_model_ref  # the store fetches built-in models on first use
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterator
 
+from engine.constrain.grammar import Grammar, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
 from engine.generate import TokenEvent, generate, top_logprobs_of
 from engine.models.base import Model
+from engine.templates.tools import ToolCall, parse_tool_calls, render_messages, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
 
 
@@ -62,10 +64,25 @@ class GenerationRequest:
     stream: bool = False  # a transport matter (SSE); execute ignores it
     include_usage: bool = False  # stream: end with a usage chunk (stream_options.include_usage)
     model: str | None = None  # the model the client named (routing); execute ignores it
+    # Structured output: every answer is constrained to this grammar (a JSON schema, tool calls).
+    grammar: Grammar | None = field(default=None, hash=False)
+    # Tools the model may call ({"name", "description", "parameters"} each); None or () = no tools.
+    tools: tuple[dict, ...] | None = field(default=None, hash=False)
+    tool_choice: str = "auto"  # "none" | "auto" | "required" | "function" (one named tool: tools holds it)
+    parallel_tool_calls: bool = True
 
     @property
     def kind(self) -> str:
         return "chat" if self.messages is not None else "completion"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether answers are read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t["name"] for t in self.tools or ()}
 
 
 def apply_defaults(req: GenerationRequest, options: SamplingOptions | None = None,
@@ -92,10 +109,12 @@ class TokenLogprob:
 class Choice:
     """One of a request's n answers."""
 
-    text: str  # what the user sees (with echo: the prompt text first)
-    finish_reason: str  # "stop" or "length"
+    text: str  # what the user sees (with echo: the prompt text first); with tool calls, the text before them
+    finish_reason: str  # "stop", "length" or "tool_calls"
     completion_tokens: int  # every generated token, an end-of-generation token included
     logprobs: list[TokenLogprob] | None = None  # echoed prompt tokens, then generated ones (EOG excluded)
+    tool_calls: list[ToolCall] | None = None  # the calls the answer makes (requests with tools only)
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -134,7 +153,9 @@ def encode_prompt(model: Model, text: str) -> list[int]:
 
 def prompt_ids(model: Model, req: GenerationRequest) -> list[int]:
     if req.messages is not None:
-        return encode_prompt(model, model.render_chat(list(req.messages), add_generation_prompt=True))
+        tools = list(req.tools or ()) if req.calls_tools else None
+        messages, template_tools = render_messages(list(req.messages), tools, model.template.source)
+        return encode_prompt(model, model.render_chat(messages, add_generation_prompt=True, tools=template_tools))
     if isinstance(req.prompt, str):
         return encode_prompt(model, req.prompt)
     ids = [int(t) for t in req.prompt or ()]
@@ -178,17 +199,22 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
         if should_stop is not None and should_stop():
             raise Cancelled(f"the request was cancelled during the prompt ({done} of {len(ids)} tokens)")
 
+    grammar = req.grammar
+    if grammar is not None and grammar.what == "tool_calls" and req.tool_choice == "auto" and \
+            template_supports_tools(model.template.source):
+        grammar = None  # the template prompts for its own call format: left free, parsed afterwards
     runs = []
     for i in range(req.n):
         # Choice i samples with seed + i: n choices from one seed differ, and each is reproducible.
         seed = None if opts.seed is None else (opts.seed + i) % (1 << 64)
         cache = model.new_cache(min(window, len(ids) + opts.max_tokens))  # grows with use, never past window
+        procs = [grammar_processor(model.tokenizer, grammar)] if grammar is not None else []
         runs.append(generate(model, ids, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=seed,
                              stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
                              repetition_penalty=opts.repetition_penalty, presence_penalty=opts.presence_penalty,
                              frequency_penalty=opts.frequency_penalty, logit_bias=opts.logit_bias,
                              top_logprobs=req.top_logprobs if req.logprobs else 0, cache=cache,
-                             on_prefill=on_prefill))
+                             on_prefill=on_prefill, processors=procs))
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
@@ -204,6 +230,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None  # the tokens this piece reports (None unless logprobs were asked for)
     finish_reason: str | None  # set on the choice's last piece
     new_tokens: int  # generated tokens in this piece: 1, or 0 for the echoed prompt
+    stop_sequence: str | None = None  # on the last piece: the stop string that ended the choice, if one did
 
 
 def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None) -> Iterator[Delta]:
@@ -230,18 +257,20 @@ def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None 
                     top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
                     lps.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, offset))
                     offset += len(decoder.push(ev.token))
-            yield Delta(index, ev.text, lps, ev.finish_reason, 1)
+            yield Delta(index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence)
 
 
 class Collector:
     """Builds the Completion from a run's pieces (the same pieces a stream sends)."""
 
     def __init__(self, prep: Prepared):
+        self._request = prep.request
         self._prompt_tokens = len(prep.ids)
         self._parts: list[list[str]] = [[] for _ in prep.runs]
         self._finish = ["length"] * len(prep.runs)
         self._tokens = [0] * len(prep.runs)
         self._logprobs = [[] if prep.request.logprobs else None for _ in prep.runs]
+        self._stops: list[str | None] = [None] * len(prep.runs)
         self.generated = 0  # tokens over all choices
 
     def add(self, d: Delta) -> None:
@@ -250,12 +279,21 @@ class Collector:
         self.generated += d.new_tokens
         if d.finish_reason:
             self._finish[d.index] = d.finish_reason
+            self._stops[d.index] = d.stop_sequence
         if d.logprobs:
             self._logprobs[d.index].extend(d.logprobs)
 
     def result(self) -> Completion:
-        return Completion([Choice("".join(p), f, n, lp) for p, f, n, lp in
-                           zip(self._parts, self._finish, self._tokens, self._logprobs)], self._prompt_tokens)
+        choices = [Choice("".join(p), f, n, lp, stop_sequence=st) for p, f, n, lp, st in
+                   zip(self._parts, self._finish, self._tokens, self._logprobs, self._stops)]
+        if self._request.calls_tools:
+            for c in choices:
+                text, calls = parse_tool_calls(c.text, self._request.tool_names)
+                if calls:
+                    c.text, c.tool_calls = text, calls
+                    if c.finish_reason == "stop":
+                        c.finish_reason = "tool_calls"
+        return Completion(choices, self._prompt_tokens)
 
 
 def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,

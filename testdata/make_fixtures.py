@@ -184,7 +184,8 @@ _LLAMA_TYPES = [
 ]
 
 
-def _llama_writer(path, arch: str = "llama", seed: int = 0, override: dict | None = None) -> gguf.GGUFWriter:
+def _llama_writer(path, arch: str = "llama", seed: int = 0, override: dict | None = None,
+                  split_max_tensors: int = 0) -> gguf.GGUFWriter:
     """A llama-family writer with metadata and tensors added, not yet written.
     override: tensor name -> (array, raw_dtype) to store instead of a random matrix."""
     rng = np.random.default_rng(seed)
@@ -192,7 +193,7 @@ def _llama_writer(path, arch: str = "llama", seed: int = 0, override: dict | Non
     tokens, token_types, merges = _gpt2_vocab()
     n_vocab, d, hd = len(tokens), c["n_embd"], c["head_dim"]
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name("goinfer tiny llama fixture")
     w.add_uint32(f"{arch}.context_length", c["n_ctx"])
     w.add_uint32(f"{arch}.embedding_length", d)
@@ -244,6 +245,13 @@ def write_llama_fixture(path) -> Path:
     """llama architecture, SmolLM2-like tokenizer (gpt2 byte-level BPE, ChatML template); untied output head."""
     _write(_llama_writer(path))
     return Path(path)
+
+
+def write_llama_split_fixture(path, max_tensors: int = 12) -> list[Path]:
+    """The llama fixture split llama.cpp-style (gguf-split): <stem>-0000N-of-0000M.gguf, metadata in the first."""
+    path = Path(path)
+    _write(_llama_writer(path, split_max_tensors=max_tensors))
+    return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
 
 
 def write_unsupported_arch_fixture(path) -> Path:

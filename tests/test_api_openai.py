@@ -59,17 +59,13 @@ def test_unset_settings_fall_through_flags_then_api_defaults():
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
     ({"messages": USER, "functions": [{"name": "f"}]}, "functions", "functions"),
-    ({"messages": USER, "tool_choice": "required"}, "tool_choice", "tools"),
-    ({"messages": USER + [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[1].role", "tool"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
-     "messages[0].tool_calls", "tool calls"),
+    ({"messages": USER + [{"role": "function", "content": "x", "name": "f"}]}, "messages[1].role", "function"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                 {"type": "image_url", "image_url": {"url": "data:"}}]}]},
      "messages[0].content[1]", "image"),
     ({"messages": USER, "n": 17}, "n", "at most 16"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ({"messages": USER, "response_format": {"type": "grammar"}}, "response_format.type", "json_schema"),
     ({"messages": USER, "frobnicate": 1}, "frobnicate", "unknown parameter"),
 ])
 def test_what_the_runner_cannot_do_is_refused_by_name(body, param, words):
@@ -95,6 +91,18 @@ def test_what_the_runner_cannot_do_is_refused_by_name(body, param, words):
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
     ({"messages": USER, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls[0]"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
 ])
 def test_invalid_fields_are_named(body, param):
     e = refused(parse_chat_request, body)
@@ -204,3 +212,19 @@ def test_generate_reports_top_logprobs_only_when_asked(smol):
     top = asked[0].top_logprobs
     assert [t for t, _ in top] == [int(i) for i in (-row).argsort(kind="stable")[:4]]
     assert all(math.isclose(lp, float(row[t]), abs_tol=1e-3) for t, lp in top)
+
+
+def test_tools_tool_messages_and_response_formats_parse():
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    req = parse_chat_request({"messages": msgs, "tools": tools, "tool_choice": "required"})
+    assert req.tool_choice == "required" and req.tool_names == {"get_weather"} and req.grammar.what == "tool_calls"
+    assert req.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    assert req.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert parse_chat_request({"messages": USER, "tools": tools, "tool_choice": "none"}).grammar is None
+    assert parse_chat_request({"messages": USER, "response_format": {"type": "json_object"}}).grammar.what == "json_object"
+    assert parse_completion_request({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "integer"}}}}).grammar.what == "json_schema"

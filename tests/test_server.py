@@ -273,8 +273,9 @@ def test_batch_and_server_answer_the_same_bodies_identically(tmp_path, raw, smol
     ({"messages": QUESTION, "frobnicate": 1}, "frobnicate", "unknown parameter"),
     ({"messages": QUESTION, "n": 99}, "n", "at most"),
     ({"messages": QUESTION, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"messages": QUESTION + [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[1].role", "tool"),
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]},
+     "tools[0].function.parameters", "foo"),
+    ({"messages": QUESTION, "functions": [{"name": "f"}]}, "functions", "not supported"),
 ])
 def test_bad_fields_are_400_naming_the_field(raw, name, body, param, words):
     err = error_of(raw.post("/v1/chat/completions", json={"model": name, **body}), 400)

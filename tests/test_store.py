@@ -386,9 +386,12 @@ def test_missing_path_and_directory_are_model_not_found(tmp_path, home):
         resolve_model_ref(str(tmp_path))
 
 
-def test_hf_reference_is_not_supported_yet(home, index):
-    with pytest.raises(ModelNotFound, match="not supported yet"):
-        resolve_model_ref("hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF")
+def test_hf_reference_offline_and_not_cached_is_refused_without_network(home, index, monkeypatch):
+    # hf: references are pulled from a Hugging Face hub (tests/test_hf_pull.py); offline, an uncached one
+    # is refused with the command that fetches it, and neither the hub nor the package index is contacted.
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ModelNotFound, match="goinfer pull hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"):
+        resolve_model_ref("hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", offline=True)
     assert index.requests == 0
 
 

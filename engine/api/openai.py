@@ -15,10 +15,14 @@ Streaming chunks (the same objects cut into SSE events) are built in engine/api/
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Callable
 
+from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar
+from engine.constrain.tools import tool_call_grammar
 from engine.errors import ContextOverflow, GoinferError, InvalidRequest, RequestError, TemplateError
 from engine.requests import Completion, GenerationRequest, SamplingOptions, TokenLogprob, execute
 
@@ -33,15 +37,15 @@ MAX_N = 16  # choices per request; they run one after another, so each one costs
 
 # Accepted and without effect here: routing, bookkeeping and hints about how to deliver.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier",
-            "prompt_cache_key", "parallel_tool_calls", "reasoning_effort"}
+            "prompt_cache_key", "reasoning_effort"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
 _CHAT_FIELDS = _IGNORED | _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                       "response_format", "tool_choice"}
-_COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+                                       "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+_COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format"}
 # Asked for by name, and not done yet: refused with a message that says so.
-_UNSUPPORTED_CHAT = {"tools": "tools (function calling)", "functions": "functions (function calling)",
-                     "function_call": "function_call (function calling)", "audio": "audio output",
+_UNSUPPORTED_CHAT = {"functions": "functions (legacy function calling; use tools)",
+                     "function_call": "function_call (legacy function calling; use tool_choice)", "audio": "audio output",
                      "prediction": "predicted outputs", "web_search_options": "web search",
                      "modalities": "output modalities other than text"}
 
@@ -69,15 +73,13 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             continue
         raise RequestError(f"{name}: {what} is not supported", name, "unsupported_parameter")
     _known(body, _CHAT_FIELDS | set(_UNSUPPORTED_CHAT))
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise RequestError("tool_choice: tools (function calling) are not supported", "tool_choice",
-                           "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            raise RequestError(f"response_format: type {kind!r} is not supported (only 'text')",
-                               "response_format", "unsupported_value")
+    grammar = response_format_grammar(body.get("response_format"))
+    tools = parse_tools(body.get("tools"))
+    choice, tools = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = _bool(body, "parallel_tool_calls", True)
+    if tools and choice != "none":
+        # The tool grammar replaces a response_format one: a call's arguments follow their own schema.
+        grammar = tool_call_grammar(list(tools), forced=choice != "auto", parallel=parallel)
     messages = _messages(body.get("messages"))
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -91,7 +93,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     options = _options(body, max_completion if max_completion is not None else max_tokens)
     stream, include_usage = _stream(body)
     return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
-                             n=_n(body), stream=stream, include_usage=include_usage, model=_str(body, "model"))
+                             n=_n(body), stream=stream, include_usage=include_usage, model=_str(body, "model"),
+                             grammar=grammar, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -111,7 +114,84 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     stream, include_usage = _stream(body)
     return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, _int(body, "max_tokens", 1)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=_bool(body, "echo", False),
-                             n=n, stream=stream, include_usage=include_usage, model=_str(body, "model"))
+                             n=n, stream=stream, include_usage=include_usage, model=_str(body, "model"),
+                             grammar=response_format_grammar(body.get("response_format")))
+
+
+def response_format_grammar(fmt: Any, param: str = "response_format") -> Grammar | None:
+    """The grammar a response_format asks for: None for text, JSON for json_object, the schema's for
+    json_schema (an invalid or unsupported schema is a RequestError naming what is wrong)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise RequestError(f"{param}: must be an object, not {_kind(fmt)}", param, "invalid_type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_grammar()
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError(f"{param}.json_schema: required, an object with a schema", f"{param}.json_schema",
+                               "missing_required_parameter")
+        if "schema" not in spec:
+            raise RequestError(f"{param}.json_schema.schema: required", f"{param}.json_schema.schema",
+                               "missing_required_parameter")
+        return json_schema_grammar(spec["schema"], f"{param}.json_schema.schema")
+    raise RequestError(f"{param}.type: must be text, json_object or json_schema (got {kind!r})", f"{param}.type",
+                       "unsupported_value")
+
+
+def parse_tools(value: Any, param: str = "tools") -> tuple[dict, ...] | None:
+    """OpenAI `tools` -> ({"name", "description", "parameters"}, ...); each schema is checked."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise RequestError(f"{param}: must be an array of tools", param, "invalid_type")
+    out, names = [], set()
+    for i, t in enumerate(value):
+        at = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise RequestError(f'{at}: must be {{"type": "function", "function": {{...}}}} (only function tools '
+                               "are supported)", at, "invalid_value")
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise RequestError(f"{at}.function.name: must be 1-64 letters, digits, _ . or - (got {name!r})",
+                               f"{at}.function.name", "invalid_value")
+        if name in names:
+            raise RequestError(f"{at}.function.name: {name!r} is given twice", f"{at}.function.name", "invalid_value")
+        names.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        json_schema_grammar(params, f"{at}.function.parameters")  # refuse a schema we cannot enforce, now
+        tool = {"name": name, "parameters": params}
+        if isinstance(fn.get("description"), str):
+            tool["description"] = fn["description"]
+        out.append(tool)
+    return tuple(out)
+
+
+def parse_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> tuple[str, tuple[dict, ...] | None]:
+    """(mode, tools the answer may call): none / auto / required, or "function" with the one named tool."""
+    if value is None:
+        return "auto", tools
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise RequestError("tool_choice: 'required' needs tools", "tool_choice", "invalid_value")
+        return value, tools
+    name = None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+    if not isinstance(name, str):
+        raise RequestError('tool_choice: must be none, auto, required or {"type": "function", "function": '
+                           '{"name": ...}}', "tool_choice", "invalid_value")
+    chosen = tuple(t for t in tools or () if t["name"] == name)
+    if not chosen:
+        raise RequestError(f"tool_choice.function.name: names tool {name!r}, which is not in tools",
+                           "tool_choice.function.name",
+                           "invalid_value")
+    return "function", chosen
 
 
 def _object(body: Any) -> dict:
@@ -186,21 +266,43 @@ def _messages(value: Any) -> tuple[dict, ...]:
         if not isinstance(m, dict):
             raise RequestError(f"{where}: must be an object, not {_kind(m)}", where, "invalid_type")
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise RequestError(f"{where}.role: {role} messages (function calling) are not supported",
-                               f"{where}.role", "unsupported_value")
-        if role not in _ROLES:
-            raise RequestError(f"{where}.role: must be one of system, developer, user, assistant (got {role!r})",
-                               f"{where}.role", "invalid_value")
-        if m.get("tool_calls") or m.get("function_call"):
-            key = "tool_calls" if m.get("tool_calls") else "function_call"
-            raise RequestError(f"{where}.{key}: tool calls (function calling) are not supported",
-                               f"{where}.{key}", "unsupported_parameter")
+        if role == "function":
+            raise RequestError(f"{where}.role: function messages (legacy function calling) are not supported; "
+                               "use tool messages", f"{where}.role", "unsupported_value")
+        if role not in _ROLES and role != "tool":
+            raise RequestError(f"{where}.role: must be one of system, developer, user, assistant, tool "
+                               f"(got {role!r})", f"{where}.role", "invalid_value")
+        if m.get("function_call"):
+            raise RequestError(f"{where}.function_call: legacy function calling is not supported; use tool_calls",
+                               f"{where}.function_call", "unsupported_parameter")
         content = m.get("content")
         if content is None and role != "assistant":
             raise RequestError(f"{where}.content: required", f"{where}.content", "missing_required_parameter")
-        out.append({"role": _ROLES[role], "content": _content(content, f"{where}.content")})
+        if role == "tool":
+            out.append({"role": "tool", "content": _content(content, f"{where}.content"),
+                        "tool_call_id": str(m.get("tool_call_id") or "")})
+            continue
+        msg = {"role": _ROLES[role], "content": _content(content, f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(msg)
     return tuple(out)
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, replayed into the prompt."""
+    if not isinstance(value, list):
+        raise RequestError(f"{where}: must be an array", where, "invalid_type")
+    out = []
+    for j, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f'{where}[{j}]: must be {{"id", "type": "function", "function": {{"name", '
+                               '"arguments"}}}}', f"{where}[{j}]", "invalid_value")
+        args = fn.get("arguments", "{}")
+        out.append({"id": str(c.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
 
 
 def _content(content: Any, where: str) -> str:
@@ -339,11 +441,23 @@ def chat_completion(result: Completion, *, model_name: str, request_id: str | No
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model_name,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "choices": [{"index": i, "message": _message(c),
                      "logprobs": chat_logprobs(c.logprobs or []) if with_logprobs else None,
                      "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
         "usage": usage(result.prompt_tokens, result.completion_tokens),
     }
+
+
+def _message(c) -> dict:
+    msg = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.tool_calls:
+        msg["content"] = c.text or None
+        msg["tool_calls"] = [tool_call_object(t) for t in c.tool_calls]
+    return msg
+
+
+def tool_call_object(t) -> dict:
+    return {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
 
 
 def text_completion(result: Completion, *, model_name: str, request_id: str | None = None,

@@ -15,10 +15,11 @@ same pieces by engine.requests), so a stream joined up equals the answer without
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.api.openai import chat_logprobs, completion_logprobs, usage
 from engine.requests import Delta
+from engine.templates.tools import ToolCallSplitter
 
 DONE = b"data: [DONE]\n\n"
 
@@ -44,6 +45,10 @@ class Stream:
     model: str
     logprobs: bool = False
     include_usage: bool = False
+    # With tools: the names an answer may call. Text from a <tool_call> opener on is held back and sent
+    # as tool_calls deltas at the end of the choice (its arguments whole, one delta per call).
+    tool_names: frozenset[str] | None = None
+    _splitters: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _chunk(self, choices: list[dict]) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -64,13 +69,27 @@ class Stream:
         if first:
             out.append(self._chunk([{"index": d.index, "delta": {"role": "assistant", "content": "", "refusal": None},
                                      "logprobs": None, "finish_reason": None}]))
-        if d.text or d.logprobs:
+        text, calls, finish = d.text, [], d.finish_reason
+        if self.tool_names is not None:
+            splitter = self._splitters.setdefault(d.index, ToolCallSplitter())
+            text = splitter.push(d.text)
+            if d.finish_reason:
+                rest, calls = splitter.finish(set(self.tool_names))
+                text += rest
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+        if text or d.logprobs:
             lp = chat_logprobs(d.logprobs or []) if self.logprobs else None
-            out.append(self._chunk([{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
+            out.append(self._chunk([{"index": d.index, "delta": {"content": text}, "logprobs": lp,
                                      "finish_reason": None}]))
-        if d.finish_reason:
-            out.append(self._chunk([{"index": d.index, "delta": {}, "logprobs": None,
-                                     "finish_reason": d.finish_reason}]))
+        for i, call in enumerate(calls):  # OpenAI's shape: id, type and name first, then the arguments
+            out.append(self._chunk([{"index": d.index, "delta": {"tool_calls": [
+                {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
+                "logprobs": None, "finish_reason": None}]))
+            out.append(self._chunk([{"index": d.index, "delta": {"tool_calls": [
+                {"index": i, "function": {"arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None}]))
+        if finish:
+            out.append(self._chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict | None:

@@ -8,6 +8,7 @@ milliseconds plus the vocabulary. gguf.GGUFReader stays the oracle in tests.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,27 @@ class _Cursor:
             if etype == _ARRAY:  # nested arrays are rare (none in llama.cpp's writers); decode generically
                 return [self.value(_ARRAY) for _ in range(count)]
         raise ModelLoadError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+
+
+def read_header_key(data: bytes, key: str, name: str = "GGUF header") -> Any:
+    """One metadata value from the first bytes of a GGUF file (None when absent), for remote probes.
+
+    ModelLoadError mentioning "truncated" means the key may lie beyond `data`: read more and retry.
+    """
+    if data[:4] != MAGIC:
+        raise ModelLoadError(f"{name}: not a GGUF file (bad magic number)")
+    cur = _Cursor(memoryview(data), Path(name))
+    cur.pos = 4
+    if cur.scalar("<I") not in (2, 3):
+        raise ModelLoadError(f"{name}: unsupported GGUF version")
+    cur.scalar("<Q")
+    n_kv = cur.scalar("<Q")
+    for _ in range(min(n_kv, 1_000_000)):
+        k = cur.string()
+        value = cur.value(cur.scalar("<I"))
+        if k == key:
+            return value
+    return None
 
 
 class GGUFFile:
@@ -198,3 +220,90 @@ class GGUFFile:
 
     def has(self, name: str) -> bool:
         return name in self.entries
+
+
+# --- split models (llama.cpp's gguf-split): <prefix>-0000N-of-0000M.gguf, metadata in the first shard ---------
+
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def shard_paths(path: str | Path) -> list[Path]:
+    """Every shard's path of the split set `path` belongs to (by name), or [path] for a single file."""
+    path = Path(path)
+    m = SPLIT_NAME.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+class GGUFShards:
+    """One model stored as several GGUF shards, read as one: the same interface as GGUFFile.
+
+    Metadata comes from the first shard (gguf-split writes it there); the tensor directory is the union of
+    every shard's, each tensor a view of its own shard's mapping. `split.count` and `split.tensors.count`
+    are checked so a missing or foreign shard is refused at open, naming it.
+    """
+
+    def __init__(self, shards: list[GGUFFile]):
+        first = shards[0]
+        self.path = first.path
+        self.shards = shards
+        self.metadata = first.metadata
+        self.version = first.version
+        self.file_size = sum(s.file_size for s in shards)
+        self.entries: dict[str, TensorEntry] = {}
+        self._owner: dict[str, GGUFFile] = {}
+        for shard in shards:
+            for name, entry in shard.entries.items():
+                if name in self._owner:
+                    raise ModelLoadError(f"{shard.path.name}: tensor {name!r} is also in {self._owner[name].path.name}")
+                self.entries[name] = entry
+                self._owner[name] = shard
+        expected = first.metadata.get("split.tensors.count")
+        if expected is not None and int(expected) != len(self.entries):
+            raise ModelLoadError(f"{self.path.name}: the split set holds {len(self.entries)} tensors, "
+                                 f"its header says {int(expected)}")
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def check_tensor_types(self) -> None:
+        for shard in self.shards:
+            shard.check_tensor_types()
+
+    def tensor(self, name: str) -> QTensor:
+        shard = self._owner.get(name)
+        if shard is None:
+            raise ModelLoadError(f"{self.path.name}: missing tensor {name!r}")
+        return shard.tensor(name)
+
+    def vector(self, name: str) -> np.ndarray:
+        shard = self._owner.get(name)
+        if shard is None:
+            raise ModelLoadError(f"{self.path.name}: missing tensor {name!r}")
+        return shard.vector(name)
+
+    def has(self, name: str) -> bool:
+        return name in self._owner
+
+
+def open_gguf(path: str | Path) -> GGUFFile | GGUFShards:
+    """Open a model's GGUF: a single file, or (any shard of) a split set, read as one model."""
+    first = GGUFFile(path)
+    count = int(first.metadata.get("split.count", 1) or 1)
+    if count <= 1:
+        return first
+    paths = shard_paths(first.path)
+    if len(paths) != count:
+        raise ModelLoadError(f"{first.path.name}: header says {count} shards, but the name is not "
+                             f"<prefix>-0000N-of-{count:05d}.gguf")
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"{first.path.name}: split model is missing shard(s) {', '.join(missing)}")
+    shards = [first if p == first.path else GGUFFile(p) for p in paths]
+    for i, shard in enumerate(shards):
+        if int(shard.metadata.get("split.no", -1)) != i or int(shard.metadata.get("split.count", 0)) != count:
+            raise ModelLoadError(f"{shard.path.name}: not shard {i + 1} of {count} of this split model")
+    return GGUFShards(shards)

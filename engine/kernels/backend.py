@@ -94,11 +94,18 @@ class NumbaBackend:
         return cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, dtype=np.float32))
 
 
-_BACKENDS = {"cpu": NumbaBackend, "numba": NumbaBackend, "reference": ReferenceBackend}
+def _q8_backend() -> Backend:
+    from engine.kernels.backend_q8 import Q8Backend  # late import: backend_q8 builds on this module
+
+    return Q8Backend()
+
+
+_BACKENDS = {"cpu": NumbaBackend, "numba": NumbaBackend, "reference": ReferenceBackend, "cpu-q8": _q8_backend}
 
 
 def get_backend(name: str = "cpu") -> Backend:
-    """"cpu" (numba kernels; alias "numba") or "reference" (numpy oracle). A new instance per call."""
+    """"cpu" (numba kernels; alias "numba"), "cpu-q8" (int8 decode kernels) or "reference" (numpy oracle).
+    A new instance per call."""
     try:
         return _BACKENDS[name]()
     except KeyError:

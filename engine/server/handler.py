@@ -20,11 +20,11 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Iterator
 from urllib.parse import urlsplit
 
-from engine.api import sse
+from engine.api import anthropic, responses, sse
 from engine.api.openai import (CHAT_URL, COMPLETIONS_URL, error_body, error_object, error_status, model_list,
                                model_object, new_id, parse_request, response_object)
 from engine.errors import Cancelled, GoinferError
-from engine.requests import Collector, Delta, prepare
+from engine.requests import Collector, Delta, prepare, prompt_ids
 from engine.server.workers import Finished, Job, QueueFull, ShuttingDown
 
 if TYPE_CHECKING:
@@ -33,6 +33,18 @@ if TYPE_CHECKING:
 TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-body) is closed
 _GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError, ssl.SSLError)
+
+
+_STORE_LOCK = threading.Lock()
+
+
+def _response_store(state) -> responses.ResponseStore:
+    """The server's bounded store of Responses API answers (made on first use)."""
+    with _STORE_LOCK:
+        store = getattr(state, "response_store", None)
+        if store is None:
+            store = state.response_store = responses.ResponseStore()
+        return store
 
 
 class HTTPError(Exception):
@@ -131,6 +143,9 @@ class Handler(BaseHTTPRequestHandler):
         self._model_name: str | None = None
         self._usage: tuple[int, int] | None = None
         path = urlsplit(self.path).path
+        # Errors on Anthropic's routes take Anthropic's shape (_send_error translates them).
+        self._anthropic = path in anthropic.URLS
+        self._rr = None  # a Responses API request, once parsed
         try:
             self._check_auth()
             if path == "/health":
@@ -145,13 +160,22 @@ class Handler(BaseHTTPRequestHandler):
                 if served is None:
                     raise self._unknown_model(path[len("/v1/models/"):])
                 self._send_json(200, self._model_entry(served))
-            elif path in (CHAT_URL, COMPLETIONS_URL):
+            elif path in (CHAT_URL, COMPLETIONS_URL, responses.RESPONSES_URL) or path in anthropic.URLS:
                 self._only("POST")
                 self._generate(path)
+            elif path.startswith(responses.RESPONSES_URL + "/"):
+                self._only("GET")
+                found = _response_store(self.state).get(path[len(responses.RESPONSES_URL) + 1:])
+                if found is None:
+                    raise HTTPError(404, error_object(f"no stored response {path.rsplit('/', 1)[-1]!r}",
+                                                      "invalid_request_error", None, "not_found"))
+                self._send_json(200, found[0])
             else:
                 raise HTTPError(404, error_object(
                     f"no route {self.command} {path} (routes: GET /health, GET /v1/models, "
-                    f"POST {CHAT_URL}, POST {COMPLETIONS_URL})", "invalid_request_error", None, "not_found"))
+                    f"POST {CHAT_URL}, POST {COMPLETIONS_URL}, POST {anthropic.MESSAGES_URL}, "
+                    f"POST {anthropic.COUNT_TOKENS_URL}, POST {responses.RESPONSES_URL}, GET {responses.RESPONSES_URL}/ID)",
+                    "invalid_request_error", None, "not_found"))
         except HTTPError as e:
             self._send_error(e)
         except ClientGone:
@@ -276,15 +300,27 @@ class Handler(BaseHTTPRequestHandler):
                                               None, "invalid_json")) from None
         cancel = threading.Event()
         try:
-            req = parse_request(path, body)
+            if path == anthropic.MESSAGES_URL:
+                req = anthropic.parse_messages_request(body)
+            elif path == anthropic.COUNT_TOKENS_URL:
+                req = anthropic.parse_count_tokens(body)
+            elif path == responses.RESPONSES_URL:
+                self._rr = responses.parse_responses_request(body, _response_store(self.state).get)
+                req = self._rr.request
+            else:
+                req = parse_request(path, body)
             served = self.state.route(req.model)
             if served is None:
                 raise self._unknown_model(req.model)
             self._model_name = served.name
+            if path == anthropic.COUNT_TOKENS_URL:
+                self._send_json(200, {"input_tokens": len(prompt_ids(served.model, req))})
+                return
             prep = prepare(served.model, req, window=served.window, should_stop=cancel.is_set)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
-        job = Job(prep, cancel, new_id(req.kind))
+        job_id = anthropic.new_id() if self._anthropic else responses.new_id() if self._rr else new_id(req.kind)
+        job = Job(prep, cancel, job_id)
         worker = self.state.workers[served.name]
         try:
             worker.submit(job)
@@ -348,8 +384,17 @@ class Handler(BaseHTTPRequestHandler):
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         self._usage = (len(job.prep.ids), out.generated)
-        self._send_json(200, response_object(req, out.result(), model_name=model_name, request_id=job.id,
-                                             created=job.created), {"X-Request-Id": job.id})
+        if self._anthropic:
+            obj = anthropic.message_object(out.result(), model_name=model_name, message_id=job.id)
+        elif self._rr is not None:
+            result = out.result()
+            obj = responses.response_object(self._rr, result, response_id=job.id, model_name=model_name,
+                                            created=job.created)
+            if self._rr.store:
+                _response_store(self.state).put(obj, responses.conversation(self._rr, result))
+        else:
+            obj = response_object(req, out.result(), model_name=model_name, request_id=job.id, created=job.created)
+        self._send_json(200, obj, {"X-Request-Id": job.id})
 
     def _stream(self, job: Job, req, model_name: str) -> None:
         self.send_response(200)
@@ -366,7 +411,14 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("X-Request-Id", job.id)
         self._end_headers()
         self._status = 200
-        info = sse.Stream(req.kind, job.id, job.created, model_name, req.logprobs, req.include_usage)
+        if self._anthropic:
+            self._stream_anthropic(job, req, model_name)
+            return
+        if self._rr is not None:
+            self._stream_responses(job, req, model_name)
+            return
+        info = sse.Stream(req.kind, job.id, job.created, model_name, req.logprobs, req.include_usage,
+                          frozenset(req.tool_names) if req.calls_tools else None)
         out = Collector(job.prep)
         started: set[int] = set()
         try:
@@ -388,6 +440,57 @@ class Handler(BaseHTTPRequestHandler):
             self._write_chunk(sse.event(last))
         self._write_chunk(sse.DONE)
         self._write_chunk(b"")  # the zero-length chunk: end of the response
+
+    def _stream_anthropic(self, job: Job, req, model_name: str) -> None:
+        """Anthropic's named events (headers already sent); an error after the start is an `error` event."""
+        info = anthropic.MessageStream(job.id, model_name, len(job.prep.ids),
+                                       frozenset(req.tool_names) if req.calls_tools else None)
+        self._write_chunk(info.start())
+        out = Collector(job.prep)
+        try:
+            for d in self._events(job, stream=True):
+                out.add(d)
+                if d.index == 0:
+                    data = info.events(d)
+                    if data:
+                        self._write_chunk(data)
+        except (GoinferError, HTTPError) as e:
+            status = e.status if isinstance(e, HTTPError) else error_status(e)
+            self._note = f"error in stream: {e}"
+            self._write_chunk(anthropic.MessageStream.error(anthropic.error_status(status), str(e)))
+            self._write_chunk(b"")
+            return
+        self._usage = (len(job.prep.ids), out.generated)
+        self._write_chunk(b"")
+
+    def _stream_responses(self, job: Job, req, model_name: str) -> None:
+        """The Responses API's named events (headers already sent)."""
+        rr = self._rr
+        info = responses.ResponseStream(rr, job.id, model_name, job.created,
+                                        frozenset(req.tool_names) if req.calls_tools else None)
+        self._write_chunk(info.start())
+        out = Collector(job.prep)
+        try:
+            for d in self._events(job, stream=True):
+                out.add(d)
+                if d.index == 0:
+                    data = info.events(d)
+                    if data:
+                        self._write_chunk(data)
+        except (GoinferError, HTTPError) as e:
+            body = e.body if isinstance(e, HTTPError) else error_body(e)
+            self._note = f"error in stream: {body['error']['message']}"
+            self._write_chunk(responses.sse("error", {"type": "error", **body["error"]}))
+            self._write_chunk(b"")
+            return
+        result = out.result()
+        obj = responses.response_object(rr, result, response_id=job.id, model_name=model_name, created=job.created,
+                                        message_id=info._msg_id)
+        if rr.store:
+            _response_store(self.state).put(obj, responses.conversation(rr, result))
+        self._usage = (len(job.prep.ids), out.generated)
+        self._write_chunk(info.end(obj))
+        self._write_chunk(b"")
 
     # ------------------------------------------------------------------ writing
 
@@ -427,6 +530,10 @@ class Handler(BaseHTTPRequestHandler):
                 raise ClientGone() from None
 
     def _send_error(self, e: HTTPError) -> None:
+        if getattr(self, "_anthropic", False):
+            status = anthropic.error_status(e.status)
+            self._send_json(status, anthropic.error_body(status, e.body["error"]["message"]), e.headers)
+            return
         self._send_json(e.status, e.body, e.headers)
 
     def _client_gone(self) -> bool:

@@ -67,7 +67,14 @@ class ServerState:
         return {"status": "shutting_down" if self.closing else "ok",
                 "uptime_s": round(time.time() - self.started, 1),
                 "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue},
-                "models": [w.health() for w in self.workers.values()]}
+                "models": [w.health() for w in self.workers.values()],
+                "selftest": _selftest_report()}
+
+
+def _selftest_report() -> dict:
+    from engine.kernels.selftest import report  # the kernel self-test run at the first model load
+
+    return report()
 
 
 class _HTTPServer(ThreadingHTTPServer):

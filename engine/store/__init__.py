@@ -1,4 +1,4 @@
-"""Model references (paths, built-in names; hf: later), fetching built-in models, the on-disk cache.
+"""Model references (paths, built-in names, hf: references), fetching models, the on-disk cache.
 
 Public API:
     resolve_model_ref(ref=None, *, progress=None, offline=False) -> Path

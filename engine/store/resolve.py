@@ -3,7 +3,9 @@
     None            the default built-in model (fetched on first use)
     path/to/x.gguf  an existing file, used as is
     smollm2-135m    a built-in name or alias (fetched on first use, offline afterwards)
-    hf:org/repo     not supported yet
+    hf:OWNER/REPO[:QUANT | :FILE.gguf | :safetensors]   pulled from a Hugging Face hub on first use
+                                                          (engine/store/hf.py), offline afterwards
+    a directory     a safetensors checkpoint: refused until safetensors loading lands
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.errors import ModelNotFound
+from engine.errors import ModelNotFound, UnsupportedModel
 from engine.store import builtin
 
 __all__ = ["resolve_model_ref"]
@@ -37,12 +39,16 @@ def resolve_model_ref(ref: str | None = None, *, progress: Progress | None = Non
         return builtin.ensure_builtin(builtin.DEFAULT_MODEL, progress=progress, offline=offline)
     ref = str(ref).strip()
     if ref.lower().startswith("hf:"):
-        raise ModelNotFound(f"{ref!r}: Hugging Face references (hf:) are not supported yet; "
-                            f"use a local file or a built-in name ({_known()})")
+        from engine.store.hf import resolve_hf  # huggingface_hub only when a hf: reference is named
+
+        return resolve_hf(ref, progress=progress, offline=offline)
     path = Path(ref).expanduser()
     if path.is_file():
         return path
     if path.is_dir():
+        if any(path.glob("*.safetensors")):
+            raise UnsupportedModel(f"{ref!r} is a safetensors checkpoint: loading safetensors is not supported "
+                                   f"yet; use a GGUF file")
         raise ModelNotFound(f"{ref!r} is a directory, not a model file")
     model = builtin.lookup(ref)
     if model is not None:

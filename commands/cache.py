@@ -1,0 +1,76 @@
+"""`goinfer cache` (list what is on disk) and `goinfer cache rm NAME`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from commands.errors import user_errors
+from commands.ui import err
+
+HELP = """List the models in the local cache: name (what to pass to --model), size, complete or not.
+
+An incomplete entry is a pull that was interrupted: run the same `goinfer pull` to resume it. The cache lives in $GOINFER_HOME (default ~/.cache/goinfer).
+
+Examples:
+
+  goinfer cache
+
+  goinfer cache --json
+
+  goinfer cache rm hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
+"""
+
+RM_HELP = """Remove a model (complete or not) from the cache, by the name `goinfer cache` lists.
+
+A hf:OWNER/REPO name without a quant removes every pull of that repo.
+
+Examples:
+
+  goinfer cache rm smollm2-135m
+
+  goinfer cache rm hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
+"""
+
+app = typer.Typer(help=HELP, add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.callback(invoke_without_command=True)
+def cache(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array of entries.")] = False,
+) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    from engine.store.cache import list_cache
+
+    entries = list_cache()
+    if as_json:
+        print(json.dumps([e.to_json() for e in entries]))
+        return
+    if not entries:
+        err.print("goinfer: the cache is empty (goinfer pull REF fetches a model)")
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "SIZE", "STATUS", "PATH"):
+        table.add_column(column, no_wrap=column != "PATH", overflow="fold")
+    for e in entries:
+        table.add_row(e.name, f"{e.size / 1e6:.1f} MB", "complete" if e.complete else "incomplete", e.path)
+    # A pipe gets whole lines (no width to fit): scripts grep paths; a terminal folds the PATH column.
+    Console(highlight=False, width=None if sys.stdout.isatty() else 1000).print(table)
+
+
+@app.command(name="rm", help=RM_HELP)
+def rm(name: Annotated[str, typer.Argument(metavar="NAME", help="A name as `goinfer cache` lists it.",
+                                           show_default=False)]) -> None:
+    from engine.store.cache import remove
+
+    with user_errors():
+        removed = remove(name)
+    for path in removed:
+        err.print(f"goinfer: removed {path}", markup=False)

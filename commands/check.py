@@ -1,0 +1,92 @@
+"""`goinfer check --hardware [--fit MODEL] [--json]`: the block a bug report needs."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Optional
+
+import typer
+
+from commands.errors import fail, user_errors
+from commands.ui import FetchProgress
+
+HELP = """Print what a bug report needs: versions, CPU features, kernel tier, memory, GPU backends, kernel self-test.
+
+Nothing personal goes in (no hostname, user name, home directory or address): paste it as is.
+
+Examples:
+
+  goinfer check --hardware
+
+  goinfer check --hardware --json
+
+  goinfer check --hardware --fit gemma3-270m --ctx 8192
+
+Exit status: 0 (a self-test that stepped a kernel down is reported, not an error), 2 bad usage or model.
+"""
+
+
+def check(
+    hardware: Annotated[bool, typer.Option("--hardware", help="Report the hardware and the kernels.")] = False,
+    fit: Annotated[Optional[str], typer.Option("--fit", metavar="MODEL",
+                                               help="Also estimate the memory MODEL needs against what is free.")] = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context size for --fit (default: the model's).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test.")] = False,
+) -> None:
+    if not hardware:
+        raise fail("nothing to check: pass --hardware")
+    if ctx is not None and ctx < 1:
+        raise fail(f"--ctx must be >= 1, got {ctx}")
+    from engine.hardware import hardware_report
+
+    progress = FetchProgress()
+    try:
+        with user_errors():
+            report = hardware_report(selftest=not no_selftest, fit=fit, context=ctx, progress=progress)
+    finally:
+        progress.close()
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_plain(report)
+
+
+def _mb(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _print_plain(r: dict[str, Any]) -> None:
+    cpu, mem, k, st = r["cpu"], r["memory"], r["kernels"], r["selftest"]
+    blas = r["numpy"]["blas"]
+    lines = [
+        f"goinfer      {r['goinfer']}",
+        f"os           {r['os']['system']} {r['os']['kernel']} ({r['os']['machine']}, {r['os']['libc'] or 'libc ?'})",
+        f"python       {r['python']['version']} ({r['python']['implementation']})",
+        f"numpy        {r['numpy']['version']}, BLAS {blas.get('name')} {blas.get('version')}",
+        f"numba        {r['numba']} (llvmlite {r['llvmlite']}), target {k.get('numba_target')}, "
+        f"{k.get('threads')} threads, layer {k.get('threading_layer')}",
+        f"cpu          {cpu['model']} ({cpu['arch']}), {cpu['physical_cores'] or '?'} cores / "
+        f"{cpu['logical_cores']} threads, {cpu['usable_cores']} usable",
+        f"isa          {' '.join(cpu['isa']) or 'none detected'}",
+        f"kernel tier  {k['tier']} (tiers: {', '.join(k.get('tiers') or [])})",
+        f"memory       {_mb(mem['available_bytes'])} available of {_mb(mem['total_bytes'])}"
+        + (f", cgroup limit {_mb(mem['cgroup_limit_bytes'])}" if mem["cgroup_limit_bytes"] else ""),
+    ]
+    for name, g in r["gpu"].items():
+        state = f"{g.get('device')} ({g.get('package')})" if g["available"] else f"unavailable: {g['reason']}"
+        lines.append(f"{'gpu ' + name:<12} {state}")
+    if st["status"] in ("ok", "stepped_down"):
+        summary = f"{st['status']}: {st['kernels_checked']} kernels in {st['seconds'] * 1000:.0f} ms"
+        for f in st["failed"]:
+            summary += f"; FAILED {f['kernel']} {f['type']} (max rel err {f['max_rel_err']:.3g})"
+    else:
+        summary = st["status"]
+    lines.append(f"self-test    {summary}")
+    if "fit" in r:
+        f = r["fit"]
+        verdict = "unknown" if f["fits"] is None else ("fits" if f["fits"] else "does NOT fit")
+        lines.append(f"fit          {f['model']} at context {f['context']}: needs {_mb(f['total_bytes'])} "
+                     f"(weights {_mb(f['weights_bytes'])}, KV {_mb(f['kv_cache_bytes'])}, work ~"
+                     f"{_mb(f['working_bytes_estimate'])}); {_mb(f['available_bytes'])} available: {verdict}")
+    print("\n".join(lines))

@@ -1,0 +1,334 @@
+"""The Anthropic Messages wire format: /v1/messages bodies -> GenerationRequest, Completion -> message objects,
+engine pieces -> named SSE events, and errors in Anthropic's shape.
+
+Pure functions, no I/O. A Messages body is translated onto the same engine request a chat completion makes
+(system -> a system message, tool_use / tool_result blocks -> tool calls and tool messages, input_schema ->
+the tool's parameters, tool_choice any/tool -> a grammar-constrained call), so both routes run one engine path.
+
+    parse_messages_request(body) / parse_count_tokens(body)  -> GenerationRequest
+    message_object(result, ...)                               -> the "message" object
+    MessageStream(...).events(delta) / .end(...)              -> SSE bytes, event by event
+    error_body(status, message)                               -> {"type": "error", "error": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.api.openai import _float, _int, _kind, _str, parse_tools
+from engine.constrain.tools import tool_call_grammar
+from engine.errors import RequestError
+from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
+from engine.templates.tools import ToolCallSplitter
+
+MESSAGES_URL = "/v1/messages"
+COUNT_TOKENS_URL = "/v1/messages/count_tokens"
+URLS = (MESSAGES_URL, COUNT_TOKENS_URL)
+
+# Accepted and without effect here: bookkeeping, caching and routing hints.
+_IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id", "workspace_id"}
+_FIELDS = _IGNORED | {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
+                      "top_k", "stream", "tools", "tool_choice", "thinking"}
+_COUNT_FIELDS = _IGNORED | {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+
+# HTTP status -> Anthropic error type. A full queue is 529 overloaded_error, as Anthropic answers.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+          501: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+def parse_messages_request(body: Any) -> GenerationRequest:
+    """A /v1/messages body -> GenerationRequest (RequestError names what is wrong)."""
+    body = _object(body)
+    _known(body, _FIELDS)
+    if body.get("thinking") not in (None, {"type": "disabled"}):
+        raise RequestError("thinking: extended thinking is not supported", "thinking", "unsupported_parameter")
+    max_tokens = _int(body, "max_tokens", 1)
+    if max_tokens is None:
+        raise RequestError("max_tokens: Field required", "max_tokens", "missing_required_parameter")
+    req = _translate(body)
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
+        raise RequestError("stop_sequences: must be an array of strings", "stop_sequences", "invalid_value")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream: must be true or false, not {_kind(stream)}", "stream", "invalid_type")
+    options = SamplingOptions(max_tokens=max_tokens, temperature=_float(body, "temperature", 0.0, 1.0),
+                              top_p=_float(body, "top_p", 0.0, 1.0, low_open=True), top_k=_int(body, "top_k", 0),
+                              stop=tuple(s for s in stops or () if s))
+    return GenerationRequest(messages=req.messages, options=options, stream=stream, model=req.model,
+                             grammar=req.grammar, tools=req.tools, tool_choice=req.tool_choice,
+                             parallel_tool_calls=req.parallel_tool_calls)
+
+
+def parse_count_tokens(body: Any) -> GenerationRequest:
+    """A /v1/messages/count_tokens body -> the request whose prompt is counted."""
+    body = _object(body)
+    _known(body, _COUNT_FIELDS)
+    return _translate(body)
+
+
+def _translate(body: dict) -> GenerationRequest:
+    tools = _tools(body.get("tools"))
+    choice, parallel, chosen = _tool_choice(body.get("tool_choice"), tools)
+    grammar = None
+    if chosen and choice != "none":
+        grammar = tool_call_grammar(list(chosen), forced=choice != "auto", parallel=parallel)
+    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    return GenerationRequest(messages=tuple(messages), model=_str(body, "model"), grammar=grammar, tools=chosen,
+                             tool_choice=choice, parallel_tool_calls=parallel)
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}", None, "invalid_type")
+    return body
+
+
+def _known(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        raise RequestError(f"{unknown[0]}: Extra inputs are not permitted", unknown[0], "unsupported_parameter")
+
+
+def _system(value: Any) -> list[dict]:
+    if value is None or value == "" or value == []:
+        return []
+    if isinstance(value, str):
+        return [{"role": "system", "content": value}]
+    if isinstance(value, list):
+        return [{"role": "system", "content": "\n".join(_text_block(b, f"system[{i}]") for i, b in enumerate(value))}]
+    raise RequestError(f"system: must be a string or an array of text blocks, not {_kind(value)}", "system",
+                       "invalid_type")
+
+
+def _text_block(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else None
+        raise RequestError(f'{where}: must be {{"type": "text", "text": "..."}} (got type {kind!r})', where,
+                           "invalid_value")
+    return block["text"]
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages: must be a non-empty array", "messages", "invalid_value")
+    out: list[dict] = []
+    for i, m in enumerate(value):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where}: must be an object, not {_kind(m)}", where, "invalid_type")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise RequestError(f"{where}.role: Input should be 'user' or 'assistant' (got {role!r}); a system "
+                               "prompt goes in the top-level system field", f"{where}.role", "invalid_value")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"{where}.content: must be a string or an array of blocks", f"{where}.content",
+                               "invalid_type")
+        texts, calls = [], []
+        for j, b in enumerate(content):
+            at = f"{where}.content.{j}"
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(_text_block(b, at))
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(b.get("name"), str):
+                    raise RequestError(f"{at}.name: required", f"{at}.name", "missing_required_parameter")
+                calls.append({"id": str(b.get("id") or ""), "type": "function",
+                              "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                result = b.get("content", "")
+                if isinstance(result, list):
+                    result = "\n".join(_text_block(r, f"{at}.content.{k}") for k, r in enumerate(result))
+                if not isinstance(result, str):
+                    raise RequestError(f"{at}.content: must be a string or text blocks", f"{at}.content",
+                                       "invalid_value")
+                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
+                            "content": ("Error: " if b.get("is_error") else "") + result})
+            elif kind in ("image", "document"):
+                raise RequestError(f"{at}: {kind} content is not supported", at, "unsupported_value")
+            else:
+                raise RequestError(f"{at}: content blocks of type {kind!r} are not supported in {role} messages",
+                                   at, "unsupported_value")
+        msg = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            msg["tool_calls"] = calls
+        if texts or calls or role == "assistant":
+            out.append(msg)
+    return out
+
+
+def _tools(value: Any) -> tuple[dict, ...] | None:
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise RequestError("tools: must be an array", "tools", "invalid_type")
+    as_openai = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise RequestError(f"tools.{i}: tools of type {kind!r} are not supported (only custom tools with an "
+                               "input_schema)", f"tools.{i}", "unsupported_value")
+        fn = {"name": t.get("name"), "parameters": t.get("input_schema", {"type": "object"})}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        as_openai.append({"type": "function", "function": fn})
+    try:
+        return parse_tools(as_openai)
+    except RequestError as e:  # name the field as the client wrote it
+        param = (e.param or "tools").replace("tools[", "tools.").replace("].function.parameters", ".input_schema") \
+            .replace("].function.name", ".name")
+        raise RequestError(str(e).replace(e.param or "", param, 1), param, e.code) from None
+
+
+def _tool_choice(value: Any, tools: tuple[dict, ...] | None) -> tuple[str, bool, tuple[dict, ...] | None]:
+    """(mode, parallel, tools): auto / any (-> required) / tool (-> one named) / none."""
+    if value is None:
+        return "auto", True, tools
+    if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
+        raise RequestError("tool_choice: must be {\"type\": auto | any | tool | none}", "tool_choice", "invalid_value")
+    parallel = not value.get("disable_parallel_tool_use", False)
+    kind = value["type"]
+    if kind in ("any", "tool") and not tools:
+        raise RequestError(f"tool_choice: type {kind!r} needs tools", "tool_choice", "invalid_value")
+    if kind == "tool":
+        chosen = tuple(t for t in tools if t["name"] == value.get("name"))
+        if not chosen:
+            raise RequestError(f"tool_choice.name: names tool {value.get('name')!r}, which is not in tools",
+                               "tool_choice.name", "invalid_value")
+        return "function", parallel, chosen
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel, tools
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+def new_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def stop_reason(finish: str, stop_sequence: str | None) -> str:
+    if finish == "tool_calls":
+        return "tool_use"
+    if finish == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def _tool_use(call) -> dict:
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": args}
+
+
+def message_object(result: Completion, *, model_name: str, message_id: str | None = None) -> dict:
+    """The Messages API "message" for a result (its first choice: Messages has no n)."""
+    c = result.choices[0]
+    content = ([{"type": "text", "text": c.text}] if c.text or not c.tool_calls else [])
+    content += [_tool_use(t) for t in c.tool_calls or []]
+    return {"id": message_id or new_id(), "type": "message", "role": "assistant", "model": model_name,
+            "content": content, "stop_reason": stop_reason(c.finish_reason, c.stop_sequence),
+            "stop_sequence": c.stop_sequence,
+            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": c.completion_tokens}}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_status(status: int) -> int:
+    """Anthropic answers a full queue (our 429) with 529 overloaded_error."""
+    return 529 if status == 429 else status
+
+
+def sse(name: str, obj: dict) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+@dataclass
+class MessageStream:
+    """The named events of one streamed message: message_start, then per content block
+    content_block_start / ping (after the first) / content_block_delta... / content_block_stop, then
+    message_delta (stop_reason, usage) and message_stop."""
+
+    id: str
+    model: str
+    input_tokens: int
+    tool_names: frozenset[str] | None = None
+    _block: int = -1  # index of the open text block (-1: none open yet)
+    _open: bool = False
+    _output: int = 0
+    _splitter: ToolCallSplitter = field(default_factory=ToolCallSplitter)
+
+    def start(self) -> bytes:
+        msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+        return sse("message_start", {"type": "message_start", "message": msg})
+
+    def _text(self, text: str) -> bytes:
+        out = b""
+        if not self._open:
+            self._block += 1
+            self._open = True
+            out += sse("content_block_start", {"type": "content_block_start", "index": self._block,
+                                                "content_block": {"type": "text", "text": ""}})
+            if self._block == 0:
+                out += sse("ping", {"type": "ping"})
+        if text:
+            out += sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                "delta": {"type": "text_delta", "text": text}})
+        return out
+
+    def _close(self) -> bytes:
+        if not self._open:
+            return b""
+        self._open = False
+        return sse("content_block_stop", {"type": "content_block_stop", "index": self._block})
+
+    def events(self, d: Delta) -> bytes:
+        """The events for one piece of the answer (choice 0)."""
+        self._output += d.new_tokens
+        text, calls = d.text, []
+        if self.tool_names is not None:
+            text = self._splitter.push(d.text)
+            if d.finish_reason:
+                rest, calls = self._splitter.finish(set(self.tool_names))
+                text += rest
+        out = self._text(text) if text or (d.finish_reason and not calls and self._block < 0) else b""
+        for call in calls:
+            out += self._close()
+            self._block += 1
+            block = _tool_use(call)
+            out += sse("content_block_start", {"type": "content_block_start", "index": self._block,
+                                                "content_block": {**block, "input": {}}})
+            if self._block == 0:
+                out += sse("ping", {"type": "ping"})
+            out += sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                "delta": {"type": "input_json_delta",
+                                                          "partial_json": json.dumps(block["input"])}})
+            out += sse("content_block_stop", {"type": "content_block_stop", "index": self._block})
+        if d.finish_reason:
+            finish = "tool_calls" if calls and d.finish_reason == "stop" else d.finish_reason
+            out += self._close()
+            out += sse("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": stop_reason(finish, d.stop_sequence),
+                                                   "stop_sequence": d.stop_sequence},
+                                         "usage": {"output_tokens": self._output}})
+            out += sse("message_stop", {"type": "message_stop"})
+        return out
+
+    @staticmethod
+    def error(status: int, message: str) -> bytes:
+        return sse("error", error_body(status, message))

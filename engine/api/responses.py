@@ -1,0 +1,298 @@
+"""The OpenAI Responses API wire format: /v1/responses bodies -> GenerationRequest, Completion -> response
+objects, engine pieces -> named SSE events, and the bounded in-memory store behind `store` /
+`previous_response_id` / `GET /v1/responses/{id}`.
+
+Pure functions apart from `ResponseStore` (a locked, bounded dict). A body translates onto the same chat
+request a chat completion makes: `instructions` -> a system message, input items -> messages (function_call
+and function_call_output items -> tool calls and tool messages), `text.format` -> response_format's grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine.api.openai import _float, _int, _kind, _str, parse_tool_choice, parse_tools, response_format_grammar
+from engine.constrain.tools import tool_call_grammar
+from engine.errors import RequestError
+from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
+from engine.templates.tools import ToolCallSplitter
+
+RESPONSES_URL = "/v1/responses"
+_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
+           "previous_response_id", "text", "tools", "tool_choice", "parallel_tool_calls", "metadata", "user",
+           "service_tier", "truncation", "reasoning", "include", "prompt_cache_key", "safety_identifier",
+           "stream_options", "background", "top_logprobs"}
+
+
+class ResponseStore:
+    """The last `capacity` stored responses: their objects and the conversation that led to them."""
+
+    def __init__(self, capacity: int = 256):
+        self._items: OrderedDict[str, tuple[dict, tuple[dict, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.capacity = capacity
+
+    def put(self, obj: dict, conversation: tuple[dict, ...]) -> None:
+        with self._lock:
+            self._items[obj["id"]] = (obj, conversation)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, tuple[dict, ...]] | None:
+        with self._lock:
+            return self._items.get(response_id)
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    request: GenerationRequest
+    store: bool
+    previous_response_id: str | None
+    instructions: str | None
+    text_format: dict
+    tools: list
+    tool_choice: Any
+    metadata: dict
+
+
+def parse_responses_request(body: Any, lookup: Callable[[str], tuple[dict, tuple[dict, ...]] | None]) -> ResponsesRequest:
+    """A /v1/responses body -> the engine request (with the stored conversation it continues)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}", None, "invalid_type")
+    unknown = sorted(k for k in body if k not in _FIELDS)
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown parameter", unknown[0], "unsupported_parameter")
+    history: tuple[dict, ...] = ()
+    prev = _str(body, "previous_response_id")
+    if prev is not None:
+        found = lookup(prev)
+        if found is None:
+            raise RequestError(f"previous_response_id: no stored response {prev!r} (stored responses are kept in "
+                               "memory, the most recent ones only)", "previous_response_id", "not_found")
+        history = found[1]
+    instructions = _str(body, "instructions")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
+        [m for m in history if m["role"] != "system"] + _input(body.get("input"))
+    text = body.get("text") or {}
+    if not isinstance(text, dict):
+        raise RequestError("text: must be an object", "text", "invalid_type")
+    fmt = text.get("format") or {"type": "text"}
+    grammar = None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        grammar = response_format_grammar({"type": "json_schema", "json_schema": fmt}, "text.format")
+        grammar = grammar if "schema" in fmt else None
+    else:
+        grammar = response_format_grammar(fmt, "text.format")
+    raw_tools = body.get("tools") or []
+    if not isinstance(raw_tools, list):
+        raise RequestError("tools: must be an array", "tools", "invalid_type")
+    for i, t in enumerate(raw_tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise RequestError(f"tools[{i}]: only function tools are supported", f"tools[{i}]", "unsupported_value")
+    tools = parse_tools([{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                         for t in raw_tools])
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and tc.get("type") == "function" and "name" in tc:
+        tc = {"type": "function", "function": {"name": tc["name"]}}
+    choice, chosen = parse_tool_choice(tc, tools)
+    parallel = body.get("parallel_tool_calls", True) is not False
+    if chosen and choice != "none":
+        grammar = tool_call_grammar(list(chosen), forced=choice != "auto", parallel=parallel)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream: must be true or false, not {_kind(stream)}", "stream", "invalid_type")
+    store = body.get("store", True) is not False
+    options = SamplingOptions(max_tokens=_int(body, "max_output_tokens", 1),
+                              temperature=_float(body, "temperature", 0.0, 2.0),
+                              top_p=_float(body, "top_p", 0.0, 1.0, low_open=True))
+    req = GenerationRequest(messages=tuple(messages), options=options, stream=stream, model=_str(body, "model"),
+                            grammar=grammar, tools=chosen, tool_choice=choice, parallel_tool_calls=parallel)
+    return ResponsesRequest(req, store, prev, instructions, fmt, raw_tools, body.get("tool_choice", "auto"),
+                            body.get("metadata") or {})
+
+
+def _input(value: Any) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RequestError("input: must be a string or a non-empty array of items", "input", "invalid_value")
+    out: list[dict] = []
+    for i, item in enumerate(value):
+        at = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{at}: must be an object", at, "invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"{at}.role: must be user, assistant, system or developer (got {role!r})",
+                                   f"{at}.role", "invalid_value")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _content(item.get("content"), f"{at}.content")})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id") or ""), "type": "function",
+                    "function": {"name": str(item.get("name")), "arguments": str(item.get("arguments") or "{}")}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
+                        "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise RequestError(f"{at}.type: items of type {kind!r} are not supported", f"{at}.type",
+                               "unsupported_value")
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: must be a string or an array of parts", where, "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{j}]: parts of type {kind!r} are not supported (only input_text)",
+                               f"{where}[{j}]", "unsupported_value")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+def new_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+def _message_item(text: str, item_id: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(call) -> dict:
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": "completed"}
+
+
+def response_object(rr: ResponsesRequest, result: Completion | None, *, response_id: str, model_name: str,
+                    created: int | None = None, status: str | None = None, message_id: str | None = None) -> dict:
+    """The "response" object (in progress when `result` is None)."""
+    output, usage, incomplete = [], None, None
+    if result is not None:
+        c = result.choices[0]
+        if c.text or not c.tool_calls:
+            output.append(_message_item(c.text, message_id or "msg_" + uuid.uuid4().hex))
+        output += [_call_item(t) for t in c.tool_calls or []]
+        usage = {"input_tokens": result.prompt_tokens, "output_tokens": c.completion_tokens,
+                 "total_tokens": result.prompt_tokens + c.completion_tokens,
+                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+        if c.finish_reason == "length":
+            incomplete = {"reason": "max_output_tokens"}
+        status = status or ("incomplete" if incomplete else "completed")
+    opts = rr.request.options
+    return {"id": response_id, "object": "response", "created_at": created or int(time.time()),
+            "status": status or "in_progress", "error": None, "incomplete_details": incomplete,
+            "instructions": rr.instructions, "max_output_tokens": opts.max_tokens, "model": model_name,
+            "output": output, "parallel_tool_calls": rr.request.parallel_tool_calls,
+            "previous_response_id": rr.previous_response_id, "store": rr.store,
+            "temperature": opts.temperature if opts.temperature is not None else 1.0,
+            "top_p": opts.top_p if opts.top_p is not None else 1.0, "text": {"format": rr.text_format},
+            "tool_choice": rr.tool_choice, "tools": rr.tools, "truncation": "disabled", "usage": usage,
+            "metadata": rr.metadata}
+
+
+def conversation(rr: ResponsesRequest, result: Completion) -> tuple[dict, ...]:
+    """What a later previous_response_id continues: this request's messages and the answer."""
+    c = result.choices[0]
+    answer = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        answer["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+                                for t in c.tool_calls]
+    return tuple(rr.request.messages) + (answer,)
+
+
+def sse(name: str, obj: dict) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+@dataclass
+class ResponseStream:
+    """The events of one streamed response: response.created, response.in_progress,
+    response.output_item.added, response.content_part.added, response.output_text.delta...,
+    response.output_text.done, response.content_part.done, response.output_item.done (function_call items
+    added and done whole), response.completed."""
+
+    rr: ResponsesRequest
+    id: str
+    model: str
+    created: int
+    tool_names: frozenset[str] | None = None
+    _seq: int = 0
+    _msg_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    _open: bool = False
+    _text: list[str] = field(default_factory=list)
+    _splitter: ToolCallSplitter = field(default_factory=ToolCallSplitter)
+
+    def _ev(self, name: str, obj: dict) -> bytes:
+        obj = {"type": name, "sequence_number": self._seq, **obj}
+        self._seq += 1
+        return sse(name, obj)
+
+    def start(self) -> bytes:
+        obj = response_object(self.rr, None, response_id=self.id, model_name=self.model, created=self.created)
+        return self._ev("response.created", {"response": obj}) + self._ev("response.in_progress", {"response": obj})
+
+    def _open_message(self) -> bytes:
+        if self._open:
+            return b""
+        self._open = True
+        return (self._ev("response.output_item.added", {"output_index": 0, "item": {
+                    "type": "message", "id": self._msg_id, "status": "in_progress", "role": "assistant", "content": []}})
+                + self._ev("response.content_part.added", {"item_id": self._msg_id, "output_index": 0,
+                                                           "content_index": 0, "part": {"type": "output_text",
+                                                                                        "text": "", "annotations": []}}))
+
+    def events(self, d: Delta) -> bytes:
+        text = d.text
+        calls = []
+        if self.tool_names is not None:
+            text = self._splitter.push(d.text)
+            if d.finish_reason:
+                rest, calls = self._splitter.finish(set(self.tool_names))
+                text += rest
+        out = b""
+        if text:
+            out += self._open_message()
+            self._text.append(text)
+            out += self._ev("response.output_text.delta", {"item_id": self._msg_id, "output_index": 0,
+                                                           "content_index": 0, "delta": text, "logprobs": []})
+        if d.finish_reason and not calls:
+            out += self._open_message()  # an answer always has its message item, even an empty one
+        if d.finish_reason and self._open:
+            full = "".join(self._text)
+            out += self._ev("response.output_text.done", {"item_id": self._msg_id, "output_index": 0,
+                                                          "content_index": 0, "text": full, "logprobs": []})
+            out += self._ev("response.content_part.done", {"item_id": self._msg_id, "output_index": 0,
+                                                           "content_index": 0, "part": {"type": "output_text",
+                                                                                        "text": full, "annotations": []}})
+            out += self._ev("response.output_item.done", {"output_index": 0, "item": _message_item(full, self._msg_id)})
+        for i, call in enumerate(calls):
+            index = i + (1 if self._open else 0)
+            out += self._ev("response.output_item.added", {"output_index": index, "item": {**_call_item(call),
+                                                                                           "status": "in_progress"}})
+            out += self._ev("response.output_item.done", {"output_index": index, "item": _call_item(call)})
+        return out
+
+    def end(self, obj: dict) -> bytes:
+        name = "response.completed" if obj["status"] == "completed" else "response.incomplete"
+        return self._ev(name, {"response": obj})

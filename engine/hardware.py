@@ -1,0 +1,214 @@
+"""The hardware report `goinfer check --hardware` prints: what a bug report needs, nothing personal.
+
+Versions (goinfer, OS kernel, Python, numpy and its BLAS, numba/llvmlite), CPU model, cores, ISA features
+and the kernel tier in use, memory, GPU backends (importable or why not), the kernel self-test, and with
+`fit` the memory a model needs at a context size against what is free. No hostname, user name, home
+directory, path or network address goes in: only names, numbers and versions.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cpu_info", "fit_report", "gpu_backends", "hardware_report", "memory_info"]
+
+# /proc/cpuinfo flag -> the name people search for. x86 first, then Arm "Features".
+ISA_FLAGS = {
+    "sse4_2": "SSE4.2", "avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C",
+    "avx512f": "AVX-512F", "avx512bw": "AVX-512BW", "avx512vl": "AVX-512VL", "avx512_vnni": "AVX-512-VNNI",
+    "avx512_bf16": "AVX-512-BF16", "avx512_fp16": "AVX-512-FP16", "avx_vnni": "AVX-VNNI",
+    "amx_tile": "AMX-TILE", "amx_int8": "AMX-INT8", "amx_bf16": "AMX-BF16",
+    "asimd": "NEON", "asimddp": "DOTPROD", "i8mm": "I8MM", "sve": "SVE", "sve2": "SVE2", "bf16": "BF16",
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    text = _read("/proc/cpuinfo") if cpuinfo is None else cpuinfo
+    model, flags, cores = None, set(), set()
+    physical = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip().lower(), value.strip()
+        if key in ("model name", "hardware", "cpu model") and not model:
+            model = value
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+        elif key == "physical id":
+            physical = value
+        elif key == "core id":
+            cores.add((physical, value))
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"model": model or platform.processor() or platform.machine(), "arch": platform.machine(),
+            "logical_cores": os.cpu_count(), "physical_cores": len(cores) or None, "usable_cores": usable,
+            "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags]}
+
+
+def memory_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"total_bytes": None, "available_bytes": None, "cgroup_limit_bytes": None}
+    for line in _read("/proc/meminfo").splitlines():
+        m = re.match(r"(MemTotal|MemAvailable):\s+(\d+) kB", line)
+        if m:
+            info["total_bytes" if m[1] == "MemTotal" else "available_bytes"] = int(m[2]) * 1024
+    limit = _read("/sys/fs/cgroup/memory.max").strip() or _read("/sys/fs/cgroup/memory/memory.limit_in_bytes").strip()
+    if limit.isdigit() and int(limit) < (1 << 60):
+        info["cgroup_limit_bytes"] = int(limit)
+        if info["available_bytes"] is not None:
+            used = _read("/sys/fs/cgroup/memory.current").strip()
+            if used.isdigit():
+                info["available_bytes"] = min(info["available_bytes"], int(limit) - int(used))
+    return info
+
+
+def _blas() -> dict[str, Any]:
+    import numpy as np
+
+    try:
+        deps = np.show_config(mode="dicts").get("Build Dependencies", {})
+        blas = deps.get("blas", {})
+        config = str(blas.get("openblas configuration", "")).strip() or None
+        return {"name": blas.get("name"), "version": blas.get("version"), "config": config}
+    except Exception as exc:  # older numpy: no dicts mode
+        return {"name": None, "version": None, "error": type(exc).__name__}
+
+
+def _kernel_tier() -> dict[str, Any]:
+    info: dict[str, Any] = {"tier": "cpu", "tiers": None, "numba_target": None, "threading_layer": None, "threads": None}
+    try:
+        import llvmlite.binding as llvm
+        import numba
+
+        from engine.kernels.selftest import TIERS, report
+
+        info["tiers"] = list(TIERS)
+        info["numba_target"] = llvm.get_host_cpu_name()
+        info["threads"] = numba.get_num_threads()
+        try:
+            info["threading_layer"] = numba.threading_layer()  # known once a parallel kernel has run
+        except ValueError:
+            info["threading_layer"] = f"{numba.config.THREADING_LAYER} (not started)"
+        stepped = report()["stepped_down"]
+        if stepped:
+            info["tier"] = "cpu (stepped down to " + ", ".join(f"{t}: {tier}" for t, tier in stepped.items()) + ")"
+    except Exception as exc:
+        info["error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def gpu_backends() -> dict[str, dict[str, Any]]:
+    """Each GPU backend: importable and its device, or why not (never raises)."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        import cupy
+
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+            props = cupy.cuda.runtime.getDeviceProperties(0) if n else {}
+            name = props.get("name", b"")
+            out["cuda"] = {"available": bool(n), "package": f"cupy {cupy.__version__}", "devices": n,
+                           "device": name.decode() if isinstance(name, bytes) else str(name) or None,
+                           "memory_bytes": props.get("totalGlobalMem")}
+            if not n:
+                out["cuda"]["reason"] = "cupy imports but sees no CUDA device"
+        except Exception as exc:
+            out["cuda"] = {"available": False, "package": f"cupy {cupy.__version__}",
+                           "reason": f"no usable CUDA device: {type(exc).__name__}: {str(exc)[:200]}"}
+    except ImportError as exc:
+        out["cuda"] = {"available": False, "reason": f"cupy is not installed (pip install 'goinfer[cuda]'): {exc}"}
+    except Exception as exc:
+        out["cuda"] = {"available": False, "reason": f"importing cupy failed: {type(exc).__name__}: {str(exc)[:200]}"}
+    try:
+        import wgpu
+
+        try:
+            adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+            info = dict(getattr(adapter, "info", {}) or {})
+            out["webgpu"] = {"available": True, "package": f"wgpu {wgpu.__version__}",
+                             "device": info.get("device") or info.get("description"),
+                             "backend": info.get("backend_type"), "adapter_type": info.get("adapter_type")}
+        except Exception as exc:
+            out["webgpu"] = {"available": False, "package": f"wgpu {wgpu.__version__}",
+                             "reason": f"no WebGPU adapter: {type(exc).__name__}: {str(exc)[:200]}"}
+    except ImportError as exc:
+        out["webgpu"] = {"available": False, "reason": f"wgpu is not installed (pip install 'goinfer[webgpu]'): {exc}"}
+    except Exception as exc:
+        out["webgpu"] = {"available": False, "reason": f"importing wgpu failed: {type(exc).__name__}: {str(exc)[:200]}"}
+    return out
+
+
+def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[str, Any]:
+    """Memory a model needs (weights + f32 KV cache at `context` + working buffers) against what is free."""
+    from engine.formats.gguf import open_gguf
+    from engine.models.config import config_from_gguf
+    from engine.store import resolve_model_ref
+
+    path = resolve_model_ref(ref, progress=progress)
+    gguf = open_gguf(path)
+    meta = gguf.metadata
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config = config_from_gguf(meta, len(tokens) if tokens is not None else int(meta.get(f"{gguf.architecture}.vocab_size", 0)))
+    ctx = int(context or config.context_length)
+    weights = sum(e.nbytes or 0 for e in gguf.entries.values())
+    kv = 2 * config.n_layer * ctx * config.n_head_kv * config.head_dim * 4  # K and V, f32
+    # Working set: a 512-token prompt chunk's activations and scores, the dequantize scratch (<= 64 MB),
+    # the vocabulary-sized logits: an estimate, stated as such.
+    chunk = min(ctx, 512)
+    work = (chunk * max(config.n_ff, config.n_embd) * 4 * 4 + config.n_head * chunk * ctx * 4
+            + min(config.vocab_size * config.n_embd, 1 << 24) * 4 + config.vocab_size * 4 * 2)
+    need = weights + kv + work
+    mem = memory_info()
+    free = mem["available_bytes"]
+    return {"model": ref if ref and not Path(str(ref)).expanduser().exists() else Path(path).name,
+            "architecture": config.arch, "context": ctx, "weights_bytes": weights, "kv_cache_bytes": kv,
+            "working_bytes_estimate": work, "total_bytes": need, "available_bytes": free,
+            "fits": None if free is None else need <= free}
+
+
+def hardware_report(*, selftest: bool = True, fit: str | None = None, context: int | None = None,
+                    progress=None) -> dict[str, Any]:
+    import numpy as np
+
+    from engine.kernels import selftest as st
+
+    if selftest:
+        st.run_selftest(warn=lambda line: None)  # failures are in the report itself
+    else:
+        st.mark_skipped()
+    report: dict[str, Any] = {
+        "goinfer": _version("goinfer"),
+        "os": {"system": platform.system(), "kernel": platform.release(), "machine": platform.machine(),
+               "libc": " ".join(platform.libc_ver()).strip() or None},
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation()},
+        "numpy": {"version": np.__version__, "blas": _blas()},
+        "numba": _version("numba"),
+        "llvmlite": _version("llvmlite"),
+        "cpu": cpu_info(),
+        "kernels": _kernel_tier(),
+        "memory": memory_info(),
+        "gpu": gpu_backends(),
+        "selftest": st.report(),
+    }
+    if fit is not None:
+        report["fit"] = fit_report(fit, context, progress=progress)
+    return report

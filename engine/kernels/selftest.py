@@ -1,0 +1,184 @@
+"""Kernel self-test: every dispatched CPU kernel against the numpy reference on a fixed small input.
+
+Run once per process, at the first model load (engine.load), in a few ms once numba's cache is warm.
+Kernels checked, per GGML type: `matvec` (decode: fused, reads blocks in place), `dequantize` (prefill:
+serial and parallel decode before BLAS) and `embed` (row gather). A kernel that disagrees with the
+reference steps its type down to the next tier (cpu -> reference) for every operation, with one WARN
+line naming kernel, type, figures and the tier now in use. Results: `report()` (GET /health `selftest`,
+`goinfer check --hardware`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from engine.kernels import cpu, reference
+from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
+
+__all__ = ["KernelResult", "SelfTest", "TIERS", "TieredBackend", "disabled_types", "report", "run_selftest"]
+
+log = logging.getLogger("goinfer")
+
+TIERS = ("cpu", "reference")  # fastest first; the reference is the oracle and cannot fail
+TOLERANCE = 1e-3  # max |fast - reference| / max |reference|: fastmath reorders sums, nothing more
+ROWS, COLS, T = 8, 256, 3  # one super-block per row for K quants; T rows of input for matvec
+
+# Byte offsets of the f16 scales in each block: random bytes there could be inf/NaN, so they get sane values.
+_F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+               GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+
+
+@dataclass
+class KernelResult:
+    kernel: str  # "matvec", "dequantize", "embed"
+    type: str  # GGML type name
+    tier: str  # the tier tested
+    max_rel_err: float
+    ok: bool
+
+
+@dataclass
+class SelfTest:
+    status: str = "not_run"  # "not_run", "skipped", "ok", "stepped_down"
+    tolerance: float = TOLERANCE
+    seconds: float = 0.0
+    results: list[KernelResult] = field(default_factory=list)
+    stepped_down: dict[str, str] = field(default_factory=dict)  # type name -> tier now in use
+
+    def to_json(self) -> dict:
+        failed = [asdict(r) for r in self.results if not r.ok]
+        return {"status": self.status, "tolerance": self.tolerance, "seconds": round(self.seconds, 4),
+                "kernels_checked": len(self.results), "failed": failed, "stepped_down": dict(self.stepped_down),
+                "tiers": list(TIERS)}
+
+
+_STATE = SelfTest()
+_LOCK = threading.Lock()
+
+
+def fixed_weight(ggml_type: GGMLType, rows: int = ROWS, cols: int = COLS, seed: int = 1234) -> QTensor:
+    """A deterministic, finite weight of `ggml_type` in stored blocks (rows, row_bytes) uint8."""
+    rng = np.random.default_rng(seed + int(ggml_type))
+    if ggml_type == GGMLType.F32:
+        raw = rng.normal(0, 0.5, (rows, cols)).astype(np.float32).view(np.uint8)
+    elif ggml_type == GGMLType.F16:
+        raw = rng.normal(0, 0.5, (rows, cols)).astype(np.float16).view(np.uint8)
+    elif ggml_type == GGMLType.BF16:
+        f = rng.normal(0, 0.5, (rows, cols)).astype(np.float32)
+        raw = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        block, size = BLOCK_GEOMETRY[ggml_type]
+        n_blocks = cols // block
+        raw = rng.integers(0, 256, (rows, n_blocks, size), dtype=np.uint8)
+        scales = rng.uniform(0.002, 0.05, (rows, n_blocks, len(_F16_FIELDS[ggml_type]))).astype(np.float16)
+        for i, off in enumerate(_F16_FIELDS[ggml_type]):
+            raw[:, :, off:off + 2] = scales[:, :, i:i + 1].view(np.uint8).reshape(rows, n_blocks, 2)
+        raw = raw.reshape(rows, n_blocks * size)
+    raw = np.ascontiguousarray(raw.reshape(rows, -1))
+    return QTensor(f"selftest.{ggml_type.name}", ggml_type, (rows, cols), raw)
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-6))
+
+
+def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]]:
+    """kernel name -> fn(w, x, ids) returning (fast result, reference result)."""
+
+    def matvec(w, x, ids):
+        return cpu.matvec(w.raw, w.ggml_type, x, np.empty((x.shape[0], w.rows), np.float32)), reference.matmul(x, w)
+
+    def dequantize(w, x, ids):
+        want = reference.dequantize(w)
+        serial = cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=False)
+        par = cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=True)
+        worst = serial if _rel_err(serial, want) >= _rel_err(par, want) else par
+        return worst, want
+
+    def embed(w, x, ids):
+        got = cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), np.float32))
+        return got, reference.embed_rows(w, ids)
+
+    return {"matvec": matvec, "dequantize": dequantize, "embed": embed}
+
+
+KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace an entry to force a mismatch
+
+
+def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = None) -> SelfTest:
+    """Run the self-test once per process (again with force=True); returns the shared result."""
+    global _STATE
+    with _LOCK:
+        if _STATE.status not in ("not_run", "skipped") and not force:
+            return _STATE
+        if not KERNELS:
+            KERNELS.update(_cpu_kernels())
+        start = time.perf_counter()
+        state = SelfTest(status="ok")
+        x = np.random.default_rng(7).normal(0, 1, (T, COLS)).astype(np.float32)
+        ids = np.array([3, 0, ROWS - 1], dtype=np.int64)
+        for gtype in GGMLType:
+            w = fixed_weight(gtype)
+            for name, kernel in KERNELS.items():
+                try:
+                    got, want = kernel(w, x, ids)
+                    err = _rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32))
+                except Exception as exc:  # a kernel that raises is as wrong as one that disagrees
+                    log.debug("self-test %s %s raised %r", name, gtype.name, exc)
+                    err = float("inf")
+                ok = err <= TOLERANCE
+                state.results.append(KernelResult(name, gtype.name, TIERS[0], err, ok))
+                if not ok and gtype.name not in state.stepped_down:
+                    state.stepped_down[gtype.name] = TIERS[1]
+                    state.status = "stepped_down"
+                    message = (f"WARN kernel self-test: {TIERS[0]} {name} {gtype.name} differs from the reference "
+                               f"(max rel err {err:.3g} > {TOLERANCE:g}); {gtype.name} now runs on tier {TIERS[1]}")
+                    (warn or log.warning)(message)
+        state.seconds = time.perf_counter() - start
+        _STATE = state
+        return state
+
+
+def mark_skipped() -> None:
+    with _LOCK:
+        if _STATE.status == "not_run":
+            _STATE.status = "skipped"
+
+
+def report() -> dict:
+    return _STATE.to_json()
+
+
+def disabled_types() -> frozenset[int]:
+    return frozenset(int(GGMLType[name]) for name in _STATE.stepped_down)
+
+
+class TieredBackend:
+    """A backend routing each weight type to the fastest tier whose self-test passed for it."""
+
+    def __init__(self, fast, fallback, slow_types: frozenset[int]):
+        self._fast, self._slow, self._slow_types = fast, fallback, slow_types
+        self.name = fast.name
+
+    def _pick(self, w: QTensor):
+        return self._slow if int(w.ggml_type) in self._slow_types else self._fast
+
+    def matmul(self, x, w):
+        return self._pick(w).matmul(x, w)
+
+    def embed(self, w, ids):
+        return self._pick(w).embed(w, ids)
+
+    def dequantize(self, w):
+        return self._pick(w).dequantize(w)
+
+    def __getattr__(self, name):  # anything else a backend offers comes from the fast tier
+        return getattr(self._fast, name)

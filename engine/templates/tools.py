@@ -1,0 +1,174 @@
+"""Tools in prompts and tool calls in answers.
+
+Rendering: a template that reads `tools` gets them (with assistant `tool_calls` and `tool` messages as
+transformers passes them). Any other template (SmolLM2's ChatML, Gemma's built-in) gets the built-in
+Hermes-style prompt: the tools described in the system message, earlier calls written back as
+`<tool_call>` blocks and tool results as `<tool_response>` blocks in a user turn (every template has one).
+
+Parsing: Hermes `<tool_call>{...}</tool_call>` blocks, Mistral `[TOOL_CALLS][...]`, and a Llama-3 style
+answer that is one bare JSON object `{"name": ..., "parameters"|"arguments": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
+
+TOOL_PROMPT = """\
+You are a function calling AI model. You are provided with function signatures within <tools></tools> XML \
+tags. You may call one or more functions to assist with the user query. Don't make assumptions about what \
+values to plug into functions. Here are the available tools:
+<tools>
+{tools}
+</tools>
+For each function call return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags as follows:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-dict>}}
+</tool_call>"""
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = "call_" + uuid.uuid4().hex[:24]
+
+
+def template_supports_tools(source: str) -> bool:
+    """Whether a chat template renders `tools` itself (transformers' convention: a `tools` variable)."""
+    return re.search(r"\btools\b", source) is not None
+
+
+def _function(tool: dict) -> dict:
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+
+
+def render_messages(messages: list[dict], tools: list[dict] | None, template_source: str) -> tuple[list[dict], list | None]:
+    """(messages, tools) to hand the template: as they are when it renders tools, else rewritten for the
+    built-in tool prompt. `tools` are {"name", "description", "parameters"} each."""
+    if template_supports_tools(template_source):
+        return messages, [_function(t) for t in tools] if tools else None
+    out: list[dict] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + text  # parallel results: one user turn
+            else:
+                out.append({"role": "user", "content": text, "_tool_results": True})
+        elif m.get("tool_calls"):
+            calls = "\n".join(f"<tool_call>\n{json.dumps(_call_json(c), ensure_ascii=False)}\n</tool_call>"
+                              for c in m["tool_calls"])
+            content = m.get("content") or ""
+            out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    if tools:
+        prompt = TOOL_PROMPT.format(tools="\n".join(json.dumps(_function(t), ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _call_json(call: dict) -> dict:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return {"name": fn.get("name"), "arguments": args}
+
+
+def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content before the calls, calls) from an answer. Calls that do not parse, or name a tool that was
+    not given, are left in the content."""
+    calls: list[ToolCall] = []
+    if "<tool_call>" in text:
+        head = text[: text.index("<tool_call>")]
+        for block, closed in _HERMES.findall(text):
+            call = _to_call(block, tool_names)
+            if call is None and not closed and calls:
+                break  # a last call cut off (max_tokens): the complete ones stand
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (head.strip(), calls) if calls else (text, [])
+    stripped = text.strip()
+    if stripped.startswith("[TOOL_CALLS]"):  # Mistral
+        try:
+            items = json.loads(stripped[len("[TOOL_CALLS]"):])
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [c for c in (_to_call(json.dumps(i), tool_names) for i in items) if c is not None]
+        return ("", calls) if len(calls) == len(items) else (text, [])
+    if stripped.startswith("{") and stripped.endswith("}"):  # Llama-3: the whole answer is one call
+        call = _to_call(stripped, tool_names)
+        if call is not None:
+            return "", [call]
+    return text, []
+
+
+def _to_call(block: str, tool_names: set[str] | None) -> ToolCall | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if tool_names is not None and obj["name"] not in tool_names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class ToolCallSplitter:
+    """Streams an answer's content while holding back what may be a tool call: text before a `<tool_call>`
+    opener is passed on as it comes; from the opener on everything is kept for `finish`."""
+
+    def __init__(self):
+        self._buf = ""
+        self._in_call = False
+
+    def push(self, text: str) -> str:
+        if self._in_call:
+            self._buf += text
+            return ""
+        self._buf += text
+        at = self._buf.find("<tool_call>")
+        if at >= 0:
+            out, self._buf, self._in_call = self._buf[:at], self._buf[at:], True
+            return out
+        hold = 0  # a tail that may be the start of the opener
+        for k in range(min(len("<tool_call>") - 1, len(self._buf)), 0, -1):
+            if self._buf.endswith("<tool_call>"[:k]):
+                hold = k
+                break
+        out, self._buf = self._buf[: len(self._buf) - hold], self._buf[len(self._buf) - hold:]
+        return out
+
+    def finish(self, tool_names: set[str] | None) -> tuple[str, list[ToolCall]]:
+        """(content still to send, calls) at the end of the answer."""
+        if not self._in_call:
+            return self._buf, []
+        content, calls = parse_tool_calls(self._buf, tool_names)
+        return (content, calls) if calls else (self._buf, [])

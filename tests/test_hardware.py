@@ -1,0 +1,137 @@
+"""`goinfer check --hardware` and the kernel self-test (tier step-down, WARN line, /health `selftest`)."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+import socket
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from engine.kernels import selftest
+from engine.kernels.quant_types import GGMLType
+from goinfer_cli.app import app
+from testdata import make_fixtures as mf
+
+
+@pytest.fixture
+def fresh_selftest(monkeypatch):
+    """A process that has not run the self-test yet (restored afterwards)."""
+    monkeypatch.setattr(selftest, "_STATE", selftest.SelfTest())
+    monkeypatch.setattr(selftest, "KERNELS", dict(selftest._cpu_kernels()))
+    monkeypatch.delenv("GOINFER_NO_SELFTEST", raising=False)
+
+
+def _break_q4_k_matvec(monkeypatch):
+    real = selftest.KERNELS["matvec"]
+
+    def wrong(w, x, ids):
+        got, want = real(w, x, ids)
+        if w.ggml_type == GGMLType.Q4_K:
+            got = got * 1.5  # a quietly wrong kernel
+        return got, want
+
+    monkeypatch.setitem(selftest.KERNELS, "matvec", wrong)
+
+
+def test_every_kernel_agrees_with_the_reference(fresh_selftest):
+    result = selftest.run_selftest()
+    assert result.status == "ok"
+    assert {r.kernel for r in result.results} == {"matvec", "dequantize", "embed"}
+    assert {r.type for r in result.results} == {t.name for t in GGMLType}
+    assert all(r.ok and r.max_rel_err < selftest.TOLERANCE for r in result.results)
+
+
+def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selftest, monkeypatch, tmp_path,
+                                                                     capsys):
+    from engine.load import load_model
+
+    _break_q4_k_matvec(monkeypatch)
+    model = load_model(mf.write_llama_fixture(tmp_path / "tiny.gguf"))
+    warn = [line for line in capsys.readouterr().err.splitlines() if "WARN" in line]
+    assert len(warn) == 1, warn
+    assert "matvec" in warn[0] and "Q4_K" in warn[0] and "tier reference" in warn[0] and "0.5" in warn[0]
+    report = selftest.report()
+    assert report["status"] == "stepped_down" and report["stepped_down"] == {"Q4_K": "reference"}
+    assert [(f["kernel"], f["type"]) for f in report["failed"]] == [("matvec", "Q4_K")]
+    # The model's Q4_K weights now run on the reference tier; other types stay on the fast one.
+    backend = model.backend
+    q4k = next(model.weights.tensor(n[: -len(".weight")]) for n, e in model.weights._file.entries.items()
+               if e.type_id == GGMLType.Q4_K)
+    assert backend._pick(q4k) is backend._slow
+    x = np.random.default_rng(0).normal(size=(2, q4k.cols)).astype(np.float32)
+    from engine.kernels import reference
+
+    np.testing.assert_array_equal(backend.matmul(x, q4k), reference.matmul(x, q4k))
+    q8 = model.weights.tensor("token_embd")
+    assert backend._pick(q8) is backend._fast
+    # The self-test runs once per process: a second load neither repeats it nor warns again.
+    load_model(tmp_path / "tiny.gguf")
+    assert "WARN" not in capsys.readouterr().err
+
+
+def test_no_selftest_skips_it(fresh_selftest, monkeypatch, tmp_path):
+    from engine.load import load_model
+
+    _break_q4_k_matvec(monkeypatch)
+    model = load_model(mf.write_llama_fixture(tmp_path / "tiny.gguf"), selftest=False)
+    assert selftest.report()["status"] == "skipped"
+    assert not isinstance(model.backend, selftest.TieredBackend)
+
+
+def test_health_carries_the_selftest(fresh_selftest, tmp_path):
+    from engine.load import load_model
+    from engine.server import ServedModel, Server
+    from engine.server.config import ServerConfig
+
+    model = load_model(mf.write_llama_fixture(tmp_path / "tiny.gguf"))
+    server = Server([ServedModel.of("tiny", model, 64)], ServerConfig(host="127.0.0.1", port=0), log=lambda s: None)
+    server.start()
+    try:
+        body = httpx.get(f"{server.url}/health", timeout=10).json()
+    finally:
+        server.stop()
+    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 33
+    assert body["selftest"]["failed"] == []
+
+
+def test_check_hardware_json_holds_the_fields_and_nothing_personal(tmp_path):
+    model = mf.write_llama_fixture(tmp_path / "tiny.gguf")
+    r = CliRunner().invoke(app, ["check", "--hardware", "--json", "--fit", str(model), "--ctx", "128"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["goinfer"] and report["python"]["version"] and report["numpy"]["version"]
+    assert report["numpy"]["blas"]["name"] and report["numba"] and report["llvmlite"]
+    assert report["os"]["system"] and report["os"]["kernel"]
+    assert report["cpu"]["logical_cores"] >= 1 and isinstance(report["cpu"]["isa"], list)
+    assert report["kernels"]["tier"].startswith("cpu") and report["kernels"]["tiers"] == ["cpu", "reference"]
+    assert report["memory"]["total_bytes"] > 0
+    assert set(report["gpu"]) == {"cuda", "webgpu"}
+    for backend in report["gpu"].values():  # importable with a device, or the reason why not
+        assert backend["available"] or backend["reason"]
+    assert report["selftest"]["status"] in ("ok", "stepped_down")
+    fit = report["fit"]
+    assert fit["model"] == "tiny.gguf" and fit["context"] == 128
+    assert fit["total_bytes"] == fit["weights_bytes"] + fit["kv_cache_bytes"] + fit["working_bytes_estimate"]
+    assert fit["kv_cache_bytes"] == 2 * 2 * 128 * mf.LLAMA["n_head_kv"] * mf.LLAMA["head_dim"] * 4
+    assert isinstance(fit["fits"], bool)
+    text = r.stdout
+    for word in {socket.gethostname(), socket.getfqdn(), getpass.getuser()} - {"", "localhost"}:
+        assert not re.search(rf"(?<![\w.-]){re.escape(word)}(?![\w-])", text), word  # as a word, not inside one
+    for path in (str(Path.home()), str(tmp_path)):
+        assert f'"{path}' not in text and f"{path}/" not in text, path
+    assert "127.0.0.1" not in text
+
+
+def test_check_hardware_plain_output_and_usage(monkeypatch):
+    r = CliRunner().invoke(app, ["check", "--hardware", "--no-selftest"])
+    assert r.exit_code == 0, r.output
+    for label in ("goinfer", "cpu", "isa", "kernel tier", "memory", "gpu cuda", "gpu webgpu", "self-test"):
+        assert label in r.stdout
+    r = CliRunner().invoke(app, ["check"])
+    assert r.exit_code == 2
