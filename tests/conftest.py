@@ -28,3 +28,22 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
     return _cached_model("gemma3-270m", GEMMA_FILE)
+
+
+SERVER_KEY = "goinfer-test-key"
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory, smollm2_gguf):
+    """One `goinfer serve` on the real default model, with an API key, shared by the SDK test modules."""
+    from tests.test_server import start_server, stop
+
+    s = start_server(tmp_path_factory.mktemp("serve") / "serve.log", "--model", str(smollm2_gguf),
+                     "--api-key", SERVER_KEY)
+    yield s
+    stop(s)
+
+
+@pytest.fixture(scope="session")
+def served_name(smollm2_gguf) -> str:
+    return smollm2_gguf.stem

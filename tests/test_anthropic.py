@@ -11,9 +11,9 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.test_server import start_server, stop
+from tests.conftest import SERVER_KEY
 
-KEY = "anthropic-test-key"
+KEY = SERVER_KEY
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -23,16 +23,13 @@ GREEDY = {"temperature": 0}  # the SDK has no sampling arguments any more; the A
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_gguf):
-    s = start_server(tmp_path_factory.mktemp("anthropic") / "serve.log", "--model", str(smollm2_gguf),
-                     "--api-key", KEY)
-    yield s
-    stop(s)
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
-def name(smollm2_gguf) -> str:
-    return smollm2_gguf.stem
+def name(served_name) -> str:
+    return served_name
 
 
 @pytest.fixture(scope="module")

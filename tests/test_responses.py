@@ -10,26 +10,24 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server import start_server, stop
+from tests.conftest import SERVER_KEY
 
 ASK = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_gguf):
-    s = start_server(tmp_path_factory.mktemp("responses") / "serve.log", "--model", str(smollm2_gguf))
-    yield s
-    stop(s)
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
-def name(smollm2_gguf) -> str:
-    return smollm2_gguf.stem
+def name(served_name) -> str:
+    return served_name
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
 
 
 def test_a_response_non_stream_and_stored(client, name):
