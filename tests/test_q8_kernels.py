@@ -285,6 +285,14 @@ def test_tiers_are_chosen_from_cpu_features_and_can_be_forced(monkeypatch):
             cpu_q8.tier_token(t)
 
 
+def test_a_bad_forced_tier_is_reported_when_used(monkeypatch):
+    # GOINFER_CPU_TIER=vnni on a CPU without VNNI must not break importing the engine.
+    monkeypatch.setattr(cpu_q8, "_TIER_ERROR", ValueError("this CPU cannot run the 'vnni' kernels"))
+    with pytest.raises(ValueError, match="GOINFER_CPU_TIER"):
+        get_backend("cpu-q8")
+    assert Q8Backend("generic").tier == "generic"  # an explicit tier still works
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The backend: every tensor type of the tiny fixtures, both paths
 # ---------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ class Q8Backend(NumbaBackend):
 
     def __init__(self, tier: str | None = None) -> None:
         super().__init__()
-        cpu_q8.tier_token(tier)  # refuses an unknown tier or one this CPU cannot run
+        cpu_q8.tier_token(tier)  # refuses an unknown tier, or one this CPU cannot run (also from GOINFER_CPU_TIER)
         self.tier = tier or cpu_q8.TIER
         self._groups: dict[tuple[int, ...], tuple] = {}
 

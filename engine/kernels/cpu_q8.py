@@ -28,7 +28,10 @@ CPU cannot run is refused in Python (LLVM would abort the process).
 Codegen (../shared/research/kernels.md, sections 2-3): the per-row dot products are small LLVM-IR intrinsics
 with explicit vector ops and the block loop in IR, because numba loops over 32-byte blocks are unrolled, then
 scalarized (8-9 GB/s). Rows are spread over threads by a prange over row chunks; each row is read from memory
-once per call and reused from L1 for every one of the M activation vectors.
+once per call and reused from L1 for every one of the M activation vectors (compute grows with M; decoding a
+block once for several vectors is left for batched decode). Each row loop prefetches PREFETCH_BYTES ahead.
+Measured (Zen 3, AVX2, 2 threads, quiet box, DRAM read ~34 GB/s): one SmolLM2 token's 211 matvecs 4.4 ms
+(22 GB/s; exact f32 path 13.3 ms), Gemma-3-270M's 9.3 ms (26 GB/s; f32 path 20.9 ms).
 
 Public API (Python; each is one compiled call after argument checks):
   prepare(ws) -> Prepared                  check matrices that share one input once (q|k|v, gate|up)
@@ -120,11 +123,17 @@ def _check_tier(tier: str) -> str:
     return tier
 
 
-TIER = _default_tier()
+try:
+    TIER = _default_tier()  # the tier used when none is given
+    _TIER_ERROR = None
+except ValueError as exc:  # a bad GOINFER_CPU_TIER: reported when the kernels are used, not at import
+    TIER, _TIER_ERROR = available_tiers()[-1], exc
 
 
 def tier_token(tier: str | None = None):
     """The value to pass as `tier` to the njit entry points: its numba type selects the code tier."""
+    if tier is None and _TIER_ERROR is not None:
+        raise ValueError(f"GOINFER_CPU_TIER: {_TIER_ERROR}")
     return _TOKENS[_check_tier(tier) if tier is not None else TIER]
 
 
