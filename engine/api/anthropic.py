@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api.openai import _float, _int, _kind, _str, parse_tools
+from engine.api.openai import _float, _int, _kind, _object, _str, parse_tools
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
@@ -82,12 +82,6 @@ def _translate(body: dict) -> GenerationRequest:
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     return GenerationRequest(messages=tuple(messages), model=_str(body, "model"), grammar=grammar, tools=chosen,
                              tool_choice=choice, parallel_tool_calls=parallel)
-
-
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}", None, "invalid_type")
-    return body
 
 
 def _known(body: dict, allowed: set[str]) -> None:
