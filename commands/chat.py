@@ -27,7 +27,7 @@ Examples:
 
   goinfer chat                                  # REPL with the default model (smollm2-135m)
 
-  goinfer chat --prompt "What is the capital of France?" --temp 0
+  goinfer chat --prompt "What is the capital of France? Answer in one sentence." --temp 0
 
   echo "Summarize: ..." | goinfer chat --prompt - --max 200
 

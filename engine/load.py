@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.errors import InvalidRequest
 from engine.formats.gguf import open_gguf
 from engine.kernels.backend import get_backend
+from engine.models import decode_step
 from engine.models.base import Model
 from engine.models.config import config_from_gguf
 from engine.models.registry import family
@@ -22,10 +23,11 @@ from engine.models.weights import Weights
 from engine.templates import template_for
 from engine.tokenizer import Tokenizer
 
-# auto: the best path for the stored blocks (for now the exact f32 path; the int8-activation numba
-# kernels replace it in the fast-CPU issue). f32: weights dequantized per use, f32 activations and KV.
+# auto: the fast path over the stored blocks: decode runs the int8-activation kernels in one compiled call per
+# token (engine/models/decode_step.py), prompts dequantize each weight once per chunk and call BLAS.
+# f32: the exact path: weights dequantized per use, f32 activations everywhere (slow; debugging, oracles).
 QUANT_MODES = ("auto", "f32")
-COMPUTE_PATH = {"auto": "f32", "f32": "f32"}  # quant mode -> the kernels that actually run
+COMPUTE_PATH = {"auto": "int8", "f32": "f32"}  # quant mode -> the kernels that actually run
 
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
@@ -53,24 +55,34 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     template = template_for(config.arch, meta.get("tokenizer.chat_template"),
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
-    return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=cpu_backend(selftest),
-                 tokenizer=tokenizer, template=template, quant=quant,
-                 compute_path=COMPUTE_PATH[quant], metadata=meta)
+    path_name = COMPUTE_PATH[quant]
+    backend, slow = cpu_backend(selftest, "cpu-q8" if path_name == "int8" else "cpu")
+    step = None
+    if path_name == "int8" and not slow & _matrix_types(weights, config, fam):
+        step = decode_step.build(config, weights, getattr(fam, "STEP_FLAGS", None))
+    return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=backend, step=step,
+                 tokenizer=tokenizer, template=template, quant=quant, compute_path=path_name, metadata=meta)
 
 
-def cpu_backend(selftest: bool = True):
-    """The CPU backend, after the kernel self-test (first load of the process): a type whose fast kernel
-    disagreed with the reference runs on the reference tier instead."""
+def cpu_backend(selftest: bool = True, name: str = "cpu"):
+    """(backend, types stepped down) for the CPU backend `name`, after the kernel self-test (first load of the
+    process): a type whose fast kernel disagreed with the reference runs on the reference tier instead."""
     from engine.kernels import selftest as st
 
     if not selftest or os.environ.get("GOINFER_NO_SELFTEST", "").strip() not in ("", "0"):
         st.mark_skipped()
-        return get_backend("cpu")
+        return get_backend(name), frozenset()
     st.run_selftest(warn=lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
     slow = st.disabled_types()
     if not slow:
-        return get_backend("cpu")
-    return st.TieredBackend(get_backend("cpu"), get_backend(st.TIERS[1]), slow)
+        return get_backend(name), slow
+    return st.TieredBackend(get_backend(name), get_backend(st.TIERS[1]), slow), slow
+
+
+def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:
+    names = ["token_embd"] + (["output"] if weights.has("output") else [])
+    names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.LAYER_TENSORS]
+    return frozenset(int(weights.tensor(n).ggml_type) for n in names)
 
 
 def release_free_memory() -> None:

@@ -18,7 +18,7 @@ WEATHER = {"name": "get_weather", "description": "Get the current weather in a c
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
                             "required": ["city", "unit"], "additionalProperties": False}}
-ASK = [{"role": "user", "content": "What is the capital of France?"}]
+ASK = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 GREEDY = {"temperature": 0}  # the SDK has no sampling arguments any more; the API still takes them
 
 
@@ -139,12 +139,20 @@ def test_overloaded_maps_to_529():
 
 
 def test_json_in_tool_use_survives_streaming(client, name):
-    with client.messages.stream(model=name, max_tokens=50, extra_body=GREEDY, tools=[WEATHER],
-                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                messages=[{"role": "user", "content": "Weather in Rome?"}]) as stream:
-        kinds = [ev.type for ev in stream]
+    ask = dict(model=name, max_tokens=50, extra_body=GREEDY, tools=[WEATHER],
+               tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+               messages=[{"role": "user", "content": "Weather in Rome?"}])
+    whole = client.messages.create(**ask).content[-1]
+    with client.messages.stream(**ask) as stream:
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [ev.type for ev in events]
     assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
     jsonschema.validate(final.content[-1].input, WEATHER["input_schema"])
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "input_json" in kinds
-    assert json.dumps(final.content[-1].input)
+    start = next(ev for ev in events if ev.type == "content_block_start" and ev.content_block.type == "tool_use")
+    assert start.content_block.input == {} and start.content_block.name == "get_weather"
+    # the input arrives in pieces as it is generated, and joins up to the non-streamed block's input
+    pieces = [ev.delta.partial_json for ev in events
+              if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta"]
+    assert len(pieces) >= 2 and json.loads("".join(pieces)) == whole.input == final.content[-1].input, pieces

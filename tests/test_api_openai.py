@@ -12,7 +12,7 @@ from engine.api.openai import (error_body, parse_chat_request, parse_completion_
 from engine.errors import RequestError
 from engine.requests import API_DEFAULTS, SamplingOptions, apply_defaults, encode_prompt
 
-USER = [{"role": "user", "content": "What is the capital of France?"}]
+USER = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 def refused(parse, body) -> RequestError:

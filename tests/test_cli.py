@@ -21,7 +21,7 @@ def goinfer(*args: str, stdin: str | None = None, timeout: int = 300) -> subproc
 
 
 def test_one_shot_prompt_answers_paris(smollm2_gguf):
-    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "What is the capital of France?", "--temp", "0")
+    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "What is the capital of France? Answer in one sentence.", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "<|im_end|>" not in r.stdout and "<|im_start|>" not in r.stdout
@@ -29,20 +29,20 @@ def test_one_shot_prompt_answers_paris(smollm2_gguf):
 
 def test_built_in_default_model_is_used_without_model_flag(smollm2_gguf):
     # conftest guarantees the default built-in model is in the cache, so this resolves offline.
-    r = goinfer("chat", "--prompt", "What is the capital of France?", "--temp", "0", "--max", "32")
+    r = goinfer("chat", "--prompt", "What is the capital of France? Answer in one sentence.", "--temp", "0", "--max", "32")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
 
 def test_prompt_from_stdin(smollm2_gguf):
     r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "-", "--temp", "0", "--max", "32",
-                stdin="What is the capital of France?")
+                stdin="What is the capital of France? Answer in one sentence.")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
 
 def test_repl_reads_commands_and_turns_from_a_pipe(smollm2_gguf):
-    script = "/temp 0\n/max 40\nWhat is the capital of France?\n/reset\n/temp nope\n/quit\n"
+    script = "/temp 0\n/max 40\nWhat is the capital of France? Answer in one sentence.\n/reset\n/temp nope\n/quit\n"
     r = goinfer("chat", "--model", str(smollm2_gguf), stdin=script)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout

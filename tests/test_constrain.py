@@ -17,7 +17,7 @@ import engine
 from engine.constrain import grammar_processor, json_object_grammar, json_schema_grammar
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
-from engine.templates.tools import ToolCallSplitter, parse_tool_calls, render_messages
+from engine.templates.tools import parse_tool_calls, render_messages
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +167,6 @@ def test_tool_call_formats_parse():
     assert parse_tool_calls(hermes, {"g"}) == (hermes, [])  # a tool that was not given is not a call
     cut = hermes + '\n<tool_call>\n{"name": "f", "argu'
     assert len(parse_tool_calls(cut)[1]) == 1  # cut off by max_tokens: the complete call stands
-
-
-def test_splitter_streams_text_and_holds_back_calls():
-    sp = ToolCallSplitter()
-    pieces = ["Sure", ", <tool", "_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"]
-    assert [sp.push(p) for p in pieces] == ["Sure", ", ", ""]
-    rest, calls = sp.finish({"f"})
-    assert rest == "" and [c.name for c in calls] == ["f"]
 
 
 def test_chat_schema_flag_constrains_the_reply(tmp_path, smollm2_gguf):

@@ -25,7 +25,7 @@ def _run(model, ids, **kw):
 
 
 def test_greedy_chat_answer_ends_at_end_of_turn(smol):
-    events, text = _run(smol, _chat_ids(smol, "What is the capital of France?"), max_tokens=64, temperature=0)
+    events, text = _run(smol, _chat_ids(smol, "What is the capital of France? Answer in one sentence."), max_tokens=64, temperature=0)
     assert "Paris" in text
     last = events[-1]
     assert last.finish_reason == "stop" and last.token in smol.tokenizer.eog_ids and last.text == ""

@@ -92,16 +92,18 @@ def test_typed_errors(tmp_path):
 
 
 def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
-    # A fresh process, so other tests' allocations do not count. Counted: anonymous memory (heap, numpy,
-    # tokenizer, KV) plus the model file's resident pages; not counted: shared-library code (llvmlite
-    # alone maps ~70 MB), which does not grow with the model. Bound: file size + 200 MB, KV excluded.
+    # A fresh process, so other tests' allocations do not count; the default (fast) path, a 512-token prompt
+    # and 128 generated tokens. Counted: anonymous memory (heap, numpy, tokenizer, KV) plus the model file's
+    # resident pages; not counted: shared-library code (llvmlite alone maps ~70 MB), which does not grow with
+    # the model. Bound: file size + 200 MB + the KV cache.
     code = textwrap.dedent(f"""
         import engine
         m = engine.load_model({str(gemma_gguf)!r})
-        cache = m.new_cache(64)
-        ids = m.tokenizer.encode("The history of the city begins")
-        for _ in engine.generate(m, ids, max_tokens=8, temperature=0, cache=cache):
-            pass
+        cache = m.new_cache(512 + 128)
+        ids = m.tokenizer.encode("The history of the city begins with a market by the river. " * 60)[:512]
+        bias = {{t: -1e9 for t in m.tokenizer.eog_ids}}
+        n = sum(1 for _ in engine.generate(m, ids, max_tokens=128, temperature=0, cache=cache, logit_bias=bias))
+        assert n == 128 and cache.length >= 512 + 127, (n, cache.length)
         anon = model_pages = 0
         current = None
         for line in open("/proc/self/smaps"):

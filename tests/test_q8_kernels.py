@@ -106,18 +106,6 @@ def _ref_integer_dots(raw, t: GGMLType, K: int, x: np.ndarray) -> np.ndarray:
     return np.stack([(sc * dots).sum(-1), (m * s32.astype(np.int64)[:, None]).sum(-1)], axis=-1)
 
 
-def _dequantized_input(qin: cpu_q8.QInput, t: GGMLType) -> np.ndarray:
-    """The activations the kernels compute with, as f32 (M, K): x itself for float weights."""
-    M, K = qin.shape
-    if t in LEGACY:
-        q = np.empty_like(qin.xq8)
-        q[:, cpu_q8.legacy_x_order(K)] = qin.xq8
-        return (q.reshape(M, -1, 32) * qin.xs8.reshape(M, -1, 2)[..., :1]).reshape(M, K)
-    if t in KQUANT:
-        return (qin.xqk.reshape(M, -1, 256) * qin.xdk[..., None]).reshape(M, K)
-    return qin.x
-
-
 def _assert_close(got, x, w, rtol=1e-5):
     """got ~ x @ w.T within rtol of the sum of |terms| each output adds (f32 summation-order rounding)."""
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
@@ -222,7 +210,7 @@ def test_matvec_matches_reference(t, tier):
                                         [(37, 96, 1), (5, 32, 2), (13, 576, 3), (8, 640, 1)]):
         w = _sane(t, rows, K, seed)
         qin = cpu_q8.quantize(_inputs(M, K, seed), [t])
-        _assert_close(cpu_q8.matvec([w], qin, tier=tier), _dequantized_input(qin, t), reference.dequantize(w))
+        _assert_close(cpu_q8.matvec([w], qin, tier=tier), cpu_q8.dequantized_input(qin, t), reference.dequantize(w))
 
 
 def test_matvec_detects_a_changed_weight():
@@ -233,7 +221,7 @@ def test_matvec_detects_a_changed_weight():
     bumped = w.raw.copy()
     bumped[3, 4] ^= 1  # row 3, first block's first quant byte
     with pytest.raises(AssertionError):
-        _assert_close(got, _dequantized_input(qin, G.Q4_1), reference.dequantize_raw(bumped, G.Q4_1, 64))
+        _assert_close(got, cpu_q8.dequantized_input(qin, G.Q4_1), reference.dequantize_raw(bumped, G.Q4_1, 64))
 
 
 @pytest.mark.parametrize("tier", TIER_PARAMS)
@@ -247,7 +235,7 @@ def test_fused_matvec_over_mixed_types_shares_one_input(tier):
     assert cpu_q8.matvec(ws, qin, out, tier=tier) is out
     col = 0
     for w in ws:
-        _assert_close(out[:, col:col + w.rows], _dequantized_input(qin, w.ggml_type), reference.dequantize(w))
+        _assert_close(out[:, col:col + w.rows], cpu_q8.dequantized_input(qin, w.ggml_type), reference.dequantize(w))
         col += w.rows
 
 
@@ -324,7 +312,7 @@ def test_backend_matmul_on_fixtures_both_paths(fixture_matrices, tier):
             x = rng.standard_normal((T, w.cols)).astype(np.float32)
             got = be.matmul(x, w)
             if T <= Q8_MATVEC_MAX_T:  # int8 activations (float weights keep f32 ones)
-                x = _dequantized_input(cpu_q8.quantize(x, [w.ggml_type]), w.ggml_type)
+                x = cpu_q8.dequantized_input(cpu_q8.quantize(x, [w.ggml_type]), w.ggml_type)
             _assert_close(got, x, reference.dequantize(w))
 
 
@@ -380,7 +368,7 @@ def test_real_tensors(real_matrices, tier):
                                       _ref_integer_dots(w.raw[:64], w.ggml_type, w.cols, x), err_msg=w.name)
         got = cpu_q8.matvec([w], qin, tier=tier)
         wf = reference.dequantize(w)
-        _assert_close(got, _dequantized_input(qin, w.ggml_type), wf)
+        _assert_close(got, cpu_q8.dequantized_input(qin, w.ggml_type), wf)
         # Against exact f32 activations the int8 ones cost ~0.5 % (as in llama.cpp): a sanity bound.
         exact = x.astype(np.float64) @ wf.T.astype(np.float64)
         assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name

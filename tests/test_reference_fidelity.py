@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import engine
+import engine.models.base
 from tests.conftest import REFERENCE
 
 MODELS = {
@@ -50,6 +51,18 @@ def _teacher_forced(model: engine.Model, name: str, case: dict) -> np.ndarray:
     if key not in _scores:
         ids = case["tokens"] + case["greedy_ids"][:-1]
         _scores[key] = model.logprobs(ids, start=len(case["tokens"]) - 1)
+    return _scores[key]
+
+
+def _teacher_forced_decode(model: engine.Model, name: str, case: dict) -> np.ndarray:
+    """The same rows, but the continuation fed one token at a time: the compiled decode step (int8) on the
+    default path, as generation runs it."""
+    key = (name, model.compute_path + "-decode", case["name"])
+    if key not in _scores:
+        cache = model.new_cache(len(case["tokens"]) + len(case["greedy_ids"]))
+        rows = [model.eval(case["tokens"], cache)[-1]]
+        rows += [model.eval([t], cache)[0] for t in case["greedy_ids"][:-1]]
+        _scores[key] = engine.models.base.log_softmax(np.stack(rows))
     return _scores[key]
 
 
@@ -100,12 +113,25 @@ def test_default_path_within_llama_cpp_noise(request, name, case_name):
     assert not misses, f"top-1 differs from llama.cpp at confident positions {misses}"
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_default_path_mean_kl_per_model(request, name):
+@pytest.mark.parametrize("name,case_name", PARAMS)
+def test_decode_step_within_llama_cpp_noise(request, name, case_name):
+    case = _case(name, case_name)
     model = _model(request, name, "auto")
+    assert model.step is not None  # the fast path is what runs here
+    mean, worst, misses, _ = _vs_llama_cpp(_teacher_forced_decode(model, name, case), case)
+    assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
+    assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"
+    assert not misses, f"top-1 differs from llama.cpp at confident positions {misses}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("how", ["prompt", "decode"])
+def test_default_path_mean_kl_per_model(request, name, how):
+    model = _model(request, name, "auto")
+    scores = _teacher_forced if how == "prompt" else _teacher_forced_decode
     kls = []
     for case in CASES[name]:
-        kls += _vs_llama_cpp(_teacher_forced(model, name, case), case)[3]
+        kls += _vs_llama_cpp(scores(model, name, case), case)[3]
     assert np.mean(kls) <= MODEL_MEAN_KL, f"mean KL(llama.cpp || ours) {np.mean(kls):.4f} > {MODEL_MEAN_KL}"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import SERVER_KEY
 
-ASK = "What is the capital of France?"
+ASK = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,18 @@ def test_function_tools_produce_a_function_call_item(client, name):
     tool = {"type": "function", "name": "get_weather", "description": "Weather in a city",
             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
                            "required": ["city"], "additionalProperties": False}}
-    r = client.responses.create(model=name, input="Weather in Paris?", tools=[tool], tool_choice="required",
-                                parallel_tool_calls=False, max_output_tokens=40, temperature=0)
+    ask = dict(model=name, input="Weather in Paris?", tools=[tool], tool_choice="required",
+               parallel_tool_calls=False, max_output_tokens=40, temperature=0)
+    r = client.responses.create(**ask)
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
+    # streamed: the arguments arrive as .delta pieces that join up to the non-streamed ones
+    events = list(client.responses.create(stream=True, **ask))
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(added) == 1 and added[0].arguments == "" and added[0].name == "get_weather"
+    assert len(pieces) >= 2 and "".join(pieces) == done[0] == calls[0].arguments, pieces
+    final = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert [(o.call_id, o.arguments) for o in final] == [(added[0].call_id, calls[0].arguments)]

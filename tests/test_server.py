@@ -26,7 +26,7 @@ from engine.server import ServerConfig, ServerConfigError, body_cap, is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-9f2c"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 MAX_QUEUE = 3  # small, so that 8 concurrent clients meet a full queue
 KEEPALIVE_S = 0.2  # short, so that a prompt's prefill is long enough to show keep-alives
 

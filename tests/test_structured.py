@@ -103,21 +103,25 @@ def test_required_and_named_tool_choice_produce_a_valid_call(client, name, choic
 
 
 def test_tool_calls_stream_as_deltas(client, name):
-    stream = client.chat.completions.create(model=name, messages=ASK, tools=[WEATHER], stream=True, max_tokens=50,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                            parallel_tool_calls=False, temperature=0)
-    names, args, finish = [], "", None
-    for chunk in stream:
+    ask = dict(model=name, messages=ASK, tools=[WEATHER], max_tokens=50, parallel_tool_calls=False, temperature=0,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls[0].function.arguments
+    firsts, pieces, finish = [], [], None
+    for chunk in client.chat.completions.create(stream=True, **ask):
         for ch in chunk.choices:
             for tc in ch.delta.tool_calls or []:
                 assert tc.index == 0
-                if tc.function.name:
-                    names.append(tc.function.name)
-                    assert tc.id and tc.type == "function"
-                args += tc.function.arguments or ""
+                if tc.id:  # OpenAI's shape: id, type and name once, then the arguments alone
+                    firsts.append((tc.type, tc.function.name, tc.function.arguments))
+                else:
+                    assert tc.type is None and tc.function.name is None
+                    pieces.append(tc.function.arguments)
             finish = ch.finish_reason or finish
-    assert names == ["get_weather"] and finish == "tool_calls"
-    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    assert firsts == [("function", "get_weather", "")] and finish == "tool_calls"
+    # the arguments arrive as they are generated, and join up to the non-streamed call's exactly
+    assert len(pieces) >= 2 and "".join(pieces) == whole, pieces
+    assert not any("<" in p or "tool_call" in p for p in pieces)
+    jsonschema.validate(json.loads(whole), WEATHER["function"]["parameters"])
 
 
 def test_tool_results_round_trip(client, name):

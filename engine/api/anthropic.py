@@ -22,7 +22,7 @@ from engine.api.openai import _float, _int, _kind, _object, _str, parse_tools
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
-from engine.templates.tools import ToolCallSplitter
+from engine.templates.tool_stream import CallArguments, CallEnd, Text, ToolCallStream
 
 MESSAGES_URL = "/v1/messages"
 COUNT_TOKENS_URL = "/v1/messages/count_tokens"
@@ -222,7 +222,11 @@ def _tool_use(call) -> dict:
         args = json.loads(call.arguments)
     except ValueError:
         args = {}
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": args}
+    return {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": args}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def message_object(result: Completion, *, model_name: str, message_id: str | None = None) -> dict:
@@ -260,10 +264,13 @@ class MessageStream:
     model: str
     input_tokens: int
     tool_names: frozenset[str] | None = None
-    _block: int = -1  # index of the open text block (-1: none open yet)
+    _block: int = -1  # index of the last block opened (-1: none yet)
     _open: bool = False
     _output: int = 0
-    _splitter: ToolCallSplitter = field(default_factory=ToolCallSplitter)
+    _reader: ToolCallStream | None = field(init=False)  # reads the calls, when the request has tools
+
+    def __post_init__(self):
+        self._reader = None if self.tool_names is None else ToolCallStream(set(self.tool_names))
 
     def start(self) -> bytes:
         msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -294,33 +301,40 @@ class MessageStream:
     def events(self, d: Delta) -> bytes:
         """The events for one piece of the answer (choice 0)."""
         self._output += d.new_tokens
-        text, calls = d.text, []
-        if self.tool_names is not None:
-            text = self._splitter.push(d.text)
-            if d.finish_reason:
-                rest, calls = self._splitter.finish(set(self.tool_names))
-                text += rest
-        out = self._text(text) if text or (d.finish_reason and not calls and self._block < 0) else b""
-        for call in calls:
-            out += self._close()
-            self._block += 1
-            block = _tool_use(call)
-            out += sse("content_block_start", {"type": "content_block_start", "index": self._block,
-                                                "content_block": {**block, "input": {}}})
-            if self._block == 0:
-                out += sse("ping", {"type": "ping"})
-            out += sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
-                                                "delta": {"type": "input_json_delta",
-                                                          "partial_json": json.dumps(block["input"])}})
-            out += sse("content_block_stop", {"type": "content_block_stop", "index": self._block})
+        if self._reader is None:
+            out = self._text(d.text) if d.text else b""
+        else:
+            out = b"".join(self._event(e) for e in self._reader.push(d.text) +
+                           (self._reader.finish() if d.finish_reason else []))
         if d.finish_reason:
-            finish = "tool_calls" if calls and d.finish_reason == "stop" else d.finish_reason
+            if self._block < 0:
+                out += self._text("")  # a message always has a content block, even an empty one
+            called = self._reader is not None and self._reader.started
+            finish = "tool_calls" if called and d.finish_reason == "stop" else d.finish_reason
             out += self._close()
             out += sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop_reason(finish, d.stop_sequence),
                                                    "stop_sequence": d.stop_sequence},
                                          "usage": {"output_tokens": self._output}})
             out += sse("message_stop", {"type": "message_stop"})
+        return out
+
+    def _event(self, e) -> bytes:
+        """A tool_use block opens with an empty input, its JSON follows in input_json_delta pieces."""
+        if isinstance(e, Text):
+            return self._text(e.text)
+        if isinstance(e, CallArguments):
+            return sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                "delta": {"type": "input_json_delta", "partial_json": e.text}})
+        if isinstance(e, CallEnd):
+            return self._close()
+        out = self._close()
+        self._block += 1
+        self._open = True
+        out += sse("content_block_start", {"type": "content_block_start", "index": self._block, "content_block": {
+            "type": "tool_use", "id": _tool_use_id(e.id), "name": e.name, "input": {}}})
+        if self._block == 0:
+            out += sse("ping", {"type": "ping"})
         return out
 
     @staticmethod

@@ -21,7 +21,8 @@ from engine.api.openai import _float, _int, _kind, _str, parse_tool_choice, pars
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
-from engine.templates.tools import ToolCallSplitter
+from engine.templates.tool_stream import CallArguments, CallStart, Text, ToolCallStream
+from engine.templates.tools import ToolCall
 
 RESPONSES_URL = "/v1/responses"
 _FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
@@ -227,21 +228,28 @@ def sse(name: str, obj: dict) -> bytes:
 
 @dataclass
 class ResponseStream:
-    """The events of one streamed response: response.created, response.in_progress,
-    response.output_item.added, response.content_part.added, response.output_text.delta...,
-    response.output_text.done, response.content_part.done, response.output_item.done (function_call items
-    added and done whole), response.completed."""
+    """The events of one streamed response: response.created, response.in_progress, then the message item
+    (response.output_item.added, response.content_part.added, response.output_text.delta...,
+    response.output_text.done, response.content_part.done, response.output_item.done) and each function_call
+    item (response.output_item.added, response.function_call_arguments.delta..., .done,
+    response.output_item.done), then response.completed."""
 
     rr: ResponsesRequest
     id: str
     model: str
     created: int
     tool_names: frozenset[str] | None = None
+    calls: list = field(default_factory=list)  # the function calls sent (ToolCall), for the final object
     _seq: int = 0
     _msg_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
-    _open: bool = False
+    _open: bool = False  # the message item is open
+    _items: int = 0  # output items added so far
     _text: list[str] = field(default_factory=list)
-    _splitter: ToolCallSplitter = field(default_factory=ToolCallSplitter)
+    _open_calls: dict = field(default_factory=dict)  # call index -> (ToolCall, output_index)
+    _reader: ToolCallStream | None = field(init=False)  # reads the calls, when the request has tools
+
+    def __post_init__(self):
+        self._reader = None if self.tool_names is None else ToolCallStream(set(self.tool_names))
 
     def _ev(self, name: str, obj: dict) -> bytes:
         obj = {"type": name, "sequence_number": self._seq, **obj}
@@ -255,43 +263,72 @@ class ResponseStream:
     def _open_message(self) -> bytes:
         if self._open:
             return b""
-        self._open = True
+        self._open, self._items = True, self._items + 1
         return (self._ev("response.output_item.added", {"output_index": 0, "item": {
                     "type": "message", "id": self._msg_id, "status": "in_progress", "role": "assistant", "content": []}})
                 + self._ev("response.content_part.added", {"item_id": self._msg_id, "output_index": 0,
                                                            "content_index": 0, "part": {"type": "output_text",
                                                                                         "text": "", "annotations": []}}))
 
+    def _close_message(self) -> bytes:
+        if not self._open:
+            return b""
+        self._open = False
+        full = "".join(self._text)
+        return (self._ev("response.output_text.done", {"item_id": self._msg_id, "output_index": 0,
+                                                       "content_index": 0, "text": full, "logprobs": []})
+                + self._ev("response.content_part.done", {"item_id": self._msg_id, "output_index": 0,
+                                                          "content_index": 0, "part": {"type": "output_text",
+                                                                                       "text": full, "annotations": []}})
+                + self._ev("response.output_item.done", {"output_index": 0,
+                                                         "item": _message_item(full, self._msg_id)}))
+
+    def _text_delta(self, text: str) -> bytes:
+        self._text.append(text)
+        return self._open_message() + self._ev("response.output_text.delta", {
+            "item_id": self._msg_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []})
+
     def events(self, d: Delta) -> bytes:
-        text = d.text
-        calls = []
-        if self.tool_names is not None:
-            text = self._splitter.push(d.text)
-            if d.finish_reason:
-                rest, calls = self._splitter.finish(set(self.tool_names))
-                text += rest
-        out = b""
-        if text:
-            out += self._open_message()
-            self._text.append(text)
-            out += self._ev("response.output_text.delta", {"item_id": self._msg_id, "output_index": 0,
-                                                           "content_index": 0, "delta": text, "logprobs": []})
-        if d.finish_reason and not calls:
-            out += self._open_message()  # an answer always has its message item, even an empty one
-        if d.finish_reason and self._open:
-            full = "".join(self._text)
-            out += self._ev("response.output_text.done", {"item_id": self._msg_id, "output_index": 0,
-                                                          "content_index": 0, "text": full, "logprobs": []})
-            out += self._ev("response.content_part.done", {"item_id": self._msg_id, "output_index": 0,
-                                                           "content_index": 0, "part": {"type": "output_text",
-                                                                                        "text": full, "annotations": []}})
-            out += self._ev("response.output_item.done", {"output_index": 0, "item": _message_item(full, self._msg_id)})
-        for i, call in enumerate(calls):
-            index = i + (1 if self._open else 0)
-            out += self._ev("response.output_item.added", {"output_index": index, "item": {**_call_item(call),
-                                                                                           "status": "in_progress"}})
-            out += self._ev("response.output_item.done", {"output_index": index, "item": _call_item(call)})
+        if self._reader is None:
+            out = self._text_delta(d.text) if d.text else b""
+        else:
+            out = b"".join(self._event(e) for e in self._reader.push(d.text) +
+                           (self._reader.finish() if d.finish_reason else []))
+        if d.finish_reason:
+            if not self._items:
+                out += self._open_message()  # an answer always has its message item, even an empty one
+            out += self._close_message()
         return out
+
+    def _event(self, e) -> bytes:
+        """A function_call item opens with empty arguments; they follow in .delta pieces, whole in .done."""
+        if isinstance(e, Text):
+            return self._text_delta(e.text)
+        if isinstance(e, CallStart):
+            out = self._close_message()  # the message item (text before the calls) ends where the calls begin
+            call, at = ToolCall(e.name, "", e.id), self._items
+            self._open_calls[e.index] = (call, at)
+            self._items += 1
+            return out + self._ev("response.output_item.added", {"output_index": at, "item": {
+                **_call_item(call), "status": "in_progress"}})
+        call, at = self._open_calls[e.index]
+        item_id = _call_item(call)["id"]
+        if isinstance(e, CallArguments):
+            return self._ev("response.function_call_arguments.delta", {"item_id": item_id, "output_index": at,
+                                                                       "delta": e.text})
+        self.calls.append(e.call)
+        return (self._ev("response.function_call_arguments.done", {"item_id": item_id, "output_index": at,
+                                                                   "arguments": e.call.arguments})
+                + self._ev("response.output_item.done", {"output_index": at, "item": _call_item(e.call)}))
+
+    def sent(self, result: Completion) -> Completion:
+        """`result` as this stream sent it: the calls with the ids the client saw (a later function_call_output
+        names them), and the text before them."""
+        c = result.choices[0]
+        if self.calls:
+            c.text, c.tool_calls = "".join(self._text), list(self.calls)
+            c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return result
 
     def end(self, obj: dict) -> bytes:
         name = "response.completed" if obj["status"] == "completed" else "response.incomplete"

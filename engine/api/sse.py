@@ -3,7 +3,8 @@
 Pure functions, no I/O. A stream of one request is, as OpenAI sends it:
 
     chat:         a role chunk per choice (delta {"role": "assistant", "content": ""}), content chunks
-                  (delta {"content": ...}), a finish chunk per choice (delta {}, finish_reason), then
+                  (delta {"content": ...}), with tools tool_calls chunks (a call's index, id, type and name,
+                  then its arguments piece by piece), a finish chunk per choice (delta {}, finish_reason), then
                   with stream_options.include_usage a last chunk with "choices": [] and the usage
                   (every other chunk then carries "usage": null), then `data: [DONE]`.
     completions:  text chunks, the last of each choice with its finish_reason; usage and [DONE] alike.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.api.openai import chat_logprobs, completion_logprobs, usage
 from engine.requests import Delta
-from engine.templates.tools import ToolCallSplitter
+from engine.templates.tool_stream import CallArguments, CallStart, Text, ToolCallStream
 
 DONE = b"data: [DONE]\n\n"
 
@@ -45,10 +46,10 @@ class Stream:
     model: str
     logprobs: bool = False
     include_usage: bool = False
-    # With tools: the names an answer may call. Text from a <tool_call> opener on is held back and sent
-    # as tool_calls deltas at the end of the choice (its arguments whole, one delta per call).
+    # With tools: the names an answer may call. Its calls are read as they come (engine.templates.tool_stream)
+    # and sent as tool_calls deltas: a call's id and name, then its arguments piece by piece.
     tool_names: frozenset[str] | None = None
-    _splitters: dict = field(default_factory=dict, compare=False, repr=False)
+    _readers: dict = field(default_factory=dict, compare=False, repr=False)  # choice index -> ToolCallStream
 
     def _chunk(self, choices: list[dict]) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -69,25 +70,26 @@ class Stream:
         if first:
             out.append(self._chunk([{"index": d.index, "delta": {"role": "assistant", "content": "", "refusal": None},
                                      "logprobs": None, "finish_reason": None}]))
-        text, calls, finish = d.text, [], d.finish_reason
+        text, events, finish = d.text, [], d.finish_reason
         if self.tool_names is not None:
-            splitter = self._splitters.setdefault(d.index, ToolCallSplitter())
-            text = splitter.push(d.text)
-            if d.finish_reason:
-                rest, calls = splitter.finish(set(self.tool_names))
-                text += rest
-                if calls and finish == "stop":
-                    finish = "tool_calls"
+            reader = self._readers.setdefault(d.index, ToolCallStream(set(self.tool_names)))
+            events = reader.push(d.text) + (reader.finish() if finish else [])
+            text = "".join(e.text for e in events if isinstance(e, Text))  # text only ever comes before calls
+            if reader.started and finish == "stop":
+                finish = "tool_calls"
         if text or d.logprobs:
             lp = chat_logprobs(d.logprobs or []) if self.logprobs else None
             out.append(self._chunk([{"index": d.index, "delta": {"content": text}, "logprobs": lp,
                                      "finish_reason": None}]))
-        for i, call in enumerate(calls):  # OpenAI's shape: id, type and name first, then the arguments
-            out.append(self._chunk([{"index": d.index, "delta": {"tool_calls": [
-                {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
-                "logprobs": None, "finish_reason": None}]))
-            out.append(self._chunk([{"index": d.index, "delta": {"tool_calls": [
-                {"index": i, "function": {"arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None}]))
+        for e in events:  # OpenAI's shape: index, id, type and name first, then the arguments piece by piece
+            if isinstance(e, CallStart):
+                call = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+            elif isinstance(e, CallArguments):
+                call = {"index": e.index, "function": {"arguments": e.text}}
+            else:
+                continue
+            out.append(self._chunk([{"index": d.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                                     "finish_reason": None}]))
         if finish:
             out.append(self._chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return out

@@ -1,6 +1,7 @@
 """The KV cache of one sequence, kept outside the model.
 
-f32 keys and values per layer, grown in steps as the sequence grows (a server must not reserve the
+f32 keys and values, one (n_layer, capacity, n_head_kv, head_dim) array each (so the compiled decode
+step reaches every layer through one argument), grown in steps as the sequence grows (a server must not reserve the
 whole context window for every request), with the small protocol the engine needs: length,
 write, truncate (prefix reuse and rewinding), and a snapshot for save/restore.
 """
@@ -19,12 +20,12 @@ class KVCache:
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.max_tokens = max_tokens
         self.length = 0  # tokens whose keys/values every layer holds
-        self._k: list[np.ndarray] = [np.empty((0, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
-        self._v: list[np.ndarray] = [np.empty((0, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
+        self.k = np.empty((n_layer, 0, n_head_kv, head_dim), np.float32)
+        self.v = np.empty((n_layer, 0, n_head_kv, head_dim), np.float32)
 
     @property
     def capacity(self) -> int:
-        return self._k[0].shape[0]
+        return self.k.shape[1]
 
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more tokens; refuse past max_tokens."""
@@ -34,18 +35,18 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = min(self.max_tokens, max(need, 2 * self.capacity, _GROW_STEP))
-        for store in (self._k, self._v):
-            for i, old in enumerate(store):
-                new = np.empty((cap, self.n_head_kv, self.head_dim), np.float32)
-                new[: self.length] = old[: self.length]
-                store[i] = new
+        k = np.empty((self.n_layer, cap, self.n_head_kv, self.head_dim), np.float32)
+        v = np.empty_like(k)
+        k[:, : self.length] = self.k[:, : self.length]
+        v[:, : self.length] = self.v[:, : self.length]
+        self.k, self.v = k, v
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v (T, Hkv, D) at positions length..length+T-1; return all keys/values (L, Hkv, D)."""
         end = self.length + k.shape[0]
-        self._k[layer][self.length : end] = k
-        self._v[layer][self.length : end] = v
-        return self._k[layer][:end], self._v[layer][:end]
+        self.k[layer, self.length : end] = k
+        self.v[layer, self.length : end] = v
+        return self.k[layer, :end], self.v[layer, :end]
 
     def advance(self, n: int) -> None:
         """Commit n tokens written to every layer."""
@@ -56,4 +57,4 @@ class KVCache:
         self.length = min(self.length, max(0, n))
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._k) + sum(a.nbytes for a in self._v)
+        return self.k.nbytes + self.v.nbytes

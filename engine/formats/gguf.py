@@ -212,6 +212,11 @@ class GGUFFile:
         raw = np.frombuffer(self._map, dtype=np.uint8, count=e.nbytes, offset=e.offset)
         return QTensor(name, gtype, (rows, cols), raw.reshape(rows, e.nbytes // rows))
 
+    @property
+    def data(self) -> np.ndarray:
+        """The whole mapped file as one read-only uint8 array (tensor views lie inside it)."""
+        return np.frombuffer(self._map, dtype=np.uint8)
+
     def vector(self, name: str) -> np.ndarray:
         """A small 1-D tensor (norm weights, biases) as float32: copied, they are tiny."""
         from engine.kernels.reference import dequantize
@@ -268,6 +273,12 @@ class GGUFShards:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    @property
+    def data(self) -> None:
+        """No single buffer holds a split model's tensors (the compiled decode step needs one; split models
+        decode layer by layer instead)."""
+        return None
 
     def check_tensor_types(self) -> None:
         for shard in self.shards:

@@ -39,8 +39,10 @@ Public API (Python; each is one compiled call after argument checks):
   matvec(ws or Prepared, qin, out=None) -> (M, sum rows)  x @ W_i.T for all of them, one parallel call
   integer_dots(w, qin) -> int32            the per-block integer dot products (tests)
   legacy_x_order(K), available_tiers(), TIER, tier_token(tier)
-njit-callable (for a compiled decode step): quantize_legacy_into, quantize_k_into, matvec_into (parallel over
-rows; takes a tuple of weight arrays and the tier token as its last argument).
+  dequantized_input(qin, type) -> f32     the activations as the kernels see them (oracles)
+njit-callable (for the compiled decode step, engine/models/decode_step.py): quantize_legacy_into,
+quantize_k_into, matvec_into (a tuple of weight arrays) and matvec_buf_into (matrices addressed by byte offset
+into one buffer: the mapped file); both parallel over rows, the tier token as their last argument.
 """
 
 from __future__ import annotations
@@ -769,100 +771,101 @@ def quantize_k_into(x, xq, xd, xb):
 
 
 @njit(cache=True)
-def _rows_q4_0(raw, r0, r1, xq, xs, out, c0, tier):
-    rb, K, ns = raw.shape[1], xq.shape[1], xs.shape[1]
+def _rows_q4_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
     M, R = out.shape
     r = r0
     while r + 1 < r1:  # two rows per call
         for m in range(M):  # the rows stay in L1 across the M vectors
-            _rd2_q4_0(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd2_q4_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
         r += 2
     if r < r1:
         for m in range(M):
-            _rd_q4_0(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd_q4_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
 
 @njit(cache=True)
-def _rows_q4_1(raw, r0, r1, xq, xs, out, c0, tier):
-    rb, K, ns = raw.shape[1], xq.shape[1], xs.shape[1]
+def _rows_q4_1(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
     M, R = out.shape
     r = r0
     while r + 1 < r1:  # two rows per call
         for m in range(M):  # the rows stay in L1 across the M vectors
-            _rd2_q4_1(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd2_q4_1(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
         r += 2
     if r < r1:
         for m in range(M):
-            _rd_q4_1(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd_q4_1(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
 
 @njit(cache=True)
-def _rows_q5_0(raw, r0, r1, xq, xs, out, c0, tier):
-    rb, K, ns = raw.shape[1], xq.shape[1], xs.shape[1]
+def _rows_q5_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
     M, R = out.shape
     for r in range(r0, r1):
         for m in range(M):  # the row stays in L1 across the M vectors
-            _rd_q5_0(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd_q5_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
 
 @njit(cache=True)
-def _rows_q5_1(raw, r0, r1, xq, xs, out, c0, tier):
-    rb, K, ns = raw.shape[1], xq.shape[1], xs.shape[1]
+def _rows_q5_1(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
     M, R = out.shape
     for r in range(r0, r1):
         for m in range(M):  # the row stays in L1 across the M vectors
-            _rd_q5_1(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd_q5_1(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
 
 @njit(cache=True)
-def _rows_q8_0(raw, r0, r1, xq, xs, out, c0, tier):
-    rb, K, ns = raw.shape[1], xq.shape[1], xs.shape[1]
+def _rows_q8_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
     M, R = out.shape
     r = r0
     while r + 1 < r1:  # two rows per call
         for m in range(M):  # the rows stay in L1 across the M vectors
-            _rd2_q8_0(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd2_q8_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
         r += 2
     if r < r1:
         for m in range(M):
-            _rd_q8_0(raw, r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+            _rd_q8_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
 
 @njit(cache=True)
-def _rows_q4_k(raw, r0, r1, xq, xd, xb, out, c0, tier):
-    rb, K = raw.shape[1], xq.shape[1]
+def _rows_q4_k(raw, base, rb, r0, r1, xq, xd, xb, out, c0, tier):
+    K = xq.shape[1]
     nsb = K // 256
     for r in range(r0, r1):
         for m in range(out.shape[0]):
-            out[m, c0 + r] = _rd_q4_k(raw, r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
+            out[m, c0 + r] = _rd_q4_k(raw, base + r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
 
 
 @njit(cache=True)
-def _rows_q5_k(raw, r0, r1, xq, xd, xb, out, c0, tier):
-    rb, K = raw.shape[1], xq.shape[1]
+def _rows_q5_k(raw, base, rb, r0, r1, xq, xd, xb, out, c0, tier):
+    K = xq.shape[1]
     nsb = K // 256
     for r in range(r0, r1):
         for m in range(out.shape[0]):
-            out[m, c0 + r] = _rd_q5_k(raw, r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
+            out[m, c0 + r] = _rd_q5_k(raw, base + r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
 
 
 @njit(cache=True)
-def _rows_q6_k(raw, r0, r1, xq, xd, xb, out, c0, tier):
-    rb, K = raw.shape[1], xq.shape[1]
+def _rows_q6_k(raw, base, rb, r0, r1, xq, xd, xb, out, c0, tier):
+    K = xq.shape[1]
     nsb = K // 256
     for r in range(r0, r1):
         for m in range(out.shape[0]):
-            out[m, c0 + r] = _rd_q6_k(raw, r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
+            out[m, c0 + r] = _rd_q6_k(raw, base + r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
 
 
 # --- float weights: plain f32 dot products (fastmath so the reduction vectorizes) ---
 
 
 @njit(cache=True, fastmath=True)
-def _rows_f32(raw, r0, r1, x, out, c0):
+def _rows_f32(raw, base, rb, r0, r1, x, out, c0):
     K = x.shape[1]
+    flat = raw.reshape(-1)
     for r in range(r0, r1):
-        w = raw[r].view(np.float32)
+        w = flat[base + r * rb : base + (r + 1) * rb].view(np.float32)
         for m in range(out.shape[0]):
             acc = np.float32(0.0)
             for c in range(K):
@@ -871,10 +874,11 @@ def _rows_f32(raw, r0, r1, x, out, c0):
 
 
 @njit(cache=True, fastmath=True)
-def _rows_f16(raw, r0, r1, x, out, c0):
+def _rows_f16(raw, base, rb, r0, r1, x, out, c0):
     K = x.shape[1]
+    flat = raw.reshape(-1)
     for r in range(r0, r1):
-        h = raw[r].view(np.uint16)
+        h = flat[base + r * rb : base + (r + 1) * rb].view(np.uint16)
         for m in range(out.shape[0]):
             acc = np.float32(0.0)
             for c in range(K):
@@ -883,10 +887,11 @@ def _rows_f16(raw, r0, r1, x, out, c0):
 
 
 @njit(cache=True, fastmath=True)
-def _rows_bf16(raw, r0, r1, x, out, c0):
+def _rows_bf16(raw, base, rb, r0, r1, x, out, c0):
     K = x.shape[1]
+    flat = raw.reshape(-1)
     for r in range(r0, r1):
-        h = raw[r].view(np.uint16)
+        h = flat[base + r * rb : base + (r + 1) * rb].view(np.uint16)
         for m in range(out.shape[0]):
             acc = np.float32(0.0)
             for c in range(K):  # bf16 = the high half of an f32
@@ -895,30 +900,31 @@ def _rows_bf16(raw, r0, r1, x, out, c0):
 
 
 @njit(cache=True)
-def _rows(code, raw, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
-    """Dispatch one matrix's row range on its type code (once per chunk: negligible)."""
+def _rows(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
+    """Rows [r0, r1) of one matrix whose row r starts at byte base + r * rb of raw (a matrix, base 0, or a
+    whole-file buffer), into out[:, c0 + r]; dispatched on its type code (once per chunk: negligible)."""
     if code == _Q4_0:
-        _rows_q4_0(raw, r0, r1, xq8, xs8, out, c0, tier)
+        _rows_q4_0(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == _Q4_1:
-        _rows_q4_1(raw, r0, r1, xq8, xs8, out, c0, tier)
+        _rows_q4_1(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == _Q5_0:
-        _rows_q5_0(raw, r0, r1, xq8, xs8, out, c0, tier)
+        _rows_q5_0(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == _Q5_1:
-        _rows_q5_1(raw, r0, r1, xq8, xs8, out, c0, tier)
+        _rows_q5_1(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == _Q8_0:
-        _rows_q8_0(raw, r0, r1, xq8, xs8, out, c0, tier)
+        _rows_q8_0(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == _Q4_K:
-        _rows_q4_k(raw, r0, r1, xqk, xdk, xbk, out, c0, tier)
+        _rows_q4_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     elif code == _Q5_K:
-        _rows_q5_k(raw, r0, r1, xqk, xdk, xbk, out, c0, tier)
+        _rows_q5_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     elif code == _Q6_K:
-        _rows_q6_k(raw, r0, r1, xqk, xdk, xbk, out, c0, tier)
+        _rows_q6_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     elif code == _F16:
-        _rows_f16(raw, r0, r1, x, out, c0)
+        _rows_f16(raw, base, rb, r0, r1, x, out, c0)
     elif code == _BF16:
-        _rows_bf16(raw, r0, r1, x, out, c0)
+        _rows_bf16(raw, base, rb, r0, r1, x, out, c0)
     else:  # _F32; the Python wrappers reject every other code
-        _rows_f32(raw, r0, r1, x, out, c0)
+        _rows_f32(raw, base, rb, r0, r1, x, out, c0)
 
 
 @njit(parallel=True, cache=True)
@@ -933,8 +939,28 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, 
         for i in range(len(raws)):
             a, z = max(lo, starts[i]), min(hi, starts[i + 1])
             if a < z:
-                _rows(codes[i], raws[i], a - starts[i], z - starts[i], xq8, xs8, xqk, xdk, xbk, x, out,
-                      starts[i], tier)
+                _rows(codes[i], raws[i], 0, raws[i].shape[1], a - starts[i], z - starts[i], xq8, xs8, xqk, xdk,
+                      xbk, x, out, starts[i], tier)
+
+
+@njit(parallel=True, cache=True)
+def matvec_buf_into(buf, mats, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, tier):
+    """The same over matrices that live in one buffer (a whole GGUF file): mats (n, 4) int64 rows of
+    [byte offset, rows, row bytes, type code]; results side by side in out (M, sum of rows)."""
+    n = mats.shape[0]
+    total = 0
+    for i in range(n):
+        total += mats[i, 1]
+    for ch in prange(n_chunks):
+        lo, hi = ch * total // n_chunks, (ch + 1) * total // n_chunks
+        start = 0
+        for i in range(n):
+            end = start + mats[i, 1]
+            a, z = max(lo, start), min(hi, end)
+            if a < z:
+                _rows(mats[i, 3], buf, mats[i, 0], mats[i, 2], a - start, z - start, xq8, xs8, xqk, xdk, xbk, x,
+                      out, start, tier)
+            start = end
 
 
 @njit(cache=True)
@@ -1109,6 +1135,20 @@ def matvec(ws: Sequence | Prepared, qin: QInput, out: np.ndarray | None = None, 
         matvec_into(p.raws, np.array(p.codes, np.int64), starts, qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk,
                     qin.x, out, n_chunks, tok)
     return out
+
+
+def dequantized_input(qin: QInput, ggml_type: GGMLType | int) -> np.ndarray:
+    """The activations the kernels compute with for weights of ggml_type, as f32 (M, K): the int8 values times
+    their block scales (x itself for float weights). Oracles (tests, the self-test) multiply these in float64."""
+    M, K = qin.shape
+    t = GGMLType(int(ggml_type))
+    if t in LEGACY_TYPES:
+        q = np.empty_like(qin.xq8)
+        q[:, legacy_x_order(K)] = qin.xq8
+        return (q.reshape(M, -1, QK) * qin.xs8.reshape(M, -1, 2)[..., :1]).reshape(M, K)
+    if t in K_TYPES:
+        return (qin.xqk.reshape(M, -1, QK_K) * qin.xdk[..., None]).reshape(M, K)
+    return qin.x
 
 
 def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:

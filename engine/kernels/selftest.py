@@ -1,8 +1,10 @@
 """Kernel self-test: every dispatched CPU kernel against the numpy reference on a fixed small input.
 
 Run once per process, at the first model load (engine.load), in a few ms once numba's cache is warm.
-Kernels checked, per GGML type: `matvec` (decode: fused, reads blocks in place), `dequantize` (prefill:
-serial and parallel decode before BLAS) and `embed` (row gather). A kernel that disagrees with the
+Kernels checked, per GGML type: `matvec` (exact f32 path: fused, reads blocks in place), `matvec_q8` (the
+default path's int8 kernels, tier cpu_q8.TIER, against the float64 product of the dequantized weight and the
+int8 activations they compute with), `dequantize` (prefill: serial and parallel decode before BLAS) and
+`embed` (row gather). A kernel that disagrees with the
 reference steps its type down to the next tier (cpu -> reference) for every operation, with one WARN
 line naming kernel, type, figures and the tier now in use. Results: `report()` (GET /health `selftest`,
 `goinfer check --hardware`).
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from engine.kernels import cpu, reference
+from engine.kernels import cpu, cpu_q8, reference
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 
 __all__ = ["KernelResult", "SelfTest", "TIERS", "TieredBackend", "disabled_types", "report", "run_selftest"]
@@ -36,7 +38,7 @@ _F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), 
 
 @dataclass
 class KernelResult:
-    kernel: str  # "matvec", "dequantize", "embed"
+    kernel: str  # "matvec", "matvec_q8", "dequantize", "embed"
     type: str  # GGML type name
     tier: str  # the tier tested
     max_rel_err: float
@@ -96,6 +98,11 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
     def matvec(w, x, ids):
         return cpu.matvec(w.raw, w.ggml_type, x, np.empty((x.shape[0], w.rows), np.float32)), reference.matmul(x, w)
 
+    def matvec_q8(w, x, ids):
+        qin = cpu_q8.quantize(x, [w.ggml_type])
+        xd = cpu_q8.dequantized_input(qin, w.ggml_type).astype(np.float64)
+        return cpu_q8.matvec([w], qin), xd @ reference.dequantize(w).astype(np.float64).T
+
     def dequantize(w, x, ids):
         want = reference.dequantize(w)
         serial = cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=False)
@@ -107,7 +114,7 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
         got = cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), np.float32))
         return got, reference.embed_rows(w, ids)
 
-    return {"matvec": matvec, "dequantize": dequantize, "embed": embed}
+    return {"matvec": matvec, "matvec_q8": matvec_q8, "dequantize": dequantize, "embed": embed}
 
 
 KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace an entry to force a mismatch

@@ -12,6 +12,7 @@ from engine.cache.kv import KVCache
 from engine.kernels.backend import Backend
 from engine.kernels.quant_types import QTensor
 from engine.models.config import ModelConfig
+from engine.models.decode_step import DecodeStep
 from engine.models.weights import Weights
 
 PREFILL_CHUNK = 512  # tokens per forward call: bounds attention scores and activations
@@ -30,8 +31,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 class Model:
     def __init__(self, *, path: Path, config: ModelConfig, weights: Weights, forward: ForwardFn, backend: Backend,
-                 tokenizer, template, quant: str, compute_path: str, metadata: dict):
+                 tokenizer, template, quant: str, compute_path: str, metadata: dict, step: DecodeStep | None = None):
         self.path, self.config, self.weights, self._forward = path, config, weights, forward
+        self.step = step  # the compiled one-token decode step (fast path), or None: decode layer by layer
         self.backend, self.tokenizer, self.template, self.quant = backend, tokenizer, template, quant
         self.compute_path = compute_path  # what quant resolved to: equal paths give equal results
         self.metadata = metadata
@@ -60,10 +62,23 @@ class Model:
             for r0 in range(0, t.rows, HEAD_ROWS):
                 part = QTensor(t.name, t.ggml_type, (min(HEAD_ROWS, t.rows - r0), t.cols), t.raw[r0 : r0 + HEAD_ROWS])
                 logits[:, r0 : r0 + part.rows] = self.backend.matmul(hidden, part)
+        return self._finish_logits(logits)
+
+    def _finish_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Raw head output -> logits: final soft-capping (Gemma 2 style), padding rows past the vocabulary cut."""
         cap = self.config.final_logit_softcap
         if cap:
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return logits[:, : self.config.vocab_size]
+
+    def decode(self, ids, caches: list[KVCache]) -> np.ndarray:
+        """One new token for each of several sequences: ids[m] appended to caches[m]; logits (M, vocab).
+        With the compiled step every weight is read once for all M sequences."""
+        if len(ids) != len(caches):
+            raise ValueError(f"{len(ids)} tokens for {len(caches)} caches")
+        if self.step is not None:
+            return self._finish_logits(self.step(ids, caches))
+        return np.concatenate([self.eval([t], c) for t, c in zip(ids, caches)])
 
     def eval(self, ids, cache: KVCache, logits_from: int | None = None,
              on_chunk: Callable[[int], None] | None = None) -> np.ndarray:
@@ -75,6 +90,11 @@ class Model:
             raise ValueError("eval needs at least one token")
         if logits_from is None:
             logits_from = len(ids) - 1
+        if len(ids) == 1 and self.step is not None:
+            logits = self._finish_logits(self.step(ids, [cache]))
+            if on_chunk is not None:
+                on_chunk(1)
+            return logits
         cache.reserve(len(ids))
         rows = []
         for c0 in range(0, len(ids), PREFILL_CHUNK):

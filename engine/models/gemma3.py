@@ -46,3 +46,6 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
         x = x + rms_norm(be.matmul(g, w.tensor(blk + "ffn_down")), w.vector(blk + "post_ffw_norm"), eps)
     cache.advance(T)
     return rms_norm(x, w.vector("output_norm"), eps)
+
+# What the compiled decode step (decode_step.py) needs to know about this family.
+STEP_FLAGS = {"qk_norm": True, "post_norms": True, "act": "gelu_tanh"}

@@ -39,3 +39,6 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
         x = x + be.matmul(g, w.tensor(blk + "ffn_down"))
     cache.advance(T)
     return rms_norm(x, w.vector("output_norm"), cfg.rms_eps)
+
+# What the compiled decode step (decode_step.py) needs to know about this family.
+STEP_FLAGS = {"qk_norm": False, "post_norms": False, "act": "silu"}

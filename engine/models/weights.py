@@ -33,6 +33,10 @@ class Weights:
             v = self._vectors[name] = self._file.vector(name + ".weight")
         return v
 
+    def buffer(self) -> np.ndarray | None:
+        """The one uint8 buffer every tensor views (the mapped file), or None for a split model."""
+        return self._file.data
+
     def optional_vector(self, name: str) -> np.ndarray | None:
         return self.vector(name) if self.has(name) else None
 

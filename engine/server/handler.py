@@ -59,6 +59,13 @@ class ClientGone(Exception):
     pass
 
 
+def _stream_error(e: GoinferError | HTTPError) -> tuple[int, dict]:
+    """(status, OpenAI error body) of an error met after a stream began: too late to answer with it."""
+    if isinstance(e, HTTPError):
+        return e.status, e.body
+    return error_status(e), error_body(e)
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # persistent connections; every answer has a length or is chunked
     timeout = IDLE_TIMEOUT_S
@@ -429,7 +436,7 @@ class Handler(BaseHTTPRequestHandler):
                 started.add(d.index)
         except (GoinferError, HTTPError) as e:
             # Too late for a status: the error goes in the stream, as OpenAI sends it, and the stream ends.
-            body = e.body if isinstance(e, HTTPError) else error_body(e)
+            _, body = _stream_error(e)
             self._note = f"error in stream: {body['error']['message']}"
             self._write_chunk(sse.event(body))
             self._write_chunk(b"")
@@ -445,22 +452,8 @@ class Handler(BaseHTTPRequestHandler):
         """Anthropic's named events (headers already sent); an error after the start is an `error` event."""
         info = anthropic.MessageStream(job.id, model_name, len(job.prep.ids),
                                        frozenset(req.tool_names) if req.calls_tools else None)
-        self._write_chunk(info.start())
-        out = Collector(job.prep)
-        try:
-            for d in self._events(job, stream=True):
-                out.add(d)
-                if d.index == 0:
-                    data = info.events(d)
-                    if data:
-                        self._write_chunk(data)
-        except (GoinferError, HTTPError) as e:
-            status = e.status if isinstance(e, HTTPError) else error_status(e)
-            self._note = f"error in stream: {e}"
-            self._write_chunk(anthropic.MessageStream.error(anthropic.error_status(status), str(e)))
-            self._write_chunk(b"")
-            return
-        self._usage = (len(job.prep.ids), out.generated)
+        self._stream_named(job, info, lambda status, body: anthropic.MessageStream.error(
+            anthropic.error_status(status), body["error"]["message"]))
         self._write_chunk(b"")
 
     def _stream_responses(self, job: Job, req, model_name: str) -> None:
@@ -468,6 +461,20 @@ class Handler(BaseHTTPRequestHandler):
         rr = self._rr
         info = responses.ResponseStream(rr, job.id, model_name, job.created,
                                         frozenset(req.tool_names) if req.calls_tools else None)
+        out = self._stream_named(job, info,
+                                 lambda status, body: responses.sse("error", {"type": "error", **body["error"]}))
+        if out is not None:
+            result = info.sent(out.result())
+            obj = responses.response_object(rr, result, response_id=job.id, model_name=model_name,
+                                            created=job.created, message_id=info._msg_id)
+            if rr.store:
+                _response_store(self.state).put(obj, responses.conversation(rr, result))
+            self._write_chunk(info.end(obj))
+        self._write_chunk(b"")
+
+    def _stream_named(self, job: Job, info, error_event) -> Collector | None:
+        """The loop both named-event streams share: info's start, its events for each piece of choice 0, and
+        on an error `error_event(status, OpenAI error body)` (None returned: the stream is over)."""
         self._write_chunk(info.start())
         out = Collector(job.prep)
         try:
@@ -478,19 +485,12 @@ class Handler(BaseHTTPRequestHandler):
                     if data:
                         self._write_chunk(data)
         except (GoinferError, HTTPError) as e:
-            body = e.body if isinstance(e, HTTPError) else error_body(e)
+            status, body = _stream_error(e)
             self._note = f"error in stream: {body['error']['message']}"
-            self._write_chunk(responses.sse("error", {"type": "error", **body["error"]}))
-            self._write_chunk(b"")
-            return
-        result = out.result()
-        obj = responses.response_object(rr, result, response_id=job.id, model_name=model_name, created=job.created,
-                                        message_id=info._msg_id)
-        if rr.store:
-            _response_store(self.state).put(obj, responses.conversation(rr, result))
+            self._write_chunk(error_event(status, body))
+            return None
         self._usage = (len(job.prep.ids), out.generated)
-        self._write_chunk(info.end(obj))
-        self._write_chunk(b"")
+        return out
 
     # ------------------------------------------------------------------ writing
 

@@ -6,7 +6,8 @@ Hermes-style prompt: the tools described in the system message, earlier calls wr
 `<tool_call>` blocks and tool results as `<tool_response>` blocks in a user turn (every template has one).
 
 Parsing: Hermes `<tool_call>{...}</tool_call>` blocks, Mistral `[TOOL_CALLS][...]`, and a Llama-3 style
-answer that is one bare JSON object `{"name": ..., "parameters"|"arguments": {...}}`.
+answer that is one bare JSON object `{"name": ..., "parameters"|"arguments": {...}}`. The same calls read while
+they are generated (for streams): engine/templates/tool_stream.py.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ class ToolCall:
 
     def __post_init__(self):
         if not self.id:
-            self.id = "call_" + uuid.uuid4().hex[:24]
+            self.id = new_call_id()
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def template_supports_tools(source: str) -> bool:
@@ -100,7 +105,7 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str
     if "<tool_call>" in text:
         head = text[: text.index("<tool_call>")]
         for block, closed in _HERMES.findall(text):
-            call = _to_call(block, tool_names)
+            call = read_call(block, tool_names)
             if call is None and not closed and calls:
                 break  # a last call cut off (max_tokens): the complete ones stand
             if call is None:
@@ -114,16 +119,17 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str
         except ValueError:
             return text, []
         items = items if isinstance(items, list) else [items]
-        calls = [c for c in (_to_call(json.dumps(i), tool_names) for i in items) if c is not None]
+        calls = [c for c in (read_call(json.dumps(i), tool_names) for i in items) if c is not None]
         return ("", calls) if len(calls) == len(items) else (text, [])
     if stripped.startswith("{") and stripped.endswith("}"):  # Llama-3: the whole answer is one call
-        call = _to_call(stripped, tool_names)
+        call = read_call(stripped, tool_names)
         if call is not None:
             return "", [call]
     return text, []
 
 
-def _to_call(block: str, tool_names: set[str] | None) -> ToolCall | None:
+def read_call(block: str, tool_names: set[str] | None) -> ToolCall | None:
+    """The call one block's JSON makes, its arguments re-written by json.dumps; None if it makes none."""
     try:
         obj = json.loads(block)
     except ValueError:
@@ -139,36 +145,3 @@ def _to_call(block: str, tool_names: set[str] | None) -> ToolCall | None:
         except ValueError:
             return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-class ToolCallSplitter:
-    """Streams an answer's content while holding back what may be a tool call: text before a `<tool_call>`
-    opener is passed on as it comes; from the opener on everything is kept for `finish`."""
-
-    def __init__(self):
-        self._buf = ""
-        self._in_call = False
-
-    def push(self, text: str) -> str:
-        if self._in_call:
-            self._buf += text
-            return ""
-        self._buf += text
-        at = self._buf.find("<tool_call>")
-        if at >= 0:
-            out, self._buf, self._in_call = self._buf[:at], self._buf[at:], True
-            return out
-        hold = 0  # a tail that may be the start of the opener
-        for k in range(min(len("<tool_call>") - 1, len(self._buf)), 0, -1):
-            if self._buf.endswith("<tool_call>"[:k]):
-                hold = k
-                break
-        out, self._buf = self._buf[: len(self._buf) - hold], self._buf[len(self._buf) - hold:]
-        return out
-
-    def finish(self, tool_names: set[str] | None) -> tuple[str, list[ToolCall]]:
-        """(content still to send, calls) at the end of the answer."""
-        if not self._in_call:
-            return self._buf, []
-        content, calls = parse_tool_calls(self._buf, tool_names)
-        return (content, calls) if calls else (self._buf, [])

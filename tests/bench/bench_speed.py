@@ -78,10 +78,17 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-python", help="a python with llama-cpp-python, to run llama.cpp in the same sitting")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time load -> first token in fresh processes with an empty and a warm numba cache")
     a = ap.parse_args()
     os.environ["NUMBA_NUM_THREADS"] = str(a.threads)
     os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)
+    busy0 = _foreign_busy()
     ours = measure_goinfer(a.model, a.quant, a.prompt_tokens, a.gen_tokens, a.reps)
+    ours["foreign_cpu_frac"] = _foreign_busy(busy0)
+    if a.cold:
+        ours["first_token_cold_cache_s"] = _first_token_s(a.model, a.quant, a.threads, cold=True)
+        ours["first_token_warm_cache_s"] = _first_token_s(a.model, a.quant, a.threads, cold=False)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {_cpu_name()}, {os.cpu_count()} cores",
               "threads": a.threads, "model": Path(a.model).name, "goinfer": ours}
     if a.llama_python:
@@ -90,11 +97,52 @@ def main() -> None:
                               "--reps", str(a.reps)], capture_output=True, text=True, check=True)
         theirs = json.loads(out.stdout.strip().splitlines()[-1])
         result["llama_cpp"] = theirs
-        model_res = theirs["results"][0] if "results" in theirs else theirs
+        model_res = next(iter(theirs["models"].values()))
         pf, dc = model_res.get("prefill_tok_s_median"), model_res.get("decode_tok_s_median")
         if pf and dc:
             result["ratio"] = {"prefill": round(ours["prefill_tok_s"] / pf, 2), "decode": round(ours["decode_tok_s"] / dc, 2)}
     print(json.dumps(result, indent=2))
+
+
+_FIRST_TOKEN = """
+import sys, time
+t0 = time.perf_counter()
+import engine
+model = engine.load_model(sys.argv[1], quant=sys.argv[2])
+next(iter(engine.generate(model, model.tokenizer.encode("Hello"), max_tokens=2, temperature=0)))
+print(time.perf_counter() - t0)
+"""
+
+
+def _first_token_s(path: str, quant: str, threads: int, cold: bool) -> float:
+    """Seconds from a fresh interpreter (imports included) to the first generated token; cold: compiling every
+    kernel into an empty numba cache (what a first run after install pays), else the cache the last run left."""
+    import tempfile
+
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    with tempfile.TemporaryDirectory() as empty:
+        if cold:
+            env["NUMBA_CACHE_DIR"] = empty
+        else:  # run once to be sure the cache holds this model's kernels
+            subprocess.run([sys.executable, "-c", _FIRST_TOKEN, path, quant], cwd=ROOT, env=env, check=True,
+                           capture_output=True)
+        out = subprocess.run([sys.executable, "-c", _FIRST_TOKEN, path, quant], cwd=ROOT, env=env, check=True,
+                             capture_output=True, text=True)
+    return round(float(out.stdout.strip().splitlines()[-1]), 2)
+
+
+def _foreign_busy(start: tuple[float, float, float] | None = None):
+    """(busy jiffies of the whole machine, own CPU seconds, wall) now; with start: the share of the machine's CPU
+    that other processes used since start (above ~0.05 the figures are contaminated: rerun on a quiet machine)."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    now = (busy, r.ru_utime + r.ru_stime, time.perf_counter())
+    if start is None:
+        return now
+    wall = now[2] - start[2]
+    return round(max(0.0, (now[0] - start[0]) - (now[1] - start[1])) / (wall * os.cpu_count()), 3)
 
 
 def _cpu_name() -> str:

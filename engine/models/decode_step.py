@@ -1,0 +1,338 @@
+"""The compiled decode step: one new token for each of M sequences through the whole model in one njit call.
+
+Python glue per layer costs as much as the matvecs at decode (../shared/research/kernels.md, section 5), so a
+decode step — norms, the int8 matvecs over the GGUF blocks in place, RoPE, the KV write, attention,
+activations, residuals, the final norm and the output head — is one compiled function. Every weight is read
+once per step whatever M is (the matvec reuses each row from L1 for the M activation vectors), which is what
+lets concurrent generations decode together. Both supported families run through it, told apart by the flags
+their modules declare (STEP_FLAGS: per-head q/k norms, post norms, GELU or SiLU; RoPE style from the config).
+
+Prompts take the families' Python forward passes (dequantize per layer + BLAS sgemm); at one token the two
+agree up to float summation order (tests/test_decode_step.py).
+
+Weights are addressed as rows [byte offset, rows, row bytes, type] into the one buffer of the mapped file, so
+no tuple of hundreds of arrays is unboxed on every call. A split model has no such buffer and decodes layer by
+layer in Python instead (build() returns None).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from engine.cache.kv import KVCache
+from engine.kernels import cpu, cpu_q8
+from engine.models.config import ModelConfig
+from engine.models.weights import Weights
+
+_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
+_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
+# iparams slots
+_H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX = range(8)
+_LEGACY_CODES = tuple(int(t) for t in cpu_q8.LEGACY_TYPES)
+_K_CODES = tuple(int(t) for t in cpu_q8.K_TYPES)
+_EMPTY_I8, _EMPTY_F32, _EMPTY_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
+
+
+# =========================================================================================================
+# Compiled pieces (flat 1-D vectors with offsets: numba reshapes only contiguous arrays)
+# =========================================================================================================
+
+
+@njit(cache=True)
+def _needs(mats):
+    """Which activation quantizations the matrices of one group read: (legacy blocks, K super-blocks)."""
+    legacy = False
+    kq = False
+    for i in range(mats.shape[0]):
+        c = mats[i, 3]
+        for t in _LEGACY_CODES:
+            legacy |= c == t
+        for t in _K_CODES:
+            kq |= c == t
+    return legacy, kq
+
+
+@njit(cache=True)
+def _matvec(buf, mats, x, n_chunks, tier):
+    """x (M, K) @ W_i.T for the matrices mats (n, 4) of buf, side by side: (M, sum of rows), one parallel call."""
+    M, K = x.shape
+    legacy, kq = _needs(mats)
+    xq8, xs8, xqk, xdk, xbk = _EMPTY_I8, _EMPTY_F32, _EMPTY_I8, _EMPTY_F32, _EMPTY_I16
+    if legacy:
+        xq8 = np.empty((M, K), np.int8)
+        xs8 = np.empty((M, 2 * (K // 32)), np.float32)
+        cpu_q8.quantize_legacy_into(x, xq8, xs8)
+    if kq:
+        xqk = np.empty((M, K), np.int8)
+        xdk = np.empty((M, K // 256), np.float32)
+        xbk = np.empty((M, K // 256, 24), np.int16)
+        cpu_q8.quantize_k_into(x, xqk, xdk, xbk)
+    rows = 0
+    for i in range(mats.shape[0]):
+        rows += mats[i, 1]
+    out = np.empty((M, rows), np.float32)
+    cpu_q8.matvec_buf_into(buf, mats, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, tier)
+    return out
+
+
+@njit(cache=True)
+def _rms_norm(src, s0, n, w, eps, dst, d0):
+    """dst[d0:d0+n] = src[s0:s0+n] * rsqrt(mean(src^2) + eps) * w, as the f32 numpy norm (sum in f64)."""
+    acc = 0.0
+    for i in range(n):
+        v = np.float64(src[s0 + i])
+        acc += v * v
+    r = np.float32(1.0) / np.sqrt(np.float32(acc / n) + np.float32(eps))
+    for i in range(n):
+        dst[d0 + i] = (src[s0 + i] * r) * w[i]
+
+
+@njit(cache=True)
+def _rope(v, o, pos, rope_scale, inv_freq, rope_dim, neox):
+    """Rotate the head v[o:o+D] in place for position pos (angles in f64, rotation in f32, as ops.apply_rope)."""
+    half = rope_dim // 2
+    p = np.float64(pos) / rope_scale
+    for i in range(half):
+        ang = p * inv_freq[i]
+        c, s = np.float32(math.cos(ang)), np.float32(math.sin(ang))
+        if neox:
+            ia, ib = o + i, o + half + i
+        else:
+            ia, ib = o + 2 * i, o + 2 * i + 1
+        a, b = v[ia], v[ib]
+        v[ia] = a * c - b * s
+        v[ib] = b * c + a * s
+
+
+@njit(cache=True, fastmath=True)
+def _attend_part(q, kf, vf, k0, stride, n, D, scale, scores, acc):
+    """One query q (D,) over n cached keys/values starting at flat offset k0 of kf/vf (rows stride floats
+    apart): acc (D,) = sum_j exp(s_j - max) v_j with s_j = q.k_j * scale; returns (max, sum_j exp(s_j - max)).
+    Separate simple loops over slices (no running max inside the dot loop) are what LLVM vectorizes: 4x
+    faster than one fused loop."""
+    for j in range(n):
+        kr = kf[k0 + j * stride : k0 + j * stride + D]
+        s = np.float32(0.0)
+        for d in range(D):
+            s += q[d] * kr[d]
+        scores[j] = s * scale
+    mx = scores[0]
+    for j in range(1, n):
+        mx = max(mx, scores[j])
+    total = np.float32(0.0)
+    for j in range(n):
+        e = np.exp(scores[j] - mx)
+        scores[j] = e
+        total += e
+    acc[:] = 0.0
+    for j in range(n):
+        pj = scores[j]
+        vr = vf[k0 + j * stride : k0 + j * stride + D]
+        for d in range(D):
+            acc[d] += pj * vr[d]
+    return mx, total
+
+
+@njit(parallel=True, cache=True)
+def _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
+    """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
+    cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; out (M, H D).
+
+    Work is split over (sequence, kv head, key range) so both threads stay busy whatever the head count
+    (SmolLM2 has 3 kv heads, Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged
+    exactly afterwards as in flash-decoding."""
+    M = qkv.shape[0]
+    group = H // Hkv
+    part_max = np.empty((M, H, n_split), np.float32)
+    part_sum = np.zeros((M, H, n_split), np.float32)
+    part_acc = np.empty((M, H, n_split, D), np.float32)
+    for t in prange(M * Hkv * n_split):
+        m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
+        kc, vc = kcs[m], vcs[m]
+        p = pos[m]
+        first = max(0, p - window + 1) if window > 0 else 0
+        n = p + 1 - first
+        j0, j1 = sp * n // n_split, (sp + 1) * n // n_split
+        if j0 == j1:
+            continue  # more ranges than keys: part_sum stays 0 and the merge skips it
+        k0 = ((layer * kc.shape[1] + first + j0) * Hkv + kvh) * D
+        scores = np.empty(j1 - j0, np.float32)
+        kf, vf = kc.reshape(-1), vc.reshape(-1)
+        for h in range(kvh * group, (kvh + 1) * group):
+            mx, total = _attend_part(qkv[m, h * D : (h + 1) * D], kf, vf, k0, Hkv * D, j1 - j0, D, scale, scores,
+                                     part_acc[m, h, sp])
+            part_max[m, h, sp] = mx
+            part_sum[m, h, sp] = total
+    for m in range(M):
+        for h in range(H):
+            mx = -np.inf
+            for sp in range(n_split):
+                if part_sum[m, h, sp] > 0:
+                    mx = max(mx, part_max[m, h, sp])
+            total = np.float32(0.0)
+            o = out[m, h * D : (h + 1) * D]
+            o[:] = 0.0
+            for sp in range(n_split):
+                if part_sum[m, h, sp] > 0:
+                    w = np.float32(np.exp(part_max[m, h, sp] - mx))
+                    total += w * part_sum[m, h, sp]
+                    for d in range(D):
+                        o[d] += w * part_acc[m, h, sp, d]
+            for d in range(D):
+                o[d] /= total
+
+
+def _n_split(M: int, Hkv: int, longest: int, threads: int) -> int:
+    """Key ranges per (sequence, kv head): about two tasks per thread, ranges of at least 64 keys."""
+    return max(1, min(-(-2 * threads // (M * Hkv)), longest // 64))
+
+
+@njit(cache=True)
+def _activate(gu, F, gelu):
+    """act(gate) * up from (M, 2F) [gate | up] -> (M, F): SiLU or GELU (tanh), in f32 as ops.py."""
+    M = gu.shape[0]
+    g = np.empty((M, F), np.float32)
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    for m in range(M):
+        for i in range(F):
+            a = gu[m, i]
+            if gelu:
+                a = np.float32(0.5) * a * (np.float32(1.0) + np.tanh(c * (a + np.float32(0.044715) * a * a * a)))
+            else:
+                a = a / (np.float32(1.0) + np.exp(-a))
+            g[m, i] = a * gu[m, F + i]
+    return g
+
+
+@njit(cache=True)
+def _add_normed(x, y, w, eps, post):
+    """x += y, or x += rms_norm(y) * w with post norms (Gemma); row by row."""
+    M, E = x.shape
+    t = np.empty(E, np.float32)
+    for m in range(M):
+        if post:
+            _rms_norm(y[m], 0, E, w, eps, t, 0)
+            for i in range(E):
+                x[m, i] += t[i]
+        else:
+            for i in range(E):
+                x[m, i] += y[m, i]
+
+
+@njit(cache=True)
+def _norm_rows(x, w, eps):
+    M, E = x.shape
+    h = np.empty((M, E), np.float32)
+    for m in range(M):
+        _rms_norm(x[m], 0, E, w, eps, h[m], 0)
+    return h
+
+
+@njit(cache=True)
+def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos, kcs, vcs,
+                n_chunks, n_split, tier):
+    """x (M, E): the embedded new token of each sequence at positions pos (M,); kcs/vcs: each sequence's cache
+    arrays (n_layer, capacity > pos, Hkv, D), written at pos. Returns the head's logits (M, head rows).
+    n_chunks: row ranges per matvec; n_split: key ranges per attention head (parallel work items)."""
+    M, E = x.shape
+    H, Hkv, D, rope_dim = iparams[_H], iparams[_HKV], iparams[_D], iparams[_ROPE_DIM]
+    qk_norm, post, gelu, neox = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0, iparams[_GELU] != 0, iparams[_NEOX] != 0
+    eps, scale, rope_scale = fparams[0], np.float32(fparams[1]), fparams[2]
+    a = np.empty((M, H * D), np.float32)
+    for layer in range(mats.shape[0]):
+        h = _norm_rows(x, norms[layer, 0], eps)
+        qkv = _matvec(buf, mats[layer, 0:3], h, n_chunks, tier)  # (M, (H + 2 Hkv) D)
+        for m in range(M):
+            row = qkv[m]
+            for hd in range(H + Hkv):  # queries then keys: per-head norm, then RoPE
+                o = hd * D
+                if qk_norm:
+                    _rms_norm(row, o, D, qk_norms[layer, 0 if hd < H else 1], eps, row, o)
+                _rope(row, o, pos[m], rope_scale, inv_freq[layer], rope_dim, neox)
+            kc, vc = kcs[m], vcs[m]
+            for kh in range(Hkv):
+                for d in range(D):
+                    kc[layer, pos[m], kh, d] = row[(H + kh) * D + d]
+                    vc[layer, pos[m], kh, d] = row[(H + Hkv + kh) * D + d]
+        _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, a, n_split)
+        _add_normed(x, _matvec(buf, mats[layer, 3:4], a, n_chunks, tier), norms[layer, 2], eps, post)
+        h = _norm_rows(x, norms[layer, 1], eps)
+        gu = _matvec(buf, mats[layer, 4:6], h, n_chunks, tier)  # (M, 2F): [gate | up]
+        g = _activate(gu, gu.shape[1] // 2, gelu)
+        _add_normed(x, _matvec(buf, mats[layer, 6:7], g, n_chunks, tier), norms[layer, 3], eps, post)
+    return _matvec(buf, head, _norm_rows(x, out_norm, eps), n_chunks, tier)
+
+
+# =========================================================================================================
+# Python side: the tables, built once per model
+# =========================================================================================================
+
+
+class DecodeStep:
+    """Callable (ids (M,), caches) -> raw head logits (M, head rows); appends one token to each cache."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, flags: dict, buf: np.ndarray, tier: str | None = None):
+        self.buf = buf
+        E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
+        self.mats = np.array([[self._entry(w, f"blk.{i}.{r}") for r in _ROLES] for i in range(L)], np.int64)
+        self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
+        self.norms = np.zeros((L, len(_NORMS), E), np.float32)
+        self.qk_norms = np.zeros((L, 2, D), np.float32)
+        for i in range(L):
+            for j, n in enumerate(_NORMS):
+                if w.has(f"blk.{i}.{n}"):
+                    self.norms[i, j] = w.vector(f"blk.{i}.{n}")
+            if flags["qk_norm"]:
+                self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
+        self.out_norm = w.vector("output_norm")
+        factors = w.optional_vector("rope_freqs")
+        self.inv_freq = np.empty((L, cfg.rope_dim // 2), np.float64)
+        for i in range(L):  # as ops.rope_tables
+            inv = 1.0 / (cfg.layer_rope_base[i] ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim))
+            self.inv_freq[i] = inv / factors.astype(np.float64) if factors is not None else inv
+        self.windows = np.array(cfg.layer_window, np.int64)
+        self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor], np.float64)
+        self.iparams = np.array([cfg.n_head, cfg.n_head_kv, D, cfg.rope_dim, flags["qk_norm"], flags["post_norms"],
+                                 flags["act"] == "gelu_tanh", cfg.rope_style == "neox"], np.int64)
+        self.embd = w.tensor("token_embd")
+        self.embed_scale = np.float32(cfg.embed_scale)
+        self.tier = cpu_q8.tier_token(tier)
+
+    def _entry(self, w: Weights, name: str) -> list[int]:
+        t = w.tensor(name)
+        off = t.raw.__array_interface__["data"][0] - self.buf.__array_interface__["data"][0]
+        if not 0 <= off <= self.buf.size - t.raw.nbytes or not t.raw.flags.c_contiguous:
+            raise ValueError(f"{name} does not lie in the model buffer")
+        return [off, t.rows, t.raw.shape[1], int(t.ggml_type)]
+
+    def __call__(self, ids, caches: list[KVCache]) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) != len(caches) or not len(ids):
+            raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
+        x = cpu.dequantize_rows_into(self.embd.raw, self.embd.ggml_type, ids,
+                                     np.empty((len(ids), self.embd.cols), np.float32))
+        x *= self.embed_scale
+        for c in caches:
+            c.reserve(1)
+        pos = np.array([c.length for c in caches], np.int64)
+        threads = numba.get_num_threads()
+        n_split = _n_split(len(caches), int(self.iparams[_HKV]), int(pos.max()) + 1, threads)
+        logits = decode_step(self.buf, self.mats, self.head, self.norms, self.qk_norms, self.out_norm, self.inv_freq,
+                             self.windows, self.fparams, self.iparams, x, pos, tuple(c.k for c in caches),
+                             tuple(c.v for c in caches), 4 * threads, n_split, self.tier)
+        for c in caches:
+            c.advance(1)
+        return logits
+
+
+def build(cfg: ModelConfig, w: Weights, flags: dict | None, tier: str | None = None) -> DecodeStep | None:
+    """The compiled step for this model, or None where it cannot run: a split model (no single buffer) or a
+    family without STEP_FLAGS."""
+    buf = w.buffer()
+    if buf is None or flags is None:
+        return None
+    return DecodeStep(cfg, w, flags, buf, tier)

@@ -1,0 +1,124 @@
+"""The compiled decode step (engine/models/decode_step.py) against the layer-by-layer forward pass.
+
+Both run the same int8 kernels over the same blocks; they differ only in float summation order (norms,
+attention), which can flip an int8 rounding now and then. So: the one-token logits agree closely on tiny
+fixtures of both families (every tensor type) and on the real models, a batch of M sequences equals M single
+steps bit for bit, every code tier the CPU can run agrees, and split models (no single buffer) fall back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine
+from engine.kernels import cpu_q8
+from engine.models import decode_step
+from engine.models.base import log_softmax
+from engine.models.registry import family
+from testdata import make_fixtures as mf
+
+PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    d = tmp_path_factory.mktemp("step")
+    return {"llama": mf.write_llama_fixture(d / "llama.gguf"), "gemma3": mf.write_gemma3_fixture(d / "gemma3.gguf")}
+
+
+def _layerwise(model, ids, cache):
+    """One token through the family's Python forward pass (the int8 backend: T=1 takes its matvec)."""
+    step, model.step = model.step, None
+    try:
+        return model.eval(ids, cache)
+    finally:
+        model.step = step
+
+
+def _compare(model, prompt, n_steps=4, rtol=2e-2):
+    a, b = model.new_cache(64), model.new_cache(64)
+    model.eval(prompt, a)
+    model.eval(prompt, b)
+    tok = prompt[-1]
+    for _ in range(n_steps):
+        fast, slow = model.eval([tok], a), _layerwise(model, [tok], b)
+        assert fast.shape == slow.shape == (1, model.vocab_size)
+        scale = np.abs(slow).max()
+        assert np.abs(fast - slow).max() <= rtol * scale, (np.abs(fast - slow).max(), scale)
+        tok = int(slow[0].argmax())
+    np.testing.assert_allclose(a.k[:, : a.length], b.k[:, : b.length], atol=rtol * np.abs(b.k[:, : b.length]).max())
+    return a, b
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_step_agrees_with_the_layerwise_pass_on_fixtures(fixtures, arch):
+    model = engine.load_model(fixtures[arch], selftest=False)
+    assert model.compute_path == "int8" and model.step is not None
+    types = {model.weights.tensor(n[: -len(".weight")]).ggml_type for n in model.weights._file.entries
+             if n.startswith("blk.") and model.weights.tensor(n[: -len(".weight")]).rows > 1}
+    assert len(types) >= 8  # the fixture spreads quantized and float types over the layers
+    _compare(model, PROMPT)
+
+
+@pytest.mark.parametrize("name", ["smollm2_gguf", "gemma_gguf"])
+def test_step_stays_within_int8_noise_of_the_exact_path_on_real_models(request, name):
+    # Both int8 paths sit ~0.001-0.005 KL from the exact f32 path (rounding flips move them independently);
+    # a real bug (a wrong RoPE, norm or window) costs > 0.1.
+    model = engine.load_model(request.getfixturevalue(name), selftest=False)
+    exact = engine.load_model(request.getfixturevalue(name), quant="f32", selftest=False)
+    for text in ("The history of mechanical clocks begins in medieval Europe, where", "def fibonacci(n):\n"):
+        prompt = model.tokenizer.encode(text)
+        rows = {}
+        for key, m in (("fast", model), ("exact", exact)):
+            cache = m.new_cache(64)
+            m.eval(prompt[:-1], cache)
+            rows[key] = log_softmax(m.eval(prompt[-1:], cache))[0]
+        p = np.exp(rows["exact"].astype(np.float64))
+        assert float(np.sum(p * (rows["exact"] - rows["fast"]))) < 0.02, text
+
+
+def test_a_batch_equals_single_steps_bit_for_bit(fixtures):
+    model = engine.load_model(fixtures["gemma3"], selftest=False)  # sliding-window layers too
+    prompts = [PROMPT, PROMPT[:3], PROMPT[2:] + PROMPT]
+    singles, batched = [model.new_cache(64) for _ in prompts], [model.new_cache(64) for _ in prompts]
+    for p, s, b in zip(prompts, singles, batched):
+        model.eval(p, s)
+        model.eval(p, b)
+    toks = [3, 8, 5]
+    for _ in range(3):
+        want = np.concatenate([model.eval([t], c) for t, c in zip(toks, singles)])
+        got = model.decode(toks, batched)
+        np.testing.assert_array_equal(got, want)
+        toks = [int(r.argmax()) for r in want]
+    for s, b in zip(singles, batched):
+        assert s.length == b.length
+        np.testing.assert_array_equal(s.k[:, : s.length], b.k[:, : b.length])
+
+
+@pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(
+    t not in cpu_q8.available_tiers(), reason=f"this CPU cannot run the {t} kernels")) for t in cpu_q8.TIERS])
+def test_every_tier_gives_the_same_step(fixtures, tier):
+    model = engine.load_model(fixtures["llama"], selftest=False)
+    forced = decode_step.build(model.config, model.weights, family(model.config.arch).STEP_FLAGS, tier=tier)
+    a, b = model.new_cache(64), model.new_cache(64)
+    model.eval(PROMPT, a)
+    model.eval(PROMPT, b)
+    want = model.step([4], [a])
+    got = forced([4], [b])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_split_model_decodes_layer_by_layer(tmp_path):
+    shards = mf.write_llama_split_fixture(tmp_path / "split.gguf")
+    model = engine.load_model(shards[0], selftest=False)
+    assert model.step is None  # no single buffer: the Python forward pass decodes
+    whole = engine.load_model(mf.write_llama_fixture(tmp_path / "whole.gguf"), selftest=False)
+    got = [e.token for e in engine.generate(model, PROMPT, max_tokens=6, temperature=0)]
+    want = [e.token for e in engine.generate(whole, PROMPT, max_tokens=6, temperature=0)]
+    assert len(got) == 6 and got[:1] == want[:1]
+
+
+def test_the_exact_path_has_no_step(fixtures):
+    model = engine.load_model(fixtures["llama"], quant="f32", selftest=False)
+    assert model.compute_path == "f32" and model.step is None
