@@ -47,7 +47,9 @@ def _compare(model, prompt, n_steps=4, rtol=2e-2):
         scale = np.abs(slow).max()
         assert np.abs(fast - slow).max() <= rtol * scale, (np.abs(fast - slow).max(), scale)
         tok = int(slow[0].argmax())
-    np.testing.assert_allclose(a.k[:, : a.length], b.k[:, : b.length], atol=rtol * np.abs(b.k[:, : b.length]).max())
+    for layer in range(model.config.n_layer):  # the caches hold the same keys and values
+        for got, want in ((a.keys(layer), b.keys(layer)), (a.values(layer), b.values(layer))):
+            np.testing.assert_allclose(got, want, atol=2.5 * rtol * np.abs(want).max())  # one int8 flip moves a key more
     return a, b
 
 
@@ -93,7 +95,9 @@ def test_a_batch_equals_single_steps_bit_for_bit(fixtures):
         toks = [int(r.argmax()) for r in want]
     for s, b in zip(singles, batched):
         assert s.length == b.length
-        np.testing.assert_array_equal(s.k[:, : s.length], b.k[:, : b.length])
+        for layer in range(model.config.n_layer):
+            np.testing.assert_array_equal(s.keys(layer), b.keys(layer))
+            np.testing.assert_array_equal(s.values(layer), b.values(layer))
 
 
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(

@@ -116,8 +116,11 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
                 model_pages += int(parts[1]) * 1024
         print(anon, model_pages, cache.nbytes())
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    # The first run fills numba's cache if the code changed since the last (compiling holds LLVM memory that a
+    # user pays once, at the first run after install); the second is the one measured.
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
     anon, model_pages, kv = map(int, out.stdout.split())
     assert model_pages > 0.9 * gemma_gguf.stat().st_size  # the generation did read the weights through the map
     used = anon + model_pages - kv

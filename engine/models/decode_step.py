@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.cache.kv import KVCache
-from engine.kernels import cpu, cpu_q8
+from engine.kernels import cpu, cpu_q8, glue, vmath
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
@@ -80,25 +80,27 @@ def _matvec(buf, mats, x, n_chunks, tier):
 
 
 @njit(cache=True)
-def _rms_norm(src, s0, n, w, eps, dst, d0):
-    """dst[d0:d0+n] = src[s0:s0+n] * rsqrt(mean(src^2) + eps) * w, as the f32 numpy norm (sum in f64)."""
-    acc = 0.0
-    for i in range(n):
-        v = np.float64(src[s0 + i])
-        acc += v * v
-    r = np.float32(1.0) / np.sqrt(np.float32(acc / n) + np.float32(eps))
-    for i in range(n):
-        dst[d0 + i] = (src[s0 + i] * r) * w[i]
+def _rope_tables(inv_freq, pos, rope_scale):
+    """cos, sin (n_layer, M, rope_dim/2) f32 for each layer's frequencies at each sequence's position (angles in
+    f64, as ops.rope_tables): once per step, not per head."""
+    L, half = inv_freq.shape
+    M = pos.shape[0]
+    cos, sin = np.empty((L, M, half), np.float32), np.empty((L, M, half), np.float32)
+    for layer in range(L):
+        for m in range(M):
+            p = np.float64(pos[m]) / rope_scale
+            for i in range(half):
+                ang = p * inv_freq[layer, i]
+                cos[layer, m, i], sin[layer, m, i] = math.cos(ang), math.sin(ang)
+    return cos, sin
 
 
 @njit(cache=True)
-def _rope(v, o, pos, rope_scale, inv_freq, rope_dim, neox):
-    """Rotate the head v[o:o+D] in place for position pos (angles in f64, rotation in f32, as ops.apply_rope)."""
-    half = rope_dim // 2
-    p = np.float64(pos) / rope_scale
+def _rope(v, o, cos, sin, neox):
+    """Rotate the head v[o:o+D] in place by the angles of cos/sin (rope_dim/2,), in f32 as ops.apply_rope."""
+    half = cos.shape[0]
     for i in range(half):
-        ang = p * inv_freq[i]
-        c, s = np.float32(math.cos(ang)), np.float32(math.sin(ang))
+        c, s = cos[i], sin[i]
         if neox:
             ia, ib = o + i, o + half + i
         else:
@@ -109,35 +111,95 @@ def _rope(v, o, pos, rope_scale, inv_freq, rope_dim, neox):
 
 
 @njit(cache=True, fastmath=True)
-def _attend_part(q, kf, vf, k0, stride, n, D, scale, scores, acc):
-    """One query q (D,) over n cached keys/values starting at flat offset k0 of kf/vf (rows stride floats
-    apart): acc (D,) = sum_j exp(s_j - max) v_j with s_j = q.k_j * scale; returns (max, sum_j exp(s_j - max)).
-    Separate simple loops over slices (no running max inside the dot loop) are what LLVM vectorizes: 4x
-    faster than one fused loop."""
-    for j in range(n):
-        kr = kf[k0 + j * stride : k0 + j * stride + D]
-        s = np.float32(0.0)
-        for d in range(D):
-            s += q[d] * kr[d]
-        scores[j] = s * scale
-    mx = scores[0]
-    for j in range(1, n):
-        mx = max(mx, scores[j])
-    total = np.float32(0.0)
-    for j in range(n):
-        e = np.exp(scores[j] - mx)
-        scores[j] = e
-        total += e
-    acc[:] = 0.0
-    for j in range(n):
-        pj = scores[j]
-        vr = vf[k0 + j * stride : k0 + j * stride + D]
-        for d in range(D):
-            acc[d] += pj * vr[d]
+def _attend_part(qkv, q0, group, D, kf, k0, cap, vf, v0, n, scale, scores, acc, iscratch):
+    """The group query heads at qkv[q0:] (sharing one kv head) over n cached positions: keys transposed at flat
+    offset k0 of kf (one row of cap positions per head dim), values at v0 of vf (rows of D). For each head g:
+    acc[g] (D,) = sum_j exp(s_j - max) v_j with s_j = q.k_j * scale; returns (max, sum of exp) per head, two
+    (group,) arrays; scores (group, >= n) and iscratch (>= n) int32 are scratch. Every inner loop runs along contiguous memory with no horizontal sum, which
+    is what LLVM vectorizes (the row-by-row dot products were 10x slower)."""
+    mx = np.empty(group, np.float32)
+    total = np.zeros(group, np.float32)
+    for g in range(group):
+        s = scores[g, :n]
+        s[:] = 0.0
+        q = qkv[q0 + g * D : q0 + (g + 1) * D]
+        d = 0
+        while d + 4 <= D:  # four key rows per pass over s: a quarter of the loads and stores of s
+            o = k0 + d * cap
+            r0, r1, r2, r3 = kf[o : o + n], kf[o + cap : o + cap + n], kf[o + 2 * cap : o + 2 * cap + n], \
+                kf[o + 3 * cap : o + 3 * cap + n]
+            q_0, q_1, q_2, q_3 = q[d], q[d + 1], q[d + 2], q[d + 3]
+            for j in range(n):
+                s[j] += q_0 * r0[j] + q_1 * r1[j] + q_2 * r2[j] + q_3 * r3[j]
+            d += 4
+        for d in range(d, D):
+            kr = kf[k0 + d * cap : k0 + d * cap + n]
+            for j in range(n):
+                s[j] += q[d] * kr[j]
+        for j in range(n):
+            s[j] *= scale
+        m = s[0]
+        for j in range(1, n):
+            m = max(m, s[j])
+        for j in range(n):
+            s[j] -= m
+        vmath.exp_inplace(s, iscratch)
+        t = np.float32(0.0)
+        for j in range(n):
+            t += s[j]
+        mx[g], total[g] = m, t
+        a = acc[g]
+        a[:] = 0.0
+        j = 0
+        while j + 4 <= n:  # four value rows per pass over a
+            o = v0 + j * D
+            r0, r1, r2, r3 = vf[o : o + D], vf[o + D : o + 2 * D], vf[o + 2 * D : o + 3 * D], vf[o + 3 * D : o + 4 * D]
+            p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
+            for d in range(D):
+                a[d] += p0 * r0[d] + p1 * r1[d] + p2 * r2[d] + p3 * r3[d]
+            j += 4
+        for j in range(j, n):
+            vr = vf[v0 + j * D : v0 + (j + 1) * D]
+            for d in range(D):
+                a[d] += s[j] * vr[d]
     return mx, total
 
 
+@njit(cache=True)
+def _attend_task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+    """Work item t of _attend: one sequence, one kv head (its group of query heads), one key range."""
+    m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
+    kc, vc = kcs[m], vcs[m]
+    group = H // Hkv
+    p = pos[m]
+    first = max(0, p - window + 1) if window > 0 else 0
+    n = p + 1 - first
+    j0, j1 = sp * n // n_split, (sp + 1) * n // n_split
+    if j0 == j1:
+        return  # more ranges than keys: part_sum stays 0 and the merge skips it
+    cap = kc.shape[3]
+    k0 = ((layer * Hkv + kvh) * D) * cap + first + j0
+    v0 = ((layer * Hkv + kvh) * cap + first + j0) * D
+    acc = np.empty((group, D), np.float32)
+    gmax, gsum = _attend_part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, cap, vc.reshape(-1), v0,
+                              j1 - j0, scale, np.empty((group, j1 - j0), np.float32), acc, np.empty(j1 - j0, np.int32))
+    for g in range(group):
+        h = kvh * group + g
+        part_max[m, h, sp] = gmax[g]
+        part_sum[m, h, sp] = gsum[g]
+        for d in range(D):
+            part_acc[m, h, sp, d] = acc[g, d]
+
+
 @njit(parallel=True, cache=True)
+def _attend_tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+    # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
+    # launched once per iteration (that cost 45 us per layer).
+    for t in prange(n_tasks):
+        _attend_task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc)
+
+
+@njit(cache=True)
 def _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
     """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
     cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; out (M, H D).
@@ -146,27 +208,11 @@ def _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
     (SmolLM2 has 3 kv heads, Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged
     exactly afterwards as in flash-decoding."""
     M = qkv.shape[0]
-    group = H // Hkv
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.zeros((M, H, n_split), np.float32)
     part_acc = np.empty((M, H, n_split, D), np.float32)
-    for t in prange(M * Hkv * n_split):
-        m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
-        kc, vc = kcs[m], vcs[m]
-        p = pos[m]
-        first = max(0, p - window + 1) if window > 0 else 0
-        n = p + 1 - first
-        j0, j1 = sp * n // n_split, (sp + 1) * n // n_split
-        if j0 == j1:
-            continue  # more ranges than keys: part_sum stays 0 and the merge skips it
-        k0 = ((layer * kc.shape[1] + first + j0) * Hkv + kvh) * D
-        scores = np.empty(j1 - j0, np.float32)
-        kf, vf = kc.reshape(-1), vc.reshape(-1)
-        for h in range(kvh * group, (kvh + 1) * group):
-            mx, total = _attend_part(qkv[m, h * D : (h + 1) * D], kf, vf, k0, Hkv * D, j1 - j0, D, scale, scores,
-                                     part_acc[m, h, sp])
-            part_max[m, h, sp] = mx
-            part_sum[m, h, sp] = total
+    _attend_tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max,
+                  part_sum, part_acc)
     for m in range(M):
         for h in range(H):
             mx = -np.inf
@@ -192,30 +238,13 @@ def _n_split(M: int, Hkv: int, longest: int, threads: int) -> int:
 
 
 @njit(cache=True)
-def _activate(gu, F, gelu):
-    """act(gate) * up from (M, 2F) [gate | up] -> (M, F): SiLU or GELU (tanh), in f32 as ops.py."""
-    M = gu.shape[0]
-    g = np.empty((M, F), np.float32)
-    c = np.float32(math.sqrt(2.0 / math.pi))
-    for m in range(M):
-        for i in range(F):
-            a = gu[m, i]
-            if gelu:
-                a = np.float32(0.5) * a * (np.float32(1.0) + np.tanh(c * (a + np.float32(0.044715) * a * a * a)))
-            else:
-                a = a / (np.float32(1.0) + np.exp(-a))
-            g[m, i] = a * gu[m, F + i]
-    return g
-
-
-@njit(cache=True)
 def _add_normed(x, y, w, eps, post):
     """x += y, or x += rms_norm(y) * w with post norms (Gemma); row by row."""
     M, E = x.shape
     t = np.empty(E, np.float32)
     for m in range(M):
         if post:
-            _rms_norm(y[m], 0, E, w, eps, t, 0)
+            glue.rms_norm_into(y[m], 0, E, w, eps, t, 0)
             for i in range(E):
                 x[m, i] += t[i]
         else:
@@ -224,47 +253,40 @@ def _add_normed(x, y, w, eps, post):
 
 
 @njit(cache=True)
-def _norm_rows(x, w, eps):
-    M, E = x.shape
-    h = np.empty((M, E), np.float32)
-    for m in range(M):
-        _rms_norm(x[m], 0, E, w, eps, h[m], 0)
-    return h
-
-
-@njit(cache=True)
 def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos, kcs, vcs,
                 n_chunks, n_split, tier):
     """x (M, E): the embedded new token of each sequence at positions pos (M,); kcs/vcs: each sequence's cache
-    arrays (n_layer, capacity > pos, Hkv, D), written at pos. Returns the head's logits (M, head rows).
+    arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos), written at pos. Returns the head's logits (M, head rows).
     n_chunks: row ranges per matvec; n_split: key ranges per attention head (parallel work items)."""
     M, E = x.shape
     H, Hkv, D, rope_dim = iparams[_H], iparams[_HKV], iparams[_D], iparams[_ROPE_DIM]
     qk_norm, post, gelu, neox = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0, iparams[_GELU] != 0, iparams[_NEOX] != 0
     eps, scale, rope_scale = fparams[0], np.float32(fparams[1]), fparams[2]
     a = np.empty((M, H * D), np.float32)
+    cos, sin = _rope_tables(inv_freq, pos, rope_scale)
     for layer in range(mats.shape[0]):
-        h = _norm_rows(x, norms[layer, 0], eps)
+        h = glue.rms_norm_rows(x, norms[layer, 0], eps)
         qkv = _matvec(buf, mats[layer, 0:3], h, n_chunks, tier)  # (M, (H + 2 Hkv) D)
         for m in range(M):
             row = qkv[m]
             for hd in range(H + Hkv):  # queries then keys: per-head norm, then RoPE
                 o = hd * D
                 if qk_norm:
-                    _rms_norm(row, o, D, qk_norms[layer, 0 if hd < H else 1], eps, row, o)
-                _rope(row, o, pos[m], rope_scale, inv_freq[layer], rope_dim, neox)
+                    glue.rms_norm_into(row, o, D, qk_norms[layer, 0 if hd < H else 1], eps, row, o)
+                _rope(row, o, cos[layer, m], sin[layer, m], neox)
             kc, vc = kcs[m], vcs[m]
             for kh in range(Hkv):
                 for d in range(D):
-                    kc[layer, pos[m], kh, d] = row[(H + kh) * D + d]
-                    vc[layer, pos[m], kh, d] = row[(H + Hkv + kh) * D + d]
+                    kc[layer, kh, d, pos[m]] = row[(H + kh) * D + d]  # keys transposed (cache/kv.py)
+                    vc[layer, kh, pos[m], d] = row[(H + Hkv + kh) * D + d]
         _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, a, n_split)
         _add_normed(x, _matvec(buf, mats[layer, 3:4], a, n_chunks, tier), norms[layer, 2], eps, post)
-        h = _norm_rows(x, norms[layer, 1], eps)
+        h = glue.rms_norm_rows(x, norms[layer, 1], eps)
         gu = _matvec(buf, mats[layer, 4:6], h, n_chunks, tier)  # (M, 2F): [gate | up]
-        g = _activate(gu, gu.shape[1] // 2, gelu)
+        F = gu.shape[1] // 2
+        g = glue.act_mul(gu[:, :F], gu[:, F:], gelu)
         _add_normed(x, _matvec(buf, mats[layer, 6:7], g, n_chunks, tier), norms[layer, 3], eps, post)
-    return _matvec(buf, head, _norm_rows(x, out_norm, eps), n_chunks, tier)
+    return _matvec(buf, head, glue.rms_norm_rows(x, out_norm, eps), n_chunks, tier)
 
 
 # =========================================================================================================

@@ -13,7 +13,7 @@ import numpy as np
 from engine.cache.kv import KVCache
 from engine.kernels.backend import Backend
 from engine.models.config import ModelConfig
-from engine.models.ops import apply_rope, attention, gelu_tanh, rms_norm, rope_tables
+from engine.models.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from engine.models.weights import Weights
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -42,7 +42,7 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
         a = attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i]).reshape(T, H * D)
         x = x + rms_norm(be.matmul(a, w.tensor(blk + "attn_output")), w.vector(blk + "post_attention_norm"), eps)
         h = rms_norm(x, w.vector(blk + "ffn_norm"), eps)
-        g = gelu_tanh(be.matmul(h, w.tensor(blk + "ffn_gate"))) * be.matmul(h, w.tensor(blk + "ffn_up"))
+        g = gelu_tanh_mul(be.matmul(h, w.tensor(blk + "ffn_gate")), be.matmul(h, w.tensor(blk + "ffn_up")))
         x = x + rms_norm(be.matmul(g, w.tensor(blk + "ffn_down")), w.vector(blk + "post_ffw_norm"), eps)
     cache.advance(T)
     return rms_norm(x, w.vector("output_norm"), eps)

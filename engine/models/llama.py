@@ -11,7 +11,7 @@ import numpy as np
 from engine.cache.kv import KVCache
 from engine.kernels.backend import Backend
 from engine.models.config import ModelConfig
-from engine.models.ops import apply_rope, attention, rms_norm, rope_tables, silu
+from engine.models.ops import apply_rope, attention, rms_norm, rope_tables, silu_mul
 from engine.models.weights import Weights
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -35,7 +35,7 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
         a = attention(q, keys, values, pos0, cfg.attn_scale).reshape(T, H * D)
         x = x + be.matmul(a, w.tensor(blk + "attn_output"))
         h = rms_norm(x, w.vector(blk + "ffn_norm"), cfg.rms_eps)
-        g = silu(be.matmul(h, w.tensor(blk + "ffn_gate"))) * be.matmul(h, w.tensor(blk + "ffn_up"))
+        g = silu_mul(be.matmul(h, w.tensor(blk + "ffn_gate")), be.matmul(h, w.tensor(blk + "ffn_up")))
         x = x + be.matmul(g, w.tensor(blk + "ffn_down"))
     cache.advance(T)
     return rms_norm(x, w.vector("output_norm"), cfg.rms_eps)

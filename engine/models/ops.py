@@ -1,4 +1,8 @@
-"""Shared forward-pass pieces in exact f32 numpy: norms, RoPE, attention, activations.
+"""Shared forward-pass pieces in f32: norms, RoPE, attention, activations.
+
+numpy where it is fast (RoPE, the attention GEMMs), the compiled glue of kernels/glue.py where numpy makes
+several passes over big temporaries (norms, gated activations, the causal softmax). Both the exact f32 path and
+the prompts of the default path run these.
 
 Shapes are written next to arrays: T = tokens in this chunk, L = cached keys, H = query heads,
 Hkv = key/value heads, D = head dim.
@@ -8,20 +12,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.kernels import glue
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x (..., n) * rsqrt(mean(x^2) + eps) * weight (n,)."""
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
-    return (x * (1.0 / np.sqrt(ms + np.float32(eps)))) * weight
+    n = x.shape[-1]
+    rows = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
+    return glue.rms_norm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), eps).reshape(x.shape)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up, (T, F)."""
+    return glue.act_mul(gate, up, False)
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    c = np.float32(np.sqrt(2.0 / np.pi))
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up with GELU's tanh approximation, (T, F)."""
+    return glue.act_mul(gate, up, True)
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
@@ -63,19 +71,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: flo
     group = H // Hkv
     first = max(0, pos0 - window + 1) if window else 0  # keys no query of this chunk can see
     k, v = k[first:], v[first:]
-    qpos = np.arange(pos0, pos0 + T)[:, None]  # (T, 1)
-    kpos = np.arange(first, L)[None, :]  # (1, L')
-    allowed = kpos <= qpos
-    if window:
-        allowed &= (qpos - kpos) < window
-    bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf))  # (T, L')
     qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # (Hkv, G, T, D)
-    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None]) * np.float32(scale)  # (Hkv, G, T, L')
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (Hkv, G, T, L')
+    scores *= np.float32(scale)
     if softcap:
         scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
-    scores += bias
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    # Masked (causal, sliding window) softmax in place; masked keys get weight 0.
+    glue.causal_softmax(scores.reshape(Hkv * group, T, L - first), pos0, first, window)
     out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (Hkv, G, T, D)
     return out.transpose(2, 0, 1, 3).reshape(T, H, D)

@@ -1,0 +1,117 @@
+"""Compiled forward-pass glue shared by the prompt pass (models/ops.py) and the decode step: RMSNorm rows,
+gated activations, masked softmax.
+
+In numpy these cost as much as the GEMMs of a prompt (SmolLM2, 512 tokens: SiLU 0.35 s, attention softmax
+and mask ~0.4 s, norms 0.17 s against 1.0 s of sgemm): each is several full passes over (T, n) temporaries,
+and numpy's f32 exp is slow on the large negative inputs SiLU and softmax feed it. Here each is one pass,
+with the vectorized exp of vmath.py. Serial on purpose: these run between BLAS calls, whose worker threads
+keep spinning for a while after each sgemm, and a parallel region there waits on them (a 512-token SmolLM2
+prompt measured 1.85 s with serial glue, 2.7 s with parallel). Arithmetic stays f32 as in ops.py (norm sums
+in f64); results agree with float64 numpy to float rounding (tests/test_glue.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from engine.kernels import vmath
+
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+@njit(cache=True)
+def rms_norm_into(src, s0, n, w, eps, dst, d0):
+    """dst[d0:d0+n] = src[s0:s0+n] * rsqrt(mean(src^2) + eps) * w (1-D arrays, flat offsets; sum in f64)."""
+    acc = 0.0
+    for i in range(n):
+        v = np.float64(src[s0 + i])
+        acc += v * v
+    r = np.float32(1.0) / np.sqrt(np.float32(acc / n) + np.float32(eps))
+    for i in range(n):
+        dst[d0 + i] = (src[s0 + i] * r) * w[i]
+
+
+@njit(cache=True)
+def rms_norm_rows(x, w, eps):
+    """Each row of x (M, n) normed and scaled by w (n,): a new (M, n) array."""
+    M, n = x.shape
+    out = np.empty((M, n), np.float32)
+    for m in range(M):
+        rms_norm_into(x[m], 0, n, w, eps, out[m], 0)
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def _act_mul_row(gate, up, out, t, scratch, gelu):
+    # Both are a * sigmoid(z): SiLU with z = a, GELU's tanh form with z = 2 c (a + 0.044715 a^3), since
+    # 0.5 (1 + tanh(y)) = sigmoid(2y). One exp each, and no cancellation where tanh(y) nears -1.
+    F = gate.shape[0]
+    for i in range(F):
+        a = gate[i]
+        t[i] = np.float32(-2.0) * _GELU_C * (a + np.float32(0.044715) * a * a * a) if gelu else -a
+    vmath.exp_inplace(t, scratch)
+    for i in range(F):
+        out[i] = gate[i] / (np.float32(1.0) + t[i]) * up[i]
+
+
+@njit(cache=True)
+def _act_mul_rows(gate, up, out, r0, r1, gelu):
+    F = gate.shape[1]
+    t, scratch = np.empty(F, np.float32), np.empty(F, np.int32)
+    for m in range(r0, r1):
+        _act_mul_row(gate[m], up[m], out[m], t, scratch, gelu)
+
+
+@njit(cache=True)
+def act_mul(gate, up, gelu):
+    """act(gate) * up for (M, F) arrays (any strides): SiLU, or GELU in its tanh form. A new (M, F) array."""
+    M, F = gate.shape
+    out = np.empty((M, F), np.float32)
+    _act_mul_rows(gate, up, out, 0, M, gelu)
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def _softmax_row(row, lo, hi, scratch):
+    """row[lo:hi] = softmax(row[lo:hi]); everything else 0 (masked)."""
+    n = row.shape[0]
+    mx = row[lo]
+    for j in range(lo + 1, hi):
+        mx = max(mx, row[j])
+    seg = row[lo:hi]
+    for j in range(hi - lo):
+        seg[j] -= mx
+    vmath.exp_inplace(seg, scratch)
+    total = np.float32(0.0)
+    for j in range(hi - lo):
+        total += seg[j]
+    inv = np.float32(1.0) / total
+    for j in range(hi - lo):
+        seg[j] *= inv
+    for j in range(lo):
+        row[j] = 0.0
+    for j in range(hi, n):
+        row[j] = 0.0
+
+
+@njit(cache=True)
+def _softmax_rows(s, r0, r1, q_pos0, k_pos0, window):
+    T, L = s.shape[1], s.shape[2]
+    scratch = np.empty(L, np.int32)
+    for r in range(r0, r1):
+        b, t = r // T, r % T
+        qpos = q_pos0 + t
+        hi = min(L, qpos - k_pos0 + 1)  # keys at or before the query
+        lo = max(0, qpos - window + 1 - k_pos0) if window > 0 else 0
+        _softmax_row(s[b, t], lo, hi, scratch)
+
+
+@njit(cache=True)
+def causal_softmax(s, q_pos0, k_pos0, window):
+    """In place over scores s (B, T, L) (C order): row (b, t) is the query at position q_pos0 + t against keys
+    at positions k_pos0.. ; it keeps keys at or before it (and, with window > 0, fewer than window back),
+    softmaxed, and zeroes the rest."""
+    _softmax_rows(s, 0, s.shape[0] * s.shape[1], q_pos0, k_pos0, window)
