@@ -84,23 +84,39 @@ def make_sampler(p: SamplingParams) -> Sampler:
     rng = np.random.default_rng(p.seed)
 
     def sample(logits: np.ndarray) -> int:
-        cand = np.arange(len(logits))
         vals = logits.astype(np.float64)
-        if 0 < p.top_k < len(vals):
-            keep = np.argpartition(-vals, p.top_k - 1)[: p.top_k]
-            cand, vals = cand[keep], vals[keep]
-        order = np.lexsort((cand, -vals))  # descending logit, then ascending id: deterministic
-        cand, vals = cand[order], vals[order]
-        probs = _softmax(vals)
+        n = len(vals)
+        if not 0 < p.top_k < n and p.top_p >= 1.0 and p.min_p <= 0:
+            # Every token is a candidate: sample in id order (no sort of the whole vocabulary per token).
+            return int(rng.choice(n, p=_softmax(vals / p.temperature)))
+        top_k = 0 < p.top_k < n
+        # Probabilities for top_p / min_p are over the top_k set when top_k is on, else over the whole vocabulary;
+        # then only as many of the best as they can keep are sorted (few), growing the set until it holds them.
+        total = None if top_k else np.exp(vals - vals.max()).sum()
+        k = p.top_k if top_k else 64
+        while True:
+            take = np.argpartition(-vals, k - 1)[:k] if k < n else np.arange(n)
+            cv = vals[take]
+            order = np.lexsort((take, -cv))  # descending logit, then ascending id: deterministic
+            c, v = take[order], cv[order]
+            e = np.exp(v - v[0])
+            probs = e / (e.sum() if total is None else total)  # v[0] is the maximum
+            cum = np.cumsum(probs)
+            if top_k or k >= n:
+                break
+            if p.top_p < 1.0 and cum[-1] >= p.top_p:
+                break  # the nucleus ends inside this set (min_p then only trims it)
+            if p.top_p >= 1.0 and probs[-1] < p.min_p * probs[0]:
+                break  # every token min_p keeps is in this set
+            k *= 4
         if p.top_p < 1.0:
-            cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-            cand, vals = cand[:cut], vals[:cut]
-            probs = _softmax(vals)
+            cut = int(np.searchsorted(cum, p.top_p) + 1)
+            c, v, probs = c[:cut], v[:cut], probs[:cut]
         if p.min_p > 0:
             keep = probs >= p.min_p * probs[0]
-            cand, vals = cand[keep], vals[keep]
-        probs = _softmax(vals / p.temperature)
-        return int(cand[rng.choice(len(cand), p=probs)])
+            c, v = c[keep], v[keep]
+        probs = _softmax(v / p.temperature)
+        return int(c[rng.choice(len(c), p=probs)])
 
     return sample
 

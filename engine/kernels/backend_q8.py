@@ -63,6 +63,8 @@ class Q8Backend(NumbaBackend):
         x = _as_input(x, ws[0])
         p, slices = self._group(ws) if x.shape[0] <= Q8_MATVEC_MAX_T else (None, None)
         if p is None:
+            if x.shape[0] > Q8_MATVEC_MAX_T:
+                return super().matmul_many(x, ws)  # prompts: one wide sgemm
             return [self.matmul(x, w) for w in ws]
         out = cpu_q8.matvec(p, cpu_q8.quantize(x, p), tier=self.tier)
         return [out[:, s] for s in slices]

@@ -181,6 +181,11 @@ class TieredBackend:
     def matmul(self, x, w):
         return self._pick(w).matmul(x, w)
 
+    def matmul_many(self, x, ws):
+        if any(int(w.ggml_type) in self._slow_types for w in ws):
+            return [self.matmul(x, w) for w in ws]
+        return self._fast.matmul_many(x, ws)
+
     def embed(self, w, ids):
         return self._pick(w).embed(w, ids)
 

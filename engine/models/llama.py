@@ -27,15 +27,14 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
     for i in range(cfg.n_layer):
         blk = f"blk.{i}."
         h = rms_norm(x, w.vector(blk + "attn_norm"), cfg.rms_eps)
-        q = be.matmul(h, w.tensor(blk + "attn_q")).reshape(T, H, D)
-        k = be.matmul(h, w.tensor(blk + "attn_k")).reshape(T, Hkv, D)
-        v = be.matmul(h, w.tensor(blk + "attn_v")).reshape(T, Hkv, D)
+        q, k, v = be.matmul_many(h, [w.tensor(blk + "attn_q"), w.tensor(blk + "attn_k"), w.tensor(blk + "attn_v")])
+        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         q, k = apply_rope(q, cos, sin, cfg.rope_style), apply_rope(k, cos, sin, cfg.rope_style)
         keys, values = cache.write(i, k, v)
         a = attention(q, keys, values, pos0, cfg.attn_scale).reshape(T, H * D)
         x = x + be.matmul(a, w.tensor(blk + "attn_output"))
         h = rms_norm(x, w.vector(blk + "ffn_norm"), cfg.rms_eps)
-        g = silu_mul(be.matmul(h, w.tensor(blk + "ffn_gate")), be.matmul(h, w.tensor(blk + "ffn_up")))
+        g = silu_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]))
         x = x + be.matmul(g, w.tensor(blk + "ffn_down"))
     cache.advance(T)
     return rms_norm(x, w.vector("output_norm"), cfg.rms_eps)
