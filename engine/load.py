@@ -57,6 +57,9 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
     path_name = COMPUTE_PATH[quant]
+    if kernels_uncompiled():  # say why the first run after install sits silent for a minute
+        print("goinfer: compiling the CPU kernels for this machine (first run only: about a minute)",
+              file=sys.stderr, flush=True)
     backend, slow = cpu_backend(selftest, "cpu-q8" if path_name == "int8" else "cpu")
     step = None
     if path_name == "int8" and not slow & _matrix_types(weights, config, fam):
@@ -78,6 +81,16 @@ def cpu_backend(selftest: bool = True, name: str = "cpu"):
     if not slow:
         return get_backend(name), slow
     return st.TieredBackend(get_backend(name), get_backend(st.TIERS[1]), slow), slow
+
+
+def kernels_uncompiled() -> bool:
+    """True when numba's on-disk cache holds no compiled decode step for this code (a fresh install, or an
+    upgrade): the kernels will compile now, which takes 40-75 s on a 2-core machine. Reads numba's cache
+    index through private attributes; anything unexpected counts as compiled (no message)."""
+    try:
+        return not decode_step.decode_step._cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - a numba version without these internals: stay silent
+        return False
 
 
 def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:

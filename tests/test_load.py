@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -126,3 +127,14 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
     used = anon + model_pages - kv
     limit = gemma_gguf.stat().st_size + 200 * 2**20
     assert used <= limit, f"{used / 2**20:.0f} MiB resident (anonymous {anon / 2**20:.0f}) > {limit / 2**20:.0f} MiB"
+
+
+def test_a_cold_kernel_cache_is_announced_once_warm_is_silent(tmp_path, smollm2_gguf):
+    # A first run compiles the kernels for a minute: one stderr line says so; a warm cache says nothing.
+    code = f"import engine; engine.load_model({str(smollm2_gguf)!r}, selftest=False)"
+    cold = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "empty")))
+    assert cold.returncode == 0, cold.stderr
+    assert cold.stderr.count("compiling the CPU kernels") == 1, cold.stderr
+    warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0 and "compiling" not in warm.stderr, warm.stderr
