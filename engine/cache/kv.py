@@ -3,9 +3,9 @@
 f32 keys and values, one array each for all layers (so the compiled decode step reaches every layer through one
 argument): keys transposed, (n_layer, n_head_kv, head_dim, capacity), so a query's dot products with all keys
 run along contiguous positions (SIMD across keys, no horizontal sums); values (n_layer, n_head_kv, capacity,
-head_dim), so the weighted sum runs along contiguous head dims. Grown in steps as the sequence grows (a server must not reserve the
-whole context window for every request), with the small protocol the engine needs: length,
-write, truncate (prefix reuse and rewinding), and a snapshot for save/restore.
+head_dim), so the weighted sum runs along contiguous head dims. Grown in steps as the sequence grows (a server
+must not reserve the whole context window for every request), with the small protocol the engine needs:
+length, reserve, write, advance, truncate (prefix reuse and rewinding), keys/values of a layer.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # ro
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX = range(8)
 _LEGACY_CODES = tuple(int(t) for t in cpu_q8.LEGACY_TYPES)
 _K_CODES = tuple(int(t) for t in cpu_q8.K_TYPES)
-_EMPTY_I8, _EMPTY_F32, _EMPTY_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
+_EMPTY_I8, _EMPTY_F32 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32)
+_EMPTY_I16 = np.empty((0, 0, 0), np.int16)
 
 
 # =========================================================================================================
@@ -115,8 +116,9 @@ def _attend_part(qkv, q0, group, D, kf, k0, cap, vf, v0, n, scale, scores, acc, 
     """The group query heads at qkv[q0:] (sharing one kv head) over n cached positions: keys transposed at flat
     offset k0 of kf (one row of cap positions per head dim), values at v0 of vf (rows of D). For each head g:
     acc[g] (D,) = sum_j exp(s_j - max) v_j with s_j = q.k_j * scale; returns (max, sum of exp) per head, two
-    (group,) arrays; scores (group, >= n) and iscratch (>= n) int32 are scratch. Every inner loop runs along contiguous memory with no horizontal sum, which
-    is what LLVM vectorizes (the row-by-row dot products were 10x slower)."""
+    (group,) arrays; scores (group, >= n) and iscratch (>= n) int32 are scratch. Every inner loop runs along
+    contiguous memory with no horizontal sum, which is what LLVM vectorizes (row-by-row dot products were 10x
+    slower)."""
     mx = np.empty(group, np.float32)
     total = np.zeros(group, np.float32)
     for g in range(group):
@@ -256,11 +258,13 @@ def _add_normed(x, y, w, eps, post):
 def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos, kcs, vcs,
                 n_chunks, n_split, tier):
     """x (M, E): the embedded new token of each sequence at positions pos (M,); kcs/vcs: each sequence's cache
-    arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos), written at pos. Returns the head's logits (M, head rows).
+    arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos), written at
+    pos. Returns the head's logits (M, head rows).
     n_chunks: row ranges per matvec; n_split: key ranges per attention head (parallel work items)."""
     M, E = x.shape
-    H, Hkv, D, rope_dim = iparams[_H], iparams[_HKV], iparams[_D], iparams[_ROPE_DIM]
-    qk_norm, post, gelu, neox = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0, iparams[_GELU] != 0, iparams[_NEOX] != 0
+    H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
+    qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
+    gelu, neox = iparams[_GELU] != 0, iparams[_NEOX] != 0
     eps, scale, rope_scale = fparams[0], np.float32(fparams[1]), fparams[2]
     a = np.empty((M, H * D), np.float32)
     cos, sin = _rope_tables(inv_freq, pos, rope_scale)
