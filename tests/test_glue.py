@@ -56,3 +56,21 @@ def test_causal_softmax(T, L, pos0, first, window):
     glue.causal_softmax(got, pos0, first, window)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
     assert np.all(got[:, ~allowed] == 0)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_rotates_pairs_and_passes_the_rest_through(neox):
+    rng = np.random.default_rng(4)
+    T, nh, D, half = 5, 3, 16, 6  # rope_dim 12 < D: the last 4 dims pass through
+    x = rng.normal(size=(T, nh, D)).astype(np.float32)
+    ang = rng.uniform(0, 6, (T, half))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    want = x.copy()
+    ia = np.arange(half) if neox else np.arange(0, 2 * half, 2)
+    ib = ia + half if neox else ia + 1
+    a, b = x[..., ia], x[..., ib]
+    want[..., ia] = a * cos[:, None] - b * sin[:, None]
+    want[..., ib] = b * cos[:, None] + a * sin[:, None]
+    got = x.copy()
+    glue.rope_rows(got, cos, sin, neox)
+    np.testing.assert_array_equal(got, want)  # the same f32 operations: bit for bit

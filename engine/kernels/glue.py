@@ -1,5 +1,5 @@
 """Compiled forward-pass glue shared by the prompt pass (models/ops.py) and the decode step: RMSNorm rows,
-gated activations, masked softmax.
+RoPE, gated activations, masked softmax.
 
 In numpy these cost as much as the GEMMs of a prompt (SmolLM2, 512 tokens: SiLU 0.35 s, attention softmax
 and mask ~0.4 s, norms 0.17 s against 1.0 s of sgemm): each is several full passes over (T, n) temporaries,
@@ -42,6 +42,32 @@ def rms_norm_rows(x, w, eps):
     for m in range(M):
         rms_norm_into(x[m], 0, n, w, eps, out[m], 0)
     return out
+
+
+@njit(cache=True)
+def rope_into(v, o, cos, sin, neox):
+    """Rotate the head v[o:o+D] in place by the angles of cos/sin (rope_dim/2,): pairs (i, i + rope_dim/2)
+    (neox) or (2i, 2i+1) (interleaved); dims past rope_dim pass through. Plain f32, as numpy computes it."""
+    half = cos.shape[0]
+    for i in range(half):
+        c, s = cos[i], sin[i]
+        if neox:
+            ia, ib = o + i, o + half + i
+        else:
+            ia, ib = o + 2 * i, o + 2 * i + 1
+        a, b = v[ia], v[ib]
+        v[ia] = a * c - b * s
+        v[ib] = b * c + a * s
+
+
+@njit(cache=True)
+def rope_rows(x, cos, sin, neox):
+    """x (T, heads, D) C-contiguous, in place: row t rotated by cos[t], sin[t] (T, rope_dim/2)."""
+    T, nh, D = x.shape
+    for t in range(T):
+        row = x[t].reshape(-1)
+        for h in range(nh):
+            rope_into(row, h * D, cos[t], sin[t], neox)
 
 
 @njit(cache=True, fastmath=True)

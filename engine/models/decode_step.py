@@ -96,21 +96,6 @@ def _rope_tables(inv_freq, pos, rope_scale):
     return cos, sin
 
 
-@njit(cache=True)
-def _rope(v, o, cos, sin, neox):
-    """Rotate the head v[o:o+D] in place by the angles of cos/sin (rope_dim/2,), in f32 as ops.apply_rope."""
-    half = cos.shape[0]
-    for i in range(half):
-        c, s = cos[i], sin[i]
-        if neox:
-            ia, ib = o + i, o + half + i
-        else:
-            ia, ib = o + 2 * i, o + 2 * i + 1
-        a, b = v[ia], v[ib]
-        v[ia] = a * c - b * s
-        v[ib] = b * c + a * s
-
-
 @njit(cache=True, fastmath=True)
 def _attend_part(qkv, q0, group, D, kf, k0, cap, vf, v0, n, scale, scores, acc, iscratch):
     """The group query heads at qkv[q0:] (sharing one kv head) over n cached positions: keys transposed at flat
@@ -277,7 +262,7 @@ def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, f
                 o = hd * D
                 if qk_norm:
                     glue.rms_norm_into(row, o, D, qk_norms[layer, 0 if hd < H else 1], eps, row, o)
-                _rope(row, o, cos[layer, m], sin[layer, m], neox)
+                glue.rope_into(row, o, cos[layer, m], sin[layer, m], neox)
             kc, vc = kcs[m], vcs[m]
             for kh in range(Hkv):
                 for d in range(D):

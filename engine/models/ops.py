@@ -43,18 +43,10 @@ def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float 
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
-    """Rotate x (T, heads, D) by position; dims past rope_dim (= 2 * cos.shape[1]) pass through."""
-    half = cos.shape[1]
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, rope_dim/2)
-    out = x.copy()
-    if style == "neox":
-        a, b = x[..., :half], x[..., half : 2 * half]
-        out[..., :half] = a * c - b * s
-        out[..., half : 2 * half] = b * c + a * s
-    else:  # interleaved: pairs (2i, 2i+1)
-        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-        out[..., 0 : 2 * half : 2] = a * c - b * s
-        out[..., 1 : 2 * half : 2] = b * c + a * s
+    """Rotate x (T, heads, D) by position (a new array); dims past rope_dim (= 2 * cos.shape[1]) pass through.
+    style "neox": pairs (i, i + rope_dim/2); else interleaved pairs (2i, 2i+1)."""
+    out = np.array(x, dtype=np.float32, order="C")  # a copy
+    glue.rope_rows(out, np.ascontiguousarray(cos), np.ascontiguousarray(sin), style == "neox")
     return out
 
 
