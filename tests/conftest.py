@@ -33,8 +33,13 @@ def gemma_gguf() -> Path:
 SERVER_KEY = "goinfer-test-key"
 
 
+# The SDK test modules (anthropic, responses, structured) share one keyed server through these fixtures;
+# test_server.py defines its own `server`, `name` and `client` (other options), and test_anthropic.py its own
+# `client` (the anthropic SDK): module fixtures override these.
+
+
 @pytest.fixture(scope="session")
-def default_server(tmp_path_factory, smollm2_gguf):
+def server(tmp_path_factory, smollm2_gguf):
     """One `goinfer serve` on the real default model, with an API key, shared by the SDK test modules."""
     from tests.test_server import start_server, stop
 
@@ -45,5 +50,14 @@ def default_server(tmp_path_factory, smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def served_name(smollm2_gguf) -> str:
+def name(smollm2_gguf) -> str:
+    """The model name the shared server serves."""
     return smollm2_gguf.stem
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The official openai SDK pointed at the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)

@@ -23,16 +23,6 @@ GREEDY = {"temperature": 0}  # the SDK has no sampling arguments any more; the A
 
 
 @pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def name(served_name) -> str:
-    return served_name
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
 

@@ -10,24 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import SERVER_KEY
 
 ASK = "What is the capital of France? Answer in one sentence."
-
-
-@pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def name(served_name) -> str:
-    return served_name
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
 
 
 def test_a_response_non_stream_and_stored(client, name):

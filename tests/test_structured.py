@@ -10,7 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import SERVER_KEY
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -32,21 +31,6 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}},
                    "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
-
-
-@pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def name(served_name) -> str:
-    return served_name
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
 
 
 PROMPTS = ["Invent a person.", "Describe a pirate.", "A teacher from Lyon.", "Make up a child who loves cats.",
