@@ -6,6 +6,14 @@ Public API (documented in docs/python-api.md):
     set_threads(n) / get_threads(): threads used by the kernels and BLAS (default: every core)
 """
 
+import os
+
+# OpenBLAS's workers spin for 2^28 cycles (~0.1 s) after each BLAS call before they sleep; after a prompt's
+# sgemms they held the cores the decode step's threads needed (its first ~10 tokens took twice as long).
+# 2^16 cycles (~25 us) keeps them warm across back-to-back calls only. Read when numpy first loads OpenBLAS,
+# hence here, before any import; a value the user set wins.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
+
 from engine.errors import (ContextOverflow, FetchError, GoinferError, InvalidRequest, ModelLoadError,
                            ModelNotFound, TemplateError, UnsupportedModel)
 from engine.generate import TokenEvent, generate

@@ -1,6 +1,8 @@
 """The KV cache of one sequence, kept outside the model.
 
-f32 keys and values, one array each for all layers (so the compiled decode step reaches every layer through one
+Keys and values in f32 (the exact path) or f16 (the fast path, as llama.cpp's default cache: half the memory and
+half the bytes each decoded token's attention reads; stored as IEEE half bits in uint16 arrays, which the
+compiled kernels widen in registers), one array each for all layers (so the compiled decode step reaches every layer through one
 argument): keys transposed, (n_layer, n_head_kv, head_dim, capacity), so a query's dot products with all keys
 run along contiguous positions (SIMD across keys, no horizontal sums); values (n_layer, n_head_kv, capacity,
 head_dim), so the weighted sum runs along contiguous head dims. Grown in steps as the sequence grows (a server
@@ -13,17 +15,24 @@ from __future__ import annotations
 import numpy as np
 
 from engine.errors import ContextOverflow
+from engine.kernels import attention
+
+DTYPES = ("f32", "f16")
 
 _GROW_STEP = 256  # tokens; capacity grows to the next multiple, doubling for long sequences
 
 
 class KVCache:
-    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int):
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int, dtype: str = "f32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {DTYPES}, got {dtype!r}")
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.max_tokens = max_tokens
+        self.dtype = dtype
+        self._store = np.float32 if dtype == "f32" else np.uint16
         self.length = 0  # tokens whose keys/values every layer holds
-        self.k = np.empty((n_layer, n_head_kv, head_dim, 0), np.float32)  # keys, transposed
-        self.v = np.empty((n_layer, n_head_kv, 0, head_dim), np.float32)
+        self.k = np.empty((n_layer, n_head_kv, head_dim, 0), self._store)  # keys, transposed
+        self.v = np.empty((n_layer, n_head_kv, 0, head_dim), self._store)
 
     @property
     def capacity(self) -> int:
@@ -37,25 +46,47 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = min(self.max_tokens, max(need, 2 * self.capacity, _GROW_STEP))
-        k = np.empty((self.n_layer, self.n_head_kv, self.head_dim, cap), np.float32)
-        v = np.empty((self.n_layer, self.n_head_kv, cap, self.head_dim), np.float32)
+        k = np.empty((self.n_layer, self.n_head_kv, self.head_dim, cap), self._store)
+        v = np.empty((self.n_layer, self.n_head_kv, cap, self.head_dim), self._store)
         k[..., : self.length] = self.k[..., : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v (T, Hkv, D) at positions length..length+T-1; return all keys/values as (L, Hkv, D) views."""
-        end = self.length + k.shape[0]
-        self.k[layer, :, :, self.length : end] = k.transpose(1, 2, 0)
-        self.v[layer, :, self.length : end] = v.transpose(1, 0, 2)
+        """Store k, v (T, Hkv, D) f32 at positions length..length+T-1; return all keys/values of the layer as
+        (L, Hkv, D) f32 (as stored: f16 values come back rounded)."""
+        T, end = k.shape[0], self.length + k.shape[0]
+        if self.dtype == "f32":
+            self.k[layer, :, :, self.length : end] = k.transpose(1, 2, 0)
+            self.v[layer, :, self.length : end] = v.transpose(1, 0, 2)
+        else:
+            H, D, cap = self.n_head_kv, self.head_dim, self.capacity
+            kt = np.ascontiguousarray(k.transpose(1, 2, 0), np.float32).reshape(-1)  # (Hkv, D, T)
+            vt = np.ascontiguousarray(v.transpose(1, 0, 2), np.float32).reshape(-1)  # (Hkv, T, D)
+            attention.to_halves(kt, 0, T, self.k.reshape(-1), layer * H * D * cap + self.length, cap, H * D, T)
+            attention.to_halves(vt, 0, T * D, self.v.reshape(-1), (layer * H * cap + self.length) * D, cap * D, H,
+                                T * D)
         return self.keys(layer, end), self.values(layer, end)
 
     def keys(self, layer: int, n: int | None = None) -> np.ndarray:
-        """The first n (default: length) keys of a layer, (n, Hkv, D), a view."""
-        return self.k[layer, :, :, : self.length if n is None else n].transpose(2, 0, 1)
+        """The first n (default: length) keys of a layer, (n, Hkv, D) f32: a view of an f32 cache, a copy of an
+        f16 one."""
+        n = self.length if n is None else n
+        if self.dtype == "f32":
+            return self.k[layer, :, :, :n].transpose(2, 0, 1)
+        H, D, cap = self.n_head_kv, self.head_dim, self.capacity
+        out = np.empty((H, D, n), np.float32)
+        attention.from_halves(self.k.reshape(-1), layer * H * D * cap, cap, out.reshape(-1), 0, n, H * D, n)
+        return out.transpose(2, 0, 1)
 
     def values(self, layer: int, n: int | None = None) -> np.ndarray:
-        return self.v[layer, :, : self.length if n is None else n].transpose(1, 0, 2)
+        n = self.length if n is None else n
+        if self.dtype == "f32":
+            return self.v[layer, :, :n].transpose(1, 0, 2)
+        H, D, cap = self.n_head_kv, self.head_dim, self.capacity
+        out = np.empty((H, n, D), np.float32)
+        attention.from_halves(self.v.reshape(-1), layer * H * cap * D, cap * D, out.reshape(-1), 0, n * D, H, n * D)
+        return out.transpose(1, 0, 2)
 
     def advance(self, n: int) -> None:
         """Commit n tokens written to every layer."""

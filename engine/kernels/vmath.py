@@ -39,3 +39,27 @@ def exp_inplace(x, scratch):
     two_k = scratch[:n].view(np.float32)
     for i in range(n):
         x[i] *= two_k[i]
+
+
+@njit(cache=True, fastmath=True)
+def logsumexp(x):
+    """log(sum(exp(x))) of a contiguous float32 array (a row of logits): exp in f32, the sum in f64, in chunks
+    that stay in L1 (a 262k vocabulary in numpy took ~1 ms per token)."""
+    n = x.shape[0]
+    m = x[0]
+    for i in range(1, n):
+        m = max(m, x[i])
+    buf = np.empty(4096, np.float32)
+    scratch = np.empty(4096, np.int32)
+    total = 0.0
+    for c0 in range(0, n, 4096):
+        c = min(4096, n - c0)
+        b = buf[:c]
+        for i in range(c):
+            b[i] = x[c0 + i] - m
+        exp_inplace(b, scratch)
+        part = np.float32(0.0)  # each chunk summed in f32 (vector lanes), the chunks in f64
+        for i in range(c):
+            part += b[i]
+        total += np.float64(part)
+    return np.float64(m) + np.log(total)

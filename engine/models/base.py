@@ -36,6 +36,9 @@ class Model:
         self.step = step  # the compiled one-token decode step (fast path), or None: decode layer by layer
         self.backend, self.tokenizer, self.template, self.quant = backend, tokenizer, template, quant
         self.compute_path = compute_path  # what quant resolved to: equal paths give equal results
+        # The fast path keeps an f16 KV cache (as llama.cpp does): half the memory and half the bytes a decoded
+        # token's attention reads. The exact path stays f32 throughout.
+        self.kv_dtype = "f16" if compute_path == "int8" else "f32"
         self.metadata = metadata
         self.name = path.stem
         self._head: QTensor = weights.tensor("output") if weights.has("output") else weights.tensor("token_embd")
@@ -50,7 +53,7 @@ class Model:
 
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         c = self.config
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.context_length)
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.context_length, self.kv_dtype)
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """Logits (T, vocab) from final-normed hidden states (T, n_embd)."""

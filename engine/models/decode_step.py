@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.cache.kv import KVCache
-from engine.kernels import cpu, cpu_q8, glue, vmath
+from engine.kernels import attention, cpu, cpu_q8, glue
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
@@ -96,134 +96,6 @@ def _rope_tables(inv_freq, pos, rope_scale):
     return cos, sin
 
 
-@njit(cache=True, fastmath=True)
-def _attend_part(qkv, q0, group, D, kf, k0, cap, vf, v0, n, scale, scores, acc, iscratch):
-    """The group query heads at qkv[q0:] (sharing one kv head) over n cached positions: keys transposed at flat
-    offset k0 of kf (one row of cap positions per head dim), values at v0 of vf (rows of D). For each head g:
-    acc[g] (D,) = sum_j exp(s_j - max) v_j with s_j = q.k_j * scale; returns (max, sum of exp) per head, two
-    (group,) arrays; scores (group, >= n) and iscratch (>= n) int32 are scratch. Every inner loop runs along
-    contiguous memory with no horizontal sum, which is what LLVM vectorizes (row-by-row dot products were 10x
-    slower)."""
-    mx = np.empty(group, np.float32)
-    total = np.zeros(group, np.float32)
-    for g in range(group):
-        s = scores[g, :n]
-        s[:] = 0.0
-        q = qkv[q0 + g * D : q0 + (g + 1) * D]
-        d = 0
-        while d + 4 <= D:  # four key rows per pass over s: a quarter of the loads and stores of s
-            o = k0 + d * cap
-            r0, r1, r2, r3 = kf[o : o + n], kf[o + cap : o + cap + n], kf[o + 2 * cap : o + 2 * cap + n], \
-                kf[o + 3 * cap : o + 3 * cap + n]
-            q_0, q_1, q_2, q_3 = q[d], q[d + 1], q[d + 2], q[d + 3]
-            for j in range(n):
-                s[j] += q_0 * r0[j] + q_1 * r1[j] + q_2 * r2[j] + q_3 * r3[j]
-            d += 4
-        for d in range(d, D):
-            kr = kf[k0 + d * cap : k0 + d * cap + n]
-            for j in range(n):
-                s[j] += q[d] * kr[j]
-        for j in range(n):
-            s[j] *= scale
-        m = s[0]
-        for j in range(1, n):
-            m = max(m, s[j])
-        for j in range(n):
-            s[j] -= m
-        vmath.exp_inplace(s, iscratch)
-        t = np.float32(0.0)
-        for j in range(n):
-            t += s[j]
-        mx[g], total[g] = m, t
-        a = acc[g]
-        a[:] = 0.0
-        j = 0
-        while j + 4 <= n:  # four value rows per pass over a
-            o = v0 + j * D
-            r0, r1, r2, r3 = vf[o : o + D], vf[o + D : o + 2 * D], vf[o + 2 * D : o + 3 * D], vf[o + 3 * D : o + 4 * D]
-            p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
-            for d in range(D):
-                a[d] += p0 * r0[d] + p1 * r1[d] + p2 * r2[d] + p3 * r3[d]
-            j += 4
-        for j in range(j, n):
-            vr = vf[v0 + j * D : v0 + (j + 1) * D]
-            for d in range(D):
-                a[d] += s[j] * vr[d]
-    return mx, total
-
-
-@njit(cache=True)
-def _attend_task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
-    """Work item t of _attend: one sequence, one kv head (its group of query heads), one key range."""
-    m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
-    kc, vc = kcs[m], vcs[m]
-    group = H // Hkv
-    p = pos[m]
-    first = max(0, p - window + 1) if window > 0 else 0
-    n = p + 1 - first
-    j0, j1 = sp * n // n_split, (sp + 1) * n // n_split
-    if j0 == j1:
-        return  # more ranges than keys: part_sum stays 0 and the merge skips it
-    cap = kc.shape[3]
-    k0 = ((layer * Hkv + kvh) * D) * cap + first + j0
-    v0 = ((layer * Hkv + kvh) * cap + first + j0) * D
-    acc = np.empty((group, D), np.float32)
-    gmax, gsum = _attend_part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, cap, vc.reshape(-1), v0,
-                              j1 - j0, scale, np.empty((group, j1 - j0), np.float32), acc, np.empty(j1 - j0, np.int32))
-    for g in range(group):
-        h = kvh * group + g
-        part_max[m, h, sp] = gmax[g]
-        part_sum[m, h, sp] = gsum[g]
-        for d in range(D):
-            part_acc[m, h, sp, d] = acc[g, d]
-
-
-@njit(parallel=True, cache=True)
-def _attend_tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
-    # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
-    # launched once per iteration (that cost 45 us per layer).
-    for t in prange(n_tasks):
-        _attend_task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc)
-
-
-@njit(cache=True)
-def _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
-    """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
-    cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; out (M, H D).
-
-    Work is split over (sequence, kv head, key range) so both threads stay busy whatever the head count
-    (SmolLM2 has 3 kv heads, Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged
-    exactly afterwards as in flash-decoding."""
-    M = qkv.shape[0]
-    part_max = np.empty((M, H, n_split), np.float32)
-    part_sum = np.zeros((M, H, n_split), np.float32)
-    part_acc = np.empty((M, H, n_split, D), np.float32)
-    _attend_tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max,
-                  part_sum, part_acc)
-    for m in range(M):
-        for h in range(H):
-            mx = -np.inf
-            for sp in range(n_split):
-                if part_sum[m, h, sp] > 0:
-                    mx = max(mx, part_max[m, h, sp])
-            total = np.float32(0.0)
-            o = out[m, h * D : (h + 1) * D]
-            o[:] = 0.0
-            for sp in range(n_split):
-                if part_sum[m, h, sp] > 0:
-                    w = np.float32(np.exp(part_max[m, h, sp] - mx))
-                    total += w * part_sum[m, h, sp]
-                    for d in range(D):
-                        o[d] += w * part_acc[m, h, sp, d]
-            for d in range(D):
-                o[d] /= total
-
-
-def _n_split(M: int, Hkv: int, longest: int, threads: int) -> int:
-    """Key ranges per (sequence, kv head): about two tasks per thread, ranges of at least 64 keys."""
-    return max(1, min(-(-2 * threads // (M * Hkv)), longest // 64))
-
-
 @njit(cache=True)
 def _add_normed(x, y, w, eps, post):
     """x += y, or x += rms_norm(y) * w with post norms (Gemma); row by row."""
@@ -266,9 +138,9 @@ def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, f
             kc, vc = kcs[m], vcs[m]
             for kh in range(Hkv):
                 for d in range(D):
-                    kc[layer, kh, d, pos[m]] = row[(H + kh) * D + d]  # keys transposed (cache/kv.py)
-                    vc[layer, kh, pos[m], d] = row[(H + Hkv + kh) * D + d]
-        _attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, a, n_split)
+                    kc[layer, kh, d, pos[m]] = attention.kv_value(row[(H + kh) * D + d], kc)  # keys transposed
+                    vc[layer, kh, pos[m], d] = attention.kv_value(row[(H + Hkv + kh) * D + d], vc)
+        attention.attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, a, n_split)
         _add_normed(x, _matvec(buf, mats[layer, 3:4], a, n_chunks, tier), norms[layer, 2], eps, post)
         h = glue.rms_norm_rows(x, norms[layer, 1], eps)
         gu = _matvec(buf, mats[layer, 4:6], h, n_chunks, tier)  # (M, 2F): [gate | up]
@@ -331,7 +203,7 @@ class DecodeStep:
             c.reserve(1)
         pos = np.array([c.length for c in caches], np.int64)
         threads = numba.get_num_threads()
-        n_split = _n_split(len(caches), int(self.iparams[_HKV]), int(pos.max()) + 1, threads)
+        n_split = attention.n_split(len(caches), int(self.iparams[_HKV]), int(pos.max()) + 1, threads)
         logits = decode_step(self.buf, self.mats, self.head, self.norms, self.qk_norms, self.out_norm, self.inv_freq,
                              self.windows, self.fparams, self.iparams, x, pos, tuple(c.k for c in caches),
                              tuple(c.v for c in caches), 4 * threads, n_split, self.tier)
@@ -341,9 +213,9 @@ class DecodeStep:
 
 
 def build(cfg: ModelConfig, w: Weights, flags: dict | None, tier: str | None = None) -> DecodeStep | None:
-    """The compiled step for this model, or None where it cannot run: a split model (no single buffer) or a
-    family without STEP_FLAGS."""
+    """The compiled step for this model, or None where it cannot run: a split model (no single buffer), a
+    family without STEP_FLAGS, or a head size that is not a multiple of 16."""
     buf = w.buffer()
-    if buf is None or flags is None:
+    if buf is None or flags is None or cfg.head_dim % attention.TILE:  # the attention kernels' tiles
         return None
     return DecodeStep(cfg, w, flags, buf, tier)

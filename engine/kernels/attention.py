@@ -1,0 +1,383 @@
+"""Decode attention over the KV cache: one query per head against every cached key, for the compiled decode step.
+
+The two products of attention at one token are written as LLVM-IR kernels (as the matvec rows of cpu_q8), each
+serving all the query heads that share one kv head (grouped-query attention) in one pass over the cache:
+
+  scores   s[g, j] = scale * q_g . k_j       keys transposed (D rows of positions): tiles of 16 positions, the
+                                             group's accumulators in registers, each key row loaded once for
+                                             every head of the group
+  values   o[g, :] = sum_j p[g, j] v_j       values in rows of D: tiles of 16 head dims, the same sharing
+
+Numba loops here were load-bound, re-read the cache once per query head, and left the D strided key rows to the
+hardware prefetcher (which tracks far fewer streams than a head has dims); these kernels read each cache line
+once per group and prefetch every key row ahead. The cache holds f32 (the exact path) or IEEE halves stored as
+uint16 (the fast path, as llama.cpp's default f16 cache: half the bytes a token's attention streams from memory);
+halves widen to f32 in registers (vcvtph2ps). Groups of more than four heads run four at a time (registers).
+
+Plain LLVM vector IR (fmuladd, fpext, masked loads and stores): no target intrinsics, so no CPU tier.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from engine.kernels import vmath
+from engine.kernels.cpu_q8 import _E, _FLT, _I8, _I16, _I32, _V
+
+TILE = 16  # positions (scores) or head dims (values) per tile: two 8-float vectors per head
+MAX_GROUP = 4  # query heads per kernel call: 4 x 2 accumulators + 2 loads fit the 16 AVX registers
+PREFETCH = 256  # bytes ahead along each key row (256 and 512 measured alike; 0 and 1-2 KB slower)
+
+
+# =========================================================================================================
+# f32 <-> half bits (the fast path's cache stores halves as uint16: numba has no float16 arrays)
+# =========================================================================================================
+
+
+@intrinsic
+def half_bits(typingctx, x):
+    """float32 -> the IEEE half nearest to it (round to nearest even, as vcvtps2ph and numpy) as uint16."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0] if x.bitwidth == 32 else builder.fptrunc(args[0], _FLT)
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), _I16)
+
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def half_value(typingctx, bits):
+    """uint16 holding IEEE half bits -> float32 (exact)."""
+    if not (isinstance(bits, types.Integer) and bits.bitwidth == 16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _FLT)
+
+    return types.float32(bits), codegen
+
+
+def kv_value(x, like):
+    """x (f32) as an element of the cache array `like` stores (f32, or half bits in uint16)."""
+
+
+@overload(kv_value)
+def _kv_value(x, like):
+    if like.dtype == types.uint16:
+        return lambda x, like: half_bits(np.float32(x))
+    return lambda x, like: np.float32(x)
+
+
+@njit(cache=True)
+def to_halves(src, s0, ss, dst, d0, ds, rows, n):
+    """Rows of n f32 at src[s0 + r ss:] rounded to halves into dst[d0 + r ds:] (flat C arrays, f32 -> uint16):
+    contiguous runs, so the loop compiles to vector conversions (strided numba arrays stay scalar)."""
+    for r in range(rows):
+        a, b = src[s0 + r * ss : s0 + r * ss + n], dst[d0 + r * ds : d0 + r * ds + n]  # slices: no wraparound
+        for i in range(n):  # checks on the indices, so the loop vectorizes
+            b[i] = half_bits(a[i])
+
+
+@njit(cache=True)
+def from_halves(src, s0, ss, dst, d0, ds, rows, n):
+    """The reverse (uint16 half bits -> f32), exact."""
+    for r in range(rows):
+        a, b = src[s0 + r * ss : s0 + r * ss + n], dst[d0 + r * ds : d0 + r * ds + n]
+        for i in range(n):
+            b[i] = half_value(a[i])
+
+
+# =========================================================================================================
+# The two kernels, for a group of G <= MAX_GROUP query heads
+# =========================================================================================================
+
+
+def _cache_loader(e: _E, arr_ty):
+    """(pointer, byte offset, mask or None) -> <8 x float> from a cache array of f32 or half bits, and the bytes
+    per element."""
+    if arr_ty.dtype == types.uint16:
+        def load(p, off, mask=None):
+            if mask is None:
+                return e.halves(e.ld(p, off, _V(_I16, 8)))
+            at = e.b.gep(p, [e.i64(off)], source_etype=_I8)
+            v = e.call("llvm.masked.load.v8i16.p0", _V(_I16, 8), [at, ir.Constant(_I32, 2), mask,
+                                                                  ir.Constant(_V(_I16, 8), None)])
+            return e.halves(v)
+        return load, 2
+
+    def load(p, off, mask=None):
+        if mask is None:
+            return e.ld(p, off, _V(_FLT, 8))
+        at = e.b.gep(p, [e.i64(off)], source_etype=_I8)
+        return e.call("llvm.masked.load.v8f32.p0", _V(_FLT, 8), [at, ir.Constant(_I32, 4), mask,
+                                                                 ir.Constant(_V(_FLT, 8), None)])
+    return load, 4
+
+
+def _cache_ok(a) -> bool:
+    return isinstance(a, types.Array) and a.layout == "C" and a.dtype in (types.float32, types.uint16)
+
+
+def _f32_ok(a) -> bool:
+    return isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32
+
+
+def _lane_mask(e: _E, j0, n):
+    """<8 x i1>: lane l is j0 + l < n."""
+    lanes = e.b.add(e.splat(e.i64(j0), 8), e.vc(ir.IntType(64), range(8)))
+    return e.b.icmp_signed("<", lanes, e.splat(e.i64(n), 8))
+
+
+def _scores_kernel(G: int):
+    """Intrinsic (kf, k0, cap, q, q0, D, n, scale, s, s0, ss) -> None: for the G heads whose queries lie at
+    q[q0 + g D:][:D], s[s0 + g ss + j] = scale * sum_d q[g, d] K[k0 + d cap + j] for j < n (keys transposed,
+    rows of cap positions, f32 or half bits)."""
+
+    def impl(typingctx, kf, k0, cap, q, q0, D, n, scale, s, s0, ss):
+        if not (_cache_ok(kf) and _f32_ok(q) and _f32_ok(s)):
+            return None
+        ip = types.intp
+        sig = types.none(kf, ip, ip, q, ip, ip, ip, types.float32, s, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            e, b = _E(context, builder, "generic"), builder
+            at = signature.args
+            kf_, k0_, cap_, q_, q0_, D_, n_, scale_, s_, s0_, ss_ = args
+            load, es = _cache_loader(e, at[0])
+            kp = b.gep(e.base(at[0], kf_), [e.mul(k0_, es)], source_etype=_I8)
+            qp = b.gep(e.base(at[3], q_), [e.mul(q0_, 4)], source_etype=_I8)
+            sp = b.gep(e.base(at[8], s_), [e.mul(s0_, 4)], source_etype=_I8)
+            row = e.mul(cap_, es)
+            scv = e.splat(scale_, 8)
+            accs = [[e.fvar(8) for _ in range(2)] for _ in range(G)]
+            qoffs = [e.mul(D_, 4 * g) for g in range(G)]  # byte offset of each head's query
+            zero = ir.Constant(_V(_FLT, 8), [0.0] * 8)
+
+            def tile(j0, width, mask):
+                """Scores of positions j0.. (width 16, or 8 under mask) for every head of the group."""
+                for pair in accs:
+                    for a in pair[: width // 8]:
+                        b.store(zero, a)
+                with e.loop(D_) as lp:
+                    off = e.add(e.mul(lp.index, row), e.mul(j0, es))
+                    e.prefetch(kp, e.add(off, PREFETCH))
+                    ks = [load(kp, off, mask)] if width == 8 else [load(kp, off), load(kp, e.add(off, 8 * es))]
+                    for g, pair in enumerate(accs):
+                        qv = e.splat(e.ld(qp, e.add(e.mul(lp.index, 4), qoffs[g]), _FLT), 8)
+                        for a, kv in zip(pair, ks):
+                            e.fmacc(a, qv, kv)
+                for g, pair in enumerate(accs):
+                    base = e.mul(e.add(e.mul(ss_, g), j0), 4)
+                    for t, a in enumerate(pair[: width // 8]):
+                        v = b.fmul(b.load(a), scv)
+                        if mask is None:
+                            e.st(sp, e.add(base, 32 * t), v)
+                        else:
+                            at_ = b.gep(sp, [base], source_etype=_I8)
+                            e.call("llvm.masked.store.v8f32.p0", ir.VoidType(), [v, at_, ir.Constant(_I32, 4), mask])
+
+            n16 = b.sdiv(n_, e.i64(TILE))
+            with e.loop(n16) as lp:
+                tile(e.mul(lp.index, TILE), 16, None)
+            rest = b.sub(n_, e.mul(n16, TILE))
+            with e.loop(b.sdiv(b.add(rest, e.i64(7)), e.i64(8))) as lp:  # the last 1-15 positions, masked
+                j0 = b.add(e.mul(n16, TILE), e.mul(lp.index, 8))
+                tile(j0, 8, _lane_mask(e, j0, n_))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_scores{G}"
+    return intrinsic(impl)
+
+
+def _values_kernel(G: int):
+    """Intrinsic (vf, v0, D, n, p, p0, ps, out, o0) -> None: for the G heads whose weights lie at
+    p[p0 + g ps:][:n], out[o0 + g D + d] = sum_j p[g, j] V[v0 + j D + d] (values in rows of D, f32 or half bits;
+    D a multiple of TILE)."""
+
+    def impl(typingctx, vf, v0, D, n, p, p0, ps, out, o0):
+        if not (_cache_ok(vf) and _f32_ok(p) and _f32_ok(out)):
+            return None
+        ip = types.intp
+        sig = types.none(vf, ip, ip, ip, p, ip, ip, out, ip)
+
+        def codegen(context, builder, signature, args):
+            e, b = _E(context, builder, "generic"), builder
+            at = signature.args
+            vf_, v0_, D_, n_, p_, p0_, ps_, out_, o0_ = args
+            load, es = _cache_loader(e, at[0])
+            vp = b.gep(e.base(at[0], vf_), [e.mul(v0_, es)], source_etype=_I8)
+            pp = b.gep(e.base(at[4], p_), [e.mul(p0_, 4)], source_etype=_I8)
+            op = b.gep(e.base(at[7], out_), [e.mul(o0_, 4)], source_etype=_I8)
+            row = e.mul(D_, es)
+            accs = [[e.fvar(8) for _ in range(2)] for _ in range(G)]
+            zero = ir.Constant(_V(_FLT, 8), [0.0] * 8)
+            with e.loop(b.sdiv(D_, e.i64(TILE))) as dt:
+                d0 = e.mul(dt.index, TILE)
+                for pair in accs:
+                    for a in pair:
+                        b.store(zero, a)
+                with e.loop(n_) as lp:
+                    off = e.add(e.mul(lp.index, row), e.mul(d0, es))
+                    vs = [load(vp, off), load(vp, e.add(off, 8 * es))]
+                    for g, pair in enumerate(accs):
+                        pv = e.splat(e.ld(pp, e.mul(e.add(e.mul(ps_, g), lp.index), 4), _FLT), 8)
+                        for a, vv in zip(pair, vs):
+                            e.fmacc(a, pv, vv)
+                for g, pair in enumerate(accs):
+                    base = e.mul(e.add(e.mul(D_, g), d0), 4)
+                    for t, a in enumerate(pair):
+                        e.st(op, e.add(base, 32 * t), b.load(a))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_values{G}"
+    return intrinsic(impl)
+
+
+_s1, _s2, _s3, _s4 = (_scores_kernel(g) for g in (1, 2, 3, 4))
+_v1, _v2, _v3, _v4 = (_values_kernel(g) for g in (1, 2, 3, 4))
+
+
+@njit(cache=True)
+def scores(group, kf, k0, cap, q, q0, D, n, scale, s, s0, ss):
+    """s[s0 + g ss + j] = scale * q_g . k_j for the group's heads g (queries at q[q0 + g D:]), j < n."""
+    g0 = 0
+    while g0 < group:
+        gs = min(MAX_GROUP, group - g0)
+        qo, so = q0 + g0 * D, s0 + g0 * ss
+        if gs == 4:
+            _s4(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+        elif gs == 3:
+            _s3(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+        elif gs == 2:
+            _s2(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+        else:
+            _s1(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+        g0 += gs
+
+
+@njit(cache=True)
+def weighted_values(group, vf, v0, D, n, p, p0, ps, out, o0):
+    """out[o0 + g D + d] = sum_j p[p0 + g ps + j] v_j[d] for the group's heads g, j < n."""
+    g0 = 0
+    while g0 < group:
+        gs = min(MAX_GROUP, group - g0)
+        po, oo = p0 + g0 * ps, o0 + g0 * D
+        if gs == 4:
+            _v4(vf, v0, D, n, p, po, ps, out, oo)
+        elif gs == 3:
+            _v3(vf, v0, D, n, p, po, ps, out, oo)
+        elif gs == 2:
+            _v2(vf, v0, D, n, p, po, ps, out, oo)
+        else:
+            _v1(vf, v0, D, n, p, po, ps, out, oo)
+        g0 += gs
+
+
+# =========================================================================================================
+# Attention of one new token per sequence (the decode step's)
+# =========================================================================================================
+
+
+@njit(cache=True, fastmath=True)
+def _part(q, q0, group, D, kf, k0, cap, vf, v0, n, scale, s, acc, iscratch, mx, total):
+    """The group's query heads (q[q0:]) over n cached positions (keys at k0 of kf, values at v0 of vf):
+    acc (group, D) = sum_j exp(s_j - max) v_j, mx/total (group,) the max and the sum of exp per head;
+    s (group, n) and iscratch (n,) are scratch."""
+    sf = s.reshape(-1)
+    scores(group, kf, k0, cap, q, q0, D, n, scale, sf, 0, n)
+    for g in range(group):
+        row = s[g]
+        m = row[0]
+        for j in range(1, n):
+            m = max(m, row[j])
+        for j in range(n):
+            row[j] -= m
+        vmath.exp_inplace(row, iscratch)
+        t = np.float32(0.0)
+        for j in range(n):
+            t += row[j]
+        mx[g], total[g] = m, t
+    weighted_values(group, vf, v0, D, n, sf, 0, n, acc.reshape(-1), 0)
+
+
+@njit(cache=True)
+def _task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+    """Work item t of attend: one sequence, one kv head (its group of query heads), one key range."""
+    m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
+    kc, vc = kcs[m], vcs[m]
+    group = H // Hkv
+    p = pos[m]
+    first = max(0, p - window + 1) if window > 0 else 0
+    n = p + 1 - first
+    j0, j1 = sp * n // n_split, (sp + 1) * n // n_split
+    if j0 == j1:
+        return  # more ranges than keys: part_sum stays 0 and the merge skips it
+    cap = kc.shape[3]
+    k0 = ((layer * Hkv + kvh) * D) * cap + first + j0
+    v0 = ((layer * Hkv + kvh) * cap + first + j0) * D
+    acc = np.empty((group, D), np.float32)
+    gmax, gsum = np.empty(group, np.float32), np.empty(group, np.float32)
+    _part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, cap, vc.reshape(-1), v0, j1 - j0, scale,
+          np.empty((group, j1 - j0), np.float32), acc, np.empty(j1 - j0, np.int32), gmax, gsum)
+    for g in range(group):
+        h = kvh * group + g
+        part_max[m, h, sp] = gmax[g]
+        part_sum[m, h, sp] = gsum[g]
+        for d in range(D):
+            part_acc[m, h, sp, d] = acc[g, d]
+
+
+@njit(parallel=True, cache=True)
+def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+    # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
+    # launched once per iteration (that cost 45 us per layer).
+    for t in prange(n_tasks):
+        _task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc)
+
+
+@njit(cache=True)
+def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
+    """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
+    cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; kcs/vcs each sequence's cache arrays (keys
+    (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D)); out (M, H D).
+
+    Work is split over (sequence, kv head, key range) so both threads stay busy whatever the head count
+    (SmolLM2 has 3 kv heads, Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged
+    exactly afterwards as in flash-decoding."""
+    M = qkv.shape[0]
+    part_max = np.empty((M, H, n_split), np.float32)
+    part_sum = np.zeros((M, H, n_split), np.float32)
+    part_acc = np.empty((M, H, n_split, D), np.float32)
+    _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max,
+           part_sum, part_acc)
+    for m in range(M):
+        for h in range(H):
+            mx = -np.inf
+            for sp in range(n_split):
+                if part_sum[m, h, sp] > 0:
+                    mx = max(mx, part_max[m, h, sp])
+            total = np.float32(0.0)
+            o = out[m, h * D : (h + 1) * D]
+            o[:] = 0.0
+            for sp in range(n_split):
+                if part_sum[m, h, sp] > 0:
+                    w = np.float32(np.exp(part_max[m, h, sp] - mx))
+                    total += w * part_sum[m, h, sp]
+                    for d in range(D):
+                        o[d] += w * part_acc[m, h, sp, d]
+            for d in range(D):
+                o[d] /= total
+
+
+def n_split(M: int, Hkv: int, longest: int, threads: int) -> int:
+    """Key ranges per (sequence, kv head): about two tasks per thread, ranges of at least 64 keys."""
+    return max(1, min(-(-2 * threads // (M * Hkv)), longest // 64))
