@@ -94,8 +94,8 @@ def test_typed_errors(tmp_path):
 
 def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
     # A fresh process, so other tests' allocations do not count; the default (fast) path, a 512-token prompt
-    # and 128 generated tokens. Counted: anonymous memory (heap, numpy, tokenizer, KV) plus the model file's
-    # resident pages; not counted: shared-library code (llvmlite alone maps ~70 MB), which does not grow with
+    # and 128 generated tokens. Counted: anonymous memory (heap, numpy, tokenizer, KV, the packed weights)
+    # plus the model file's resident pages; not counted: shared-library code (llvmlite alone maps ~70 MB), which does not grow with
     # the model. Bound: file size + 200 MB + the KV cache.
     code = textwrap.dedent(f"""
         import engine
@@ -115,17 +115,22 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
                 anon += int(parts[1]) * 1024
             elif parts[0] == "Rss:" and current == {str(gemma_gguf)!r}:
                 model_pages += int(parts[1]) * 1024
-        print(anon, model_pages, cache.nbytes())
+        packed = m.weights.packed_buffer.nbytes if m.weights.packed_buffer is not None else 0
+        print(anon, model_pages, cache.nbytes(), packed)
     """)
     # The first run fills numba's cache if the code changed since the last (compiling holds LLVM memory that a
     # user pays once, at the first run after install); the second is the one measured.
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr
-    anon, model_pages, kv = map(int, out.stdout.split())
-    assert model_pages > 0.9 * gemma_gguf.stat().st_size  # the generation did read the weights through the map
+    anon, model_pages, kv, packed = map(int, out.stdout.split())
+    size = gemma_gguf.stat().st_size
+    # The generation read every weight: through the map, or (the 4/5-bit layer matrices) their packed
+    # anonymous copy, whose mapped originals must not be resident as well.
+    assert model_pages + packed > 0.9 * size and packed > 0.1 * size, (model_pages, packed)
+    assert model_pages <= size - packed + 0.02 * size, (model_pages, packed)
     used = anon + model_pages - kv
-    limit = gemma_gguf.stat().st_size + 200 * 2**20
+    limit = size + 200 * 2**20
     assert used <= limit, f"{used / 2**20:.0f} MiB resident (anonymous {anon / 2**20:.0f}) > {limit / 2**20:.0f} MiB"
 
 

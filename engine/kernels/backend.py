@@ -11,7 +11,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from engine.kernels import cpu, reference
+from engine.kernels import cpu, packed, reference
 from engine.kernels.quant_types import GGMLType, QTensor
 
 MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize + sgemm
@@ -79,13 +79,13 @@ class NumbaBackend:
         if w.ggml_type == GGMLType.F32:
             return x @ _f32_view(w).T
         out = np.empty((T, w.rows), dtype=np.float32)
-        if T <= MATVEC_MAX_T:
+        if T <= MATVEC_MAX_T and w.packed is None:
             return cpu.matvec(w.raw, w.ggml_type, x, out)
-        step = max(1, SCRATCH_MAX_FLOATS // w.cols)
+        step = max(packed.ROWS, SCRATCH_MAX_FLOATS // w.cols // packed.ROWS * packed.ROWS)
         for r0 in range(0, w.rows, step):
             r1 = min(w.rows, r0 + step)
             # Serial dequantize: a parallel one leaves OpenMP workers spinning against the BLAS threads.
-            wf = cpu.dequantize_into(w.raw[r0:r1], w.ggml_type, self._scratch_for(r1 - r0, w.cols), parallel=False)
+            wf = _dequantize_rows(w, r0, r1, self._scratch_for(r1 - r0, w.cols))
             if r0 == 0 and r1 == w.rows:
                 np.matmul(x, wf.T, out=out)
             else:
@@ -103,7 +103,7 @@ class NumbaBackend:
         wf = self._scratch_for(rows, x.shape[1])
         r0, slices = 0, []
         for w in ws:
-            cpu.dequantize_into(w.raw, w.ggml_type, wf[r0 : r0 + w.rows], parallel=False)
+            _dequantize_rows(w, 0, w.rows, wf[r0 : r0 + w.rows])
             slices.append(slice(r0, r0 + w.rows))
             r0 += w.rows
         out = x @ wf.T  # (T, rows)
@@ -114,7 +114,14 @@ class NumbaBackend:
         return cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), dtype=np.float32))
 
     def dequantize(self, w: QTensor) -> np.ndarray:
-        return cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, dtype=np.float32))
+        return _dequantize_rows(w, 0, w.rows, np.empty(w.shape, dtype=np.float32))
+
+
+def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+    """Rows [r0, r1) of w into out, serially (see matmul), from its packed copy where it has one."""
+    if w.packed is None:
+        return cpu.dequantize_into(w.raw[r0:r1], w.ggml_type, out, parallel=False)
+    return packed.dequantize_rows(w, r0, r1, out)
 
 
 def _q8_backend() -> Backend:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.kernels import cpu_q8
+from engine.kernels import cpu_q8, packed
 from engine.kernels.backend import NumbaBackend, _as_input
 from engine.kernels.quant_types import QTensor
 
@@ -50,6 +50,8 @@ class Q8Backend(NumbaBackend):
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         x = _as_input(x, w)  # (T, cols)
+        if w.packed is not None and x.shape[0] <= Q8_MATVEC_MAX_T:
+            return packed.matvec(w, x, self.tier)
         p = self._group((w,))[0] if x.shape[0] <= Q8_MATVEC_MAX_T else None
         if p is None:
             return super().matmul(x, w)
@@ -61,6 +63,8 @@ class Q8Backend(NumbaBackend):
         if not ws:
             return []
         x = _as_input(x, ws[0])
+        if any(w.packed is not None for w in ws) and x.shape[0] <= Q8_MATVEC_MAX_T:
+            return [self.matmul(x, w) for w in ws]
         p, slices = self._group(ws) if x.shape[0] <= Q8_MATVEC_MAX_T else (None, None)
         if p is None:
             if x.shape[0] > Q8_MATVEC_MAX_T:

@@ -41,8 +41,8 @@ Public API (Python; each is one compiled call after argument checks):
   legacy_x_order(K), available_tiers(), TIER, tier_token(tier)
   dequantized_input(qin, type) -> f32     the activations as the kernels see them (oracles)
 njit-callable (for the compiled decode step, engine/models/decode_step.py): quantize_legacy_into,
-quantize_k_into, matvec_into (a tuple of weight arrays) and matvec_buf_into (matrices addressed by byte offset
-into one buffer: the mapped file); both parallel over rows, the tier token as their last argument.
+quantize_k_into, rows_into (one matrix's row range, dispatched on its type code) and matvec_into (a tuple of
+weight arrays, parallel over rows), the tier token as their last argument.
 """
 
 from __future__ import annotations
@@ -900,7 +900,7 @@ def _rows_bf16(raw, base, rb, r0, r1, x, out, c0):
 
 
 @njit(cache=True)
-def _rows(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
+def rows_into(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
     """Rows [r0, r1) of one matrix whose row r starts at byte base + r * rb of raw (a matrix, base 0, or a
     whole-file buffer), into out[:, c0 + r]; dispatched on its type code (once per chunk: negligible)."""
     if code == _Q4_0:
@@ -941,28 +941,8 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, 
             if a < z:
                 # Flat, as the decode step's file buffer: both share one compiled specialization of every row
                 # kernel (half the first-run compile time).
-                _rows(codes[i], raws[i].reshape(-1), 0, raws[i].shape[1], a - starts[i], z - starts[i], xq8, xs8,
+                rows_into(codes[i], raws[i].reshape(-1), 0, raws[i].shape[1], a - starts[i], z - starts[i], xq8, xs8,
                       xqk, xdk, xbk, x, out, starts[i], tier)
-
-
-@njit(parallel=True, cache=True)
-def matvec_buf_into(buf, mats, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, tier):
-    """The same over matrices that live in one buffer (a whole GGUF file): mats (n, 4) int64 rows of
-    [byte offset, rows, row bytes, type code]; results side by side in out (M, sum of rows)."""
-    n = mats.shape[0]
-    total = 0
-    for i in range(n):
-        total += mats[i, 1]
-    for ch in prange(n_chunks):
-        lo, hi = ch * total // n_chunks, (ch + 1) * total // n_chunks
-        start = 0
-        for i in range(n):
-            end = start + mats[i, 1]
-            a, z = max(lo, start), min(hi, end)
-            if a < z:
-                _rows(mats[i, 3], buf, mats[i, 0], mats[i, 2], a - start, z - start, xq8, xs8, xqk, xdk, xbk, x,
-                      out, start, tier)
-            start = end
 
 
 @njit(cache=True)

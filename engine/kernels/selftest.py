@@ -4,7 +4,8 @@ Run once per process, at the first model load (engine.load), in a few ms once nu
 Kernels checked, per GGML type: `matvec` (exact f32 path: fused, reads blocks in place), `matvec_q8` (the
 default path's int8 kernels, tier cpu_q8.TIER, against the float64 product of the dequantized weight and the
 int8 activations they compute with), `dequantize` (prefill: serial and parallel decode before BLAS) and
-`embed` (row gather). A kernel that disagrees with the
+`embed` (row gather), `packed_q8` (the 4/5-bit types' row-interleaved decode layout: its int8 kernel and its
+dequantization). A kernel that disagrees with the
 reference steps its type down to the next tier (cpu -> reference) for every operation, with one WARN
 line naming kernel, type, figures and the tier now in use. Results: `report()` (GET /health `selftest`,
 `goinfer check --hardware`).
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from engine.kernels import cpu, cpu_q8, reference
+from engine.kernels import cpu, cpu_q8, packed, reference
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 
 __all__ = ["KernelResult", "SelfTest", "TIERS", "TieredBackend", "disabled_types", "report", "run_selftest"]
@@ -38,7 +39,7 @@ _F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), 
 
 @dataclass
 class KernelResult:
-    kernel: str  # "matvec", "matvec_q8", "dequantize", "embed"
+    kernel: str  # "matvec", "matvec_q8", "dequantize", "embed", "packed_q8"
     type: str  # GGML type name
     tier: str  # the tier tested
     max_rel_err: float
@@ -114,7 +115,20 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
         got = cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), np.float32))
         return got, reference.embed_rows(w, ids)
 
-    return {"matvec": matvec, "matvec_q8": matvec_q8, "dequantize": dequantize, "embed": embed}
+    def packed_q8(w, x, ids):  # the row-interleaved layout of decode: its int8 kernel, then its dequantization
+        if w.ggml_type not in packed.PACKABLE:
+            return None
+        dst = np.empty(w.raw.size, np.uint8)
+        packed.repack(w.raw, w.ggml_type, dst)
+        p = QTensor(w.name, w.ggml_type, w.shape, w.raw, dst)
+        _, want = matvec_q8(w, x, ids)
+        got = packed.matvec(p, x)
+        deq = packed.dequantize_rows(p, 0, w.rows, np.empty(w.shape, np.float32))
+        ref = reference.dequantize(w)
+        return np.concatenate([got.ravel(), deq.ravel()]), np.concatenate([want.ravel(), ref.ravel()])
+
+    return {"matvec": matvec, "matvec_q8": matvec_q8, "dequantize": dequantize, "embed": embed,
+            "packed_q8": packed_q8}
 
 
 KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace an entry to force a mismatch
@@ -136,7 +150,10 @@ def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = No
             w = fixed_weight(gtype)
             for name, kernel in KERNELS.items():
                 try:
-                    got, want = kernel(w, x, ids)
+                    pair = kernel(w, x, ids)
+                    if pair is None:  # the kernel does not serve this type
+                        continue
+                    got, want = pair
                     err = _rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32))
                 except Exception as exc:  # a kernel that raises is as wrong as one that disagrees
                     log.debug("self-test %s %s raised %r", name, gtype.name, exc)

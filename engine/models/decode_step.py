@@ -10,8 +10,10 @@ their modules declare (STEP_FLAGS: per-head q/k norms, post norms, GELU or SiLU;
 Prompts take the families' Python forward passes (dequantize per layer + BLAS sgemm); at one token the two
 agree up to float summation order (tests/test_decode_step.py).
 
-Weights are addressed as rows [byte offset, rows, row bytes, type] into the one buffer of the mapped file, so
-no tuple of hundreds of arrays is unboxed on every call. A split model has no such buffer and decodes layer by
+Weights are addressed as rows [byte offset, rows, row bytes, type, packed offset] into the one buffer of the
+mapped file and the one buffer of packed copies (kernels/packed.py: the 4- and 5-bit legacy types, 8 rows
+interleaved, 2.4x faster per thread; Weights.pack at load), so no tuple of hundreds of arrays is unboxed on
+every call. A split model has no such buffer and decodes layer by
 layer in Python instead (build() returns None).
 """
 
@@ -24,11 +26,11 @@ import numpy as np
 from numba import njit, prange
 
 from engine.cache.kv import KVCache
-from engine.kernels import attention, cpu, cpu_q8, glue
+from engine.kernels import attention, cpu, cpu_q8, glue, packed
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
-_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
 # iparams slots
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX = range(8)
@@ -36,6 +38,7 @@ _LEGACY_CODES = tuple(int(t) for t in cpu_q8.LEGACY_TYPES)
 _K_CODES = tuple(int(t) for t in cpu_q8.K_TYPES)
 _EMPTY_I8, _EMPTY_F32 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32)
 _EMPTY_I16 = np.empty((0, 0, 0), np.int16)
+_NO_PACKED = np.empty(0, np.uint8)
 
 
 # =========================================================================================================
@@ -45,27 +48,68 @@ _EMPTY_I16 = np.empty((0, 0, 0), np.int16)
 
 @njit(cache=True)
 def _needs(mats):
-    """Which activation quantizations the matrices of one group read: (legacy blocks, K super-blocks)."""
-    legacy = False
-    kq = False
+    """Which activation quantizations the matrices of one group read: (legacy blocks in the pair-interleaved
+    order, legacy blocks in natural order (packed matrices), K super-blocks)."""
+    legacy = natural = kq = False
     for i in range(mats.shape[0]):
         c = mats[i, 3]
+        is_legacy = False
         for t in _LEGACY_CODES:
-            legacy |= c == t
+            is_legacy |= c == t
         for t in _K_CODES:
             kq |= c == t
-    return legacy, kq
+        if is_legacy and mats[i, 4] >= 0:
+            natural = True
+            legacy |= mats[i, 1] % packed.ROWS != 0  # rows past the last group stay in GGUF order
+        else:
+            legacy |= is_legacy
+    return legacy, natural, kq
 
 
 @njit(cache=True)
-def _matvec(buf, mats, x, n_chunks, tier):
-    """x (M, K) @ W_i.T for the matrices mats (n, 4) of buf, side by side: (M, sum of rows), one parallel call."""
+def _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, lo, hi, tier):
+    """Rows [lo, hi) of the matrices side by side. A packed matrix's group of 8 rows belongs to the chunk that
+    holds its first row (so chunks may split groups and each group still runs once)."""
+    start = 0
+    for i in range(mats.shape[0]):
+        rows = mats[i, 1]
+        a, z = max(lo, start) - start, min(hi, start + rows) - start
+        if a < z:
+            code, rb = mats[i, 3], mats[i, 2]
+            done = a
+            if mats[i, 4] >= 0:
+                n8 = rows // packed.ROWS * packed.ROWS
+                g0, g1 = -(-a // packed.ROWS), min(-(-z // packed.ROWS), n8 // packed.ROWS)
+                if g1 > g0:
+                    packed.groups_into(code, pbuf, mats[i, 4], xqn.shape[1] // 32, g0, g1, xqn, xs8, out, start,
+                                       tier)
+                done = max(a, n8)
+            if done < z:
+                cpu_q8.rows_into(code, buf, mats[i, 0], rb, done, z, xq8, xs8, xqk, xdk, xbk, x, out, start, tier)
+        start += rows
+
+
+@njit(parallel=True, cache=True)
+def _chunks(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, total, n_chunks, tier):
+    for ch in prange(n_chunks):  # nothing else in the parallel body (see attention._tasks)
+        _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, ch * total // n_chunks,
+               (ch + 1) * total // n_chunks, tier)
+
+
+@njit(cache=True)
+def _matvec(buf, pbuf, mats, x, n_chunks, tier):
+    """x (M, K) @ W_i.T for the matrices mats (n, 5) of buf (packed ones of pbuf), side by side:
+    (M, sum of rows), one parallel call."""
     M, K = x.shape
-    legacy, kq = _needs(mats)
-    xq8, xs8, xqk, xdk, xbk = _EMPTY_I8, _EMPTY_F32, _EMPTY_I8, _EMPTY_F32, _EMPTY_I16
+    legacy, natural, kq = _needs(mats)
+    xq8, xqn, xs8, xqk, xdk, xbk = _EMPTY_I8, _EMPTY_I8, _EMPTY_F32, _EMPTY_I8, _EMPTY_F32, _EMPTY_I16
+    if legacy or natural:
+        xs8 = np.empty((M, 2 * (K // 32)), np.float32)  # the same block scales in either order
+    if natural:
+        xqn = np.empty((M, K), np.int8)
+        packed.quantize_natural_into(x, xqn, xs8)
     if legacy:
         xq8 = np.empty((M, K), np.int8)
-        xs8 = np.empty((M, 2 * (K // 32)), np.float32)
         cpu_q8.quantize_legacy_into(x, xq8, xs8)
     if kq:
         xqk = np.empty((M, K), np.int8)
@@ -76,7 +120,7 @@ def _matvec(buf, mats, x, n_chunks, tier):
     for i in range(mats.shape[0]):
         rows += mats[i, 1]
     out = np.empty((M, rows), np.float32)
-    cpu_q8.matvec_buf_into(buf, mats, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, tier)
+    _chunks(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, rows, n_chunks, tier)
     return out
 
 
@@ -112,7 +156,7 @@ def _add_normed(x, y, w, eps, post):
 
 
 @njit(cache=True)
-def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos, kcs, vcs,
+def decode_step(buf, pbuf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos, kcs, vcs,
                 n_chunks, n_split, tier):
     """x (M, E): the embedded new token of each sequence at positions pos (M,); kcs/vcs: each sequence's cache
     arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos), written at
@@ -127,7 +171,7 @@ def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, f
     cos, sin = _rope_tables(inv_freq, pos, rope_scale)
     for layer in range(mats.shape[0]):
         h = glue.rms_norm_rows(x, norms[layer, 0], eps)
-        qkv = _matvec(buf, mats[layer, 0:3], h, n_chunks, tier)  # (M, (H + 2 Hkv) D)
+        qkv = _matvec(buf, pbuf, mats[layer, 0:3], h, n_chunks, tier)  # (M, (H + 2 Hkv) D)
         for m in range(M):
             row = qkv[m]
             for hd in range(H + Hkv):  # queries then keys: per-head norm, then RoPE
@@ -141,13 +185,13 @@ def decode_step(buf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, f
                     kc[layer, kh, d, pos[m]] = attention.kv_value(row[(H + kh) * D + d], kc)  # keys transposed
                     vc[layer, kh, pos[m], d] = attention.kv_value(row[(H + Hkv + kh) * D + d], vc)
         attention.attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, a, n_split)
-        _add_normed(x, _matvec(buf, mats[layer, 3:4], a, n_chunks, tier), norms[layer, 2], eps, post)
+        _add_normed(x, _matvec(buf, pbuf, mats[layer, 3:4], a, n_chunks, tier), norms[layer, 2], eps, post)
         h = glue.rms_norm_rows(x, norms[layer, 1], eps)
-        gu = _matvec(buf, mats[layer, 4:6], h, n_chunks, tier)  # (M, 2F): [gate | up]
+        gu = _matvec(buf, pbuf, mats[layer, 4:6], h, n_chunks, tier)  # (M, 2F): [gate | up]
         F = gu.shape[1] // 2
         g = glue.act_mul(gu[:, :F], gu[:, F:], gelu)
-        _add_normed(x, _matvec(buf, mats[layer, 6:7], g, n_chunks, tier), norms[layer, 3], eps, post)
-    return _matvec(buf, head, glue.rms_norm_rows(x, out_norm, eps), n_chunks, tier)
+        _add_normed(x, _matvec(buf, pbuf, mats[layer, 6:7], g, n_chunks, tier), norms[layer, 3], eps, post)
+    return _matvec(buf, pbuf, head, glue.rms_norm_rows(x, out_norm, eps), n_chunks, tier)
 
 
 # =========================================================================================================
@@ -160,8 +204,9 @@ class DecodeStep:
 
     def __init__(self, cfg: ModelConfig, w: Weights, flags: dict, buf: np.ndarray, tier: str | None = None):
         self.buf = buf
+        self.pbuf = w.packed_buffer if w.packed_buffer is not None else _NO_PACKED  # packed copies (Weights.pack)
         E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
-        self.mats = np.array([[self._entry(w, f"blk.{i}.{r}") for r in _ROLES] for i in range(L)], np.int64)
+        self.mats = np.array([[self._entry(w, f"blk.{i}.{r}") for r in ROLES] for i in range(L)], np.int64)
         self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
         self.norms = np.zeros((L, len(_NORMS), E), np.float32)
         self.qk_norms = np.zeros((L, 2, D), np.float32)
@@ -186,11 +231,10 @@ class DecodeStep:
         self.tier = cpu_q8.tier_token(tier)
 
     def _entry(self, w: Weights, name: str) -> list[int]:
+        """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
         t = w.tensor(name)
-        off = t.raw.__array_interface__["data"][0] - self.buf.__array_interface__["data"][0]
-        if not 0 <= off <= self.buf.size - t.raw.nbytes or not t.raw.flags.c_contiguous:
-            raise ValueError(f"{name} does not lie in the model buffer")
-        return [off, t.rows, t.raw.shape[1], int(t.ggml_type)]
+        off = _offset(t.raw, self.buf, name)
+        return [off, t.rows, t.raw.shape[1], int(t.ggml_type), -1 if t.packed is None else _offset(t.packed, self.pbuf, name)]
 
     def __call__(self, ids, caches: list[KVCache]) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -204,7 +248,7 @@ class DecodeStep:
         pos = np.array([c.length for c in caches], np.int64)
         threads = numba.get_num_threads()
         n_split = attention.n_split(len(caches), int(self.iparams[_HKV]), int(pos.max()) + 1, threads)
-        logits = decode_step(self.buf, self.mats, self.head, self.norms, self.qk_norms, self.out_norm, self.inv_freq,
+        logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.norms, self.qk_norms, self.out_norm, self.inv_freq,
                              self.windows, self.fparams, self.iparams, x, pos, tuple(c.k for c in caches),
                              tuple(c.v for c in caches), 4 * threads, n_split, self.tier)
         for c in caches:
@@ -212,10 +256,20 @@ class DecodeStep:
         return logits
 
 
+def _offset(a: np.ndarray, buf: np.ndarray, name: str) -> int:
+    off = a.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
+    if not 0 <= off <= buf.size - a.nbytes or not a.flags.c_contiguous:
+        raise ValueError(f"{name} does not lie in the model buffer")
+    return off
+
+
 def build(cfg: ModelConfig, w: Weights, flags: dict | None, tier: str | None = None) -> DecodeStep | None:
     """The compiled step for this model, or None where it cannot run: a split model (no single buffer), a
     family without STEP_FLAGS, or a head size that is not a multiple of 16."""
-    buf = w.buffer()
-    if buf is None or flags is None or cfg.head_dim % attention.TILE:  # the attention kernels' tiles
+    if not supported(cfg, w, flags):
         return None
-    return DecodeStep(cfg, w, flags, buf, tier)
+    return DecodeStep(cfg, w, flags, w.buffer(), tier)
+
+
+def supported(cfg: ModelConfig, w: Weights, flags: dict | None) -> bool:
+    return w.buffer() is not None and flags is not None and cfg.head_dim % attention.TILE == 0  # attention tiles

@@ -1,0 +1,360 @@
+"""Row-interleaved ("R8") layout of the 4- and 5-bit legacy blocks (Q4_0, Q4_1, Q5_0, Q5_1) for decode.
+
+GGUF stores each row's blocks one after another, so a matvec over them reads one row at a time and ends every
+32-weight block with per-row work: gathering its f16 scales from 18-24 byte strides, shuffling them next to the
+products, a horizontal sum per row. On AVX2 that bookkeeping cost more than the multiplies (one thread decoded
+~24 G weights/s of Q4_1 and ~16 of Q5_0 when hot). Eight rows interleaved per block make the rows the vector
+lanes instead: block b of rows 8g..8g+7 is stored as
+
+    d[8] f16 | m[8] f16 (Q4_1, Q5_1) | fifth bits (Q5_*), 32 bytes | qs, 4 x 32 bytes
+
+where qs group j (j = 0..3) holds, for row r at bytes 4r..4r+3, that row's quant bytes 4j..4j+3 (low nibbles:
+weights 4j..4j+3, high nibbles: weights 16+4j..16+4j+3), and fifth-bit byte 4r+i holds in bit 2j the fifth bit
+of weight 4j+i and in bit 2j+1 that of weight 16+4j+i. One 32-byte load then meets one broadcast 4-byte group
+of activations in vpmaddubsw, lane r of vpmaddwd's result belongs to row r, the eight scales are one 16-byte
+load, and a fifth bit costs a shift and a mask. Hot, one thread: Q4_1 57 G weights/s, Q5_0 39 (2.4x both).
+
+The packed copy has exactly the bytes of the original (8 rows x block bytes per group); rows past the last full
+group of 8 stay in the original layout. It is made once at load into anonymous memory, and the model then
+never reads those tensors' mapped pages again (prompts dequantize from it too), so resident memory stays
+the file's size. Activations for it are quantized in natural order (quantize_natural_into).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from engine.kernels.cpu import _half_bits_to_f32
+from engine.kernels.cpu_q8 import (_E, _FLT, _I8, _I16, _I32, _V, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _is_arr, _quant32,
+                                   _tier_of)
+from engine.kernels.quant_types import GGMLType
+
+PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
+ROWS = 8  # rows per interleaved group
+PREFETCH = 1024  # bytes ahead in the group's stream
+
+# code -> (block bytes, d offset, m offset or -1, qh offset or -1, qs offset) in a GGUF block
+_SRC = {_Q4_0: (18, 0, -1, -1, 2), _Q4_1: (20, 0, 2, -1, 4), _Q5_0: (22, 0, -1, 2, 6), _Q5_1: (24, 0, 2, 4, 8)}
+
+
+def _layout(code: int) -> tuple[int, int, int, int]:
+    """(group-block bytes, m offset or -1, fifth-bit offset or -1, qs offset) of a packed block of 8 rows."""
+    bb, _, mo, qh, _ = _SRC[code]
+    m = 16 if mo >= 0 else -1
+    hb = (32 if mo >= 0 else 16) if qh >= 0 else -1
+    qs = 16 + (16 if mo >= 0 else 0) + (32 if qh >= 0 else 0)
+    return 8 * bb, m, hb, qs
+
+
+_LAYOUT = {c: _layout(c) for c in _SRC}
+
+
+# =========================================================================================================
+# Repacking and dequantizing (numba; once per load, and per prompt chunk)
+# =========================================================================================================
+
+
+@njit(cache=True)
+def _src_geometry(code):
+    if code == _Q4_0:
+        return 18, -1, -1, 2
+    if code == _Q4_1:
+        return 20, 2, -1, 4
+    if code == _Q5_0:
+        return 22, -1, 2, 6
+    return 24, 2, 4, 8  # Q5_1
+
+
+@njit(cache=True)
+def repack_into(raw, code, dst):
+    """raw (rows, row bytes) GGUF blocks -> dst (rows // 8 * row bytes,) uint8 in the packed layout."""
+    bb, mo, qh, qs = _src_geometry(code)
+    gbb = 8 * bb
+    po_m = 16 if mo >= 0 else -1
+    po_h = (32 if mo >= 0 else 16) if qh >= 0 else -1
+    po_q = 16 + (16 if mo >= 0 else 0) + (32 if qh >= 0 else 0)
+    nb = raw.shape[1] // bb
+    for grp in range(raw.shape[0] // 8):
+        for b in range(nb):
+            o = (grp * nb + b) * gbb
+            if po_h >= 0:
+                dst[o + po_h : o + po_h + 32] = 0
+            for r in range(8):
+                src = raw[grp * 8 + r]
+                s = b * bb
+                dst[o + 2 * r] = src[s]
+                dst[o + 2 * r + 1] = src[s + 1]
+                if po_m >= 0:
+                    dst[o + po_m + 2 * r] = src[s + mo]
+                    dst[o + po_m + 2 * r + 1] = src[s + mo + 1]
+                for j in range(4):
+                    for i in range(4):
+                        dst[o + po_q + 32 * j + 4 * r + i] = src[s + qs + 4 * j + i]
+                if po_h >= 0:
+                    bits = (np.uint32(src[s + qh]) | (np.uint32(src[s + qh + 1]) << np.uint32(8))
+                            | (np.uint32(src[s + qh + 2]) << np.uint32(16)) | (np.uint32(src[s + qh + 3]) << np.uint32(24)))
+                    for j in range(4):
+                        for i in range(4):
+                            lo = (bits >> np.uint32(4 * j + i)) & np.uint32(1)
+                            hi = (bits >> np.uint32(16 + 4 * j + i)) & np.uint32(1)
+                            dst[o + po_h + 4 * r + i] |= np.uint8((lo << np.uint32(2 * j)) | (hi << np.uint32(2 * j + 1)))
+
+
+def _dequant_kernel(code: int):
+    """Intrinsic (src, g0, g1, cols, out) -> None: row groups [g0, g1) of a packed matrix -> out (8 (g1 - g0),
+    cols) f32, with the reference's f32 operations (d * (q - offset), or d * q + m unfused), so bit for bit."""
+    gbb, mo, hbo, qso = _LAYOUT[code]
+    offset = {_Q4_0: 8, _Q5_0: 16}.get(code, 0)
+    five = hbo >= 0
+
+    def impl(typingctx, src, g0, g1, cols, out):
+        if not (_is_arr(src, types.uint8) and _is_arr(out, types.float32)):
+            return None
+        ip = types.intp
+        sig = types.none(src, ip, ip, ip, out)
+
+        def codegen(context, builder, signature, args):
+            e, b = _E(context, builder, "generic"), builder
+            at = signature.args
+            s_, g0_, g1_, cols_, o_ = args
+            sp, op = e.base(at[0], s_), e.base(at[4], o_)
+            nb = b.sdiv(cols_, e.i64(32))
+            row_b = e.mul(cols_, 4)
+            with e.loop(b.sub(g1_, g0_)) as gl:
+                with e.loop(nb) as bl:
+                    o = e.mul(e.add(e.mul(e.add(gl.index, g0_), nb), bl.index), gbb)
+                    d8 = e.halves(e.ld(sp, o, _V(_I16, 8)))
+                    m8 = e.halves(e.ld(sp, e.add(o, mo), _V(_I16, 8))) if mo >= 0 else None
+                    # lanes 8k..8k+7 of a quant vector are rows 2k (4 lanes) and 2k+1 (4 lanes)
+                    ds = [e.shuf(d8, None, [2 * k] * 4 + [2 * k + 1] * 4) for k in range(4)]
+                    ms = [e.shuf(m8, None, [2 * k] * 4 + [2 * k + 1] * 4) for k in range(4)] if m8 is not None else None
+                    hb16 = b.bitcast(e.ld(sp, e.add(o, hbo), _V(_I8, 32)), _V(_I16, 16)) if five else None
+                    row0 = e.mul(gl.index, 8)
+                    col0 = e.mul(bl.index, 32)
+                    for j in range(4):
+                        q = e.ld(sp, e.add(o, qso + 32 * j), _V(_I8, 32))
+                        halves = [e.nib_lo(q), e.nib_hi(q)]
+                        if five:
+                            for h in range(2):
+                                k = 2 * j + h
+                                v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(_I16, 4 - k, 16)) if k < 4
+                                                         else b.lshr(hb16, e.splat_c(_I16, k - 4, 16)))
+                                halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, _V(_I8, 32)), e.splat_c(_I8, 16, 32)))
+                        for h, qv in enumerate(halves):
+                            for k in range(4):
+                                qi = b.zext(e.shuf(qv, None, range(8 * k, 8 * k + 8)), _V(_I32, 8))
+                                if offset:
+                                    qi = b.sub(qi, e.splat_c(_I32, offset, 8))
+                                f = b.fmul(ds[k], b.sitofp(qi, _V(_FLT, 8)))
+                                if ms is not None:
+                                    f = b.fadd(f, ms[k])
+                                col = e.add(col0, 16 * h + 4 * j)
+                                for half in range(2):  # rows 2k, 2k+1: 4 consecutive columns each
+                                    r = e.add(row0, 2 * k + half)
+                                    at_ = e.add(e.mul(r, row_b), e.mul(col, 4))
+                                    e.st(op, at_, e.shuf(f, None, range(4 * half, 4 * half + 4)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_dequant_{GGMLType(code).name.lower()}"
+    return intrinsic(impl)
+
+
+_d_q4_0, _d_q4_1, _d_q5_0, _d_q5_1 = (_dequant_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1))
+
+
+@njit(cache=True)
+def dequantize_into(src, code, g0, g1, cols, out):
+    """Row groups [g0, g1) of a packed matrix src (flat uint8) -> out (8 (g1 - g0), cols) f32 (C-contiguous),
+    equal to dequantizing the original blocks bit for bit."""
+    flat = out.reshape(-1)
+    if code == _Q4_0:
+        _d_q4_0(src, g0, g1, cols, flat)
+    elif code == _Q4_1:
+        _d_q4_1(src, g0, g1, cols, flat)
+    elif code == _Q5_0:
+        _d_q5_0(src, g0, g1, cols, flat)
+    else:
+        _d_q5_1(src, g0, g1, cols, flat)
+
+
+@njit(cache=True)
+def quantize_natural_into(x, xq, xs):
+    """x (M, K) f32 -> xq (M, K) int8 in natural order, xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same
+    values as cpu_q8.quantize_legacy_into, without its pair interleaving (the packed kernels read groups of 4
+    consecutive activations)."""
+    M, K = x.shape
+    nb = K // 32
+    for m in range(M):
+        for blk in range(nb):
+            o = m * K + blk * 32
+            _quant32(x, o, xq, o, o + 16, xs, m * 2 * nb + 2 * blk)
+
+
+# =========================================================================================================
+# The kernel: one group of 8 rows against one activation vector
+# =========================================================================================================
+
+
+def _group_kernel(code: int):
+    """Intrinsic (w, woff, nb, xq, xoff, xs, soff, out, ooff, tier) -> None: out[ooff + r] (r < 8) = the dot of
+    row r of the packed group at byte woff of w (nb blocks) with activations xq[xoff:] (natural order), xs[soff:]
+    ([dx, xsum] per block)."""
+    gbb, mo, hbo, qso = _LAYOUT[code]
+    factor = {_Q4_0: -8.0, _Q5_0: -16.0}.get(code, 0.0)  # on d * xsum; the Q*_1 types add m * xsum instead
+    five = hbo >= 0
+
+    def impl(typingctx, w, woff, nb, xq, xoff, xs, soff, out, ooff, tier):
+        t = _tier_of(tier)
+        if not (_is_arr(w, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xs, types.float32)
+                and _is_arr(out, types.float32) and t):
+            return None
+        ip = types.intp
+        sig = types.none(w, ip, ip, xq, ip, xs, ip, out, ip, tier)
+
+        def codegen(context, builder, signature, args):
+            e, b = _E(context, builder, t), builder
+            at = signature.args
+            w_, wo, n, x_, xo, s_, so, o_, oo, _ = args
+            wp = b.gep(e.base(at[0], w_), [wo], source_etype=_I8)
+            xp = b.gep(e.base(at[3], x_), [xo], source_etype=_I8)
+            sp = b.gep(e.base(at[5], s_), [e.mul(so, 4)], source_etype=_I8)
+            acc, corr = e.fvar(8), e.fvar(8)
+            ones = e.splat_c(_I16, 1, 16)
+            with e.loop(n) as lp:
+                o = e.mul(lp.index, gbb)
+                for line in range(0, gbb, 64):
+                    e.prefetch(wp, e.add(o, PREFETCH + line))
+                xb = e.mul(lp.index, 32)
+                hb16 = b.bitcast(e.ld(wp, e.add(o, hbo), _V(_I8, 32)), _V(_I16, 16)) if five else None
+                sums, p16 = [], None
+                for j in range(4):
+                    q = e.ld(wp, e.add(o, qso + 32 * j), _V(_I8, 32))
+                    halves = [e.nib_lo(q), e.nib_hi(q)]
+                    if five:  # bit 2j (low nibbles) / 2j+1 (high) of each byte, moved to bit 4 (16-bit shifts:
+                        for h in range(2):  # the mask drops what crosses between the bytes)
+                            k = 2 * j + h
+                            v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(_I16, 4 - k, 16)) if k < 4
+                                                     else b.lshr(hb16, e.splat_c(_I16, k - 4, 16)))
+                            halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, _V(_I8, 32)), e.splat_c(_I8, 16, 32)))
+                    xs_ = [b.bitcast(e.splat(e.ld(xp, e.add(xb, 16 * h + 4 * j), _I32), 8), _V(_I8, 32)) for h in range(2)]
+                    p = b.add(e.madd_u8s8(halves[0], xs_[0]), e.madd_u8s8(halves[1], xs_[1]))
+                    p16 = p if p16 is None else b.add(p16, p)
+                    # i16 lanes hold at most 2 x 15 x 127 per product pair: 8 pairs fit for 4-bit quants,
+                    # 4 for 5-bit ones
+                    if five and j == 1:
+                        sums.append(p16)
+                        p16 = None
+                sums.append(p16)
+                isum = None
+                for s in sums:
+                    v = e.madd_i16(s, ones)  # lane r: row r
+                    isum = v if isum is None else b.add(isum, v)
+                d = e.halves(e.ld(wp, o, _V(_I16, 8)))
+                sb = e.mul(lp.index, 8)
+                dx = e.splat(e.ld(sp, sb, _FLT), 8)
+                xsum = e.splat(e.ld(sp, e.add(sb, 4), _FLT), 8)
+                e.fmacc(acc, b.sitofp(isum, _V(_FLT, 8)), b.fmul(d, dx))
+                if mo >= 0:
+                    e.fmacc(corr, e.halves(e.ld(wp, e.add(o, mo), _V(_I16, 8))), xsum)
+                else:
+                    e.fmacc(corr, d, b.fmul(xsum, e.splat_c(_FLT, factor, 8)))
+            op = b.gep(e.base(at[7], o_), [e.mul(oo, 4)], source_etype=_I8)
+            e.st(op, 0, b.fadd(b.load(acc), b.load(corr)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_group_{GGMLType(code).name.lower()}"
+    return intrinsic(impl)
+
+
+_g_q4_0, _g_q4_1, _g_q5_0, _g_q5_1 = (_group_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1))
+
+
+@njit(cache=True)
+def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
+    """Row groups [g0, g1) of the packed matrix at byte base of w (nb blocks per row) against all M activation
+    vectors (natural order) into out[:, c0 + 8 g ...]; each group stays in L1 across the M vectors."""
+    M, R = out.shape
+    K, ns = xq.shape[1], xs.shape[1]
+    flat = out.reshape(-1)
+    gb = nb * (18 if code == _Q4_0 else 20 if code == _Q4_1 else 22 if code == _Q5_0 else 24) * 8
+    for g in range(g0, g1):
+        wo = base + g * gb
+        for m in range(M):
+            oo = m * R + c0 + 8 * g
+            if code == _Q4_0:
+                _g_q4_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+            elif code == _Q4_1:
+                _g_q4_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+            elif code == _Q5_0:
+                _g_q5_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+            else:
+                _g_q5_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+
+
+@njit(parallel=True, cache=True)
+def _groups_parallel(code, w, nb, n_groups, xq, xs, out, n_chunks, tier):
+    for ch in prange(n_chunks):
+        groups_into(code, w, 0, nb, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks, xq, xs, out, 0, tier)
+
+
+# =========================================================================================================
+# Python side
+# =========================================================================================================
+
+
+def matvec(w, x: np.ndarray, tier: str | None = None) -> np.ndarray:
+    """x (M, cols) f32 @ W.T for a QTensor with a packed copy, int8 activations as cpu_q8.matvec: the packed
+    groups by this module's kernel, the rows past them by cpu_q8's. (M, rows) f32."""
+    from engine.kernels import cpu_q8
+
+    M, K = x.shape
+    n = packed_rows(w.rows)
+    out = np.empty((M, w.rows), np.float32)
+    xq, xs = np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32)
+    quantize_natural_into(x, xq, xs)
+    _groups_parallel(int(w.ggml_type), w.packed, K // 32, n // ROWS, xq, xs, out,
+                     max(1, min(n // ROWS, 4 * numba.config.NUMBA_NUM_THREADS)), cpu_q8.tier_token(tier))
+    if n < w.rows:
+        p = cpu_q8.prepare([(w.raw[n:], w.ggml_type)])
+        out[:, n:] = cpu_q8.matvec(p, cpu_q8.quantize(x, p), tier=tier)
+    return out
+
+
+
+def packed_rows(rows: int) -> int:
+    """How many leading rows of a matrix the packed layout holds (whole groups of 8)."""
+    return rows // ROWS * ROWS
+
+
+def dequantize_rows(w, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+    """Rows [r0, r1) of QTensor w (r0 a multiple of 8) -> out (r1 - r0, cols) f32: the packed groups from
+    w.packed, the rows past them from w.raw."""
+    from engine.kernels import cpu
+
+    n = packed_rows(w.rows) if w.packed is not None else 0
+    split = min(max(r0, n), r1)
+    if split > r0:
+        if r0 % ROWS or split % ROWS:
+            raise ValueError(f"packed rows are read in whole groups of {ROWS}, not [{r0}, {split})")
+        dequantize_into(w.packed, int(w.ggml_type), r0 // ROWS, -(-split // ROWS), w.cols, out[: split - r0])
+    if r1 > split:
+        cpu.dequantize_into(w.raw[split:r1], w.ggml_type, out[split - r0 :], parallel=False)
+    return out
+
+
+def repack(raw: np.ndarray, ggml_type: GGMLType, dst: np.ndarray) -> None:
+    """Pack the whole groups of raw (rows, row bytes) into dst (packed_rows(rows) * row bytes,) uint8."""
+    code = int(ggml_type)
+    if code not in _SRC:
+        raise ValueError(f"{GGMLType(code).name} has no packed layout")
+    if dst.size != packed_rows(raw.shape[0]) * raw.shape[1]:
+        raise ValueError(f"dst holds {dst.size} bytes, the packed rows need {packed_rows(raw.shape[0]) * raw.shape[1]}")
+    repack_into(raw, code, dst)

@@ -1,0 +1,102 @@
+"""The row-interleaved layout of the 4/5-bit legacy blocks (engine/kernels/packed.py).
+
+Repacking then dequantizing equals gguf.quants' dequantization bit for bit (every packable type, random
+blocks and row counts off the groups of 8); the group kernel equals the integer math of int8 activations
+against the dequantized weights and agrees with cpu_q8's per-row kernels, in every code tier this CPU runs;
+a real model's packed tensors never touch their mapped pages again, and prompts read the packed copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants as gq
+
+import engine
+from engine.kernels import cpu_q8, packed
+from engine.kernels.backend import get_backend
+from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
+
+RNG = np.random.default_rng(11)
+TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in cpu_q8.available_tiers(), reason=f"no {t} on this CPU"))
+         for t in cpu_q8.TIERS]
+
+
+def _random_tensor(gt: GGMLType, rows: int, cols: int) -> QTensor:
+    bb = row_bytes(gt, 32)
+    raw = RNG.integers(0, 256, (rows, row_bytes(gt, cols)), dtype=np.uint8)
+    blocks = raw.reshape(rows, cols // 32, bb)
+    blocks[:, :, 1] = RNG.integers(0x20, 0x3c, blocks.shape[:2])  # f16 scales of moderate size
+    if gt in (GGMLType.Q4_1, GGMLType.Q5_1):
+        blocks[:, :, 3] = RNG.integers(0xa0, 0xbc, blocks.shape[:2])  # negative mins
+    return QTensor("w", gt, (rows, cols), raw)
+
+
+def _packed(t: QTensor) -> QTensor:
+    dst = np.empty(packed.packed_rows(t.rows) * t.raw.shape[1], np.uint8)
+    packed.repack(t.raw, t.ggml_type, dst)
+    return QTensor(t.name, t.ggml_type, t.shape, t.raw, dst)
+
+
+@pytest.mark.parametrize("gt", sorted(packed.PACKABLE), ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [9, 37, 64])
+def test_packed_dequantizes_bit_for_bit(gt, rows):
+    t = _packed(_random_tensor(gt, rows, 256))
+    want = gq.dequantize(t.raw, gt).reshape(rows, 256)
+    got = get_backend("cpu").dequantize(t)  # groups from the packed copy, the last rows % 8 from raw
+    np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    part = np.empty((rows - 8, 256), np.float32)
+    packed.dequantize_rows(t, 8, rows, part)  # a row range from the second group on, tail rows included
+    np.testing.assert_array_equal(part, want[8:rows])
+    with pytest.raises(ValueError, match="whole groups"):
+        packed.dequantize_rows(t, 4, 8, part[:4])
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("gt", sorted(packed.PACKABLE), ids=lambda t: t.name)
+def test_the_group_kernel_equals_the_integer_math(gt, tier):
+    t = _packed(_random_tensor(gt, 45, 640))
+    x = RNG.standard_normal((3, 640)).astype(np.float32)
+    got = packed.matvec(t, x, tier)
+    qin = cpu_q8.quantize(x)
+    xd = cpu_q8.dequantized_input(qin, gt).astype(np.float64)  # what the int8 activations stand for
+    want = xd @ gq.dequantize(t.raw, gt).reshape(45, 640).T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    unpacked = cpu_q8.matvec([QTensor("w", gt, t.shape, t.raw)], qin, tier=tier)
+    np.testing.assert_allclose(got, unpacked, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_natural_order_quantization_equals_the_interleaved_one():
+    x = RNG.standard_normal((2, 256)).astype(np.float32)
+    xq, xs = np.empty((2, 256), np.int8), np.empty((2, 16), np.float32)
+    packed.quantize_natural_into(x, xq, xs)
+    qin = cpu_q8.quantize(x)
+    np.testing.assert_array_equal(xq[:, cpu_q8.legacy_x_order(256)], qin.xq8)
+    np.testing.assert_array_equal(xs, qin.xs8)
+
+
+def _present_pages(a: np.ndarray) -> int:
+    """How many of the whole pages under array a are mapped in this process (/proc/self/pagemap bit 63)."""
+    page = 4096
+    start = a.__array_interface__["data"][0]
+    first, last = -(-start // page), (start + a.nbytes) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first) * 8), np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+def test_a_real_model_reads_its_packed_copy_and_lets_the_mapped_pages_go(smollm2_gguf):
+    model = engine.load_model(smollm2_gguf, selftest=False)
+    w = model.weights
+    names = [f"blk.{i}.{r}" for i in range(model.config.n_layer) for r in ("attn_q", "attn_k", "attn_v",
+             "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    assert all(w.tensor(n).ggml_type == GGMLType.Q4_1 and w.tensor(n).packed is not None for n in names)
+    assert w.packed_buffer.nbytes == sum(w.tensor(n).raw.nbytes for n in names)  # same bytes, none twice
+    # a long prompt (dequantize + sgemm), a short one (int8 matvec) and decoding (the compiled step)
+    long_ids = model.tokenizer.encode("The history of mechanical clocks begins in medieval Europe. " * 4)
+    list(engine.generate(model, long_ids, max_tokens=4, temperature=0))
+    list(engine.generate(model, model.tokenizer.encode("Hi"), max_tokens=4, temperature=0))
+    raw_pages = sum(_present_pages(w.tensor(n).raw) for n in names)
+    assert raw_pages == 0, f"{raw_pages} pages of the mapped originals were read back in"
+    assert _present_pages(w.tensor("token_embd").raw) > 0  # the check itself sees pages that are used
