@@ -22,7 +22,7 @@ from engine.kernels import vmath
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"reassoc", "nsz"})  # reassoc: the f64 sum of squares vectorizes (order only)
 def rms_norm_into(src, s0, n, w, eps, dst, d0):
     """dst[d0:d0+n] = src[s0:s0+n] * rsqrt(mean(src^2) + eps) * w (1-D arrays, flat offsets; sum in f64)."""
     acc = 0.0
@@ -97,6 +97,21 @@ def act_mul(gate, up, gelu):
     M, F = gate.shape
     out = np.empty((M, F), np.float32)
     _act_mul_rows(gate, up, out, 0, M, gelu)
+    return out
+
+
+@njit(cache=True)
+def act_mul_halves(gu, gelu):
+    """act(gu[:, :F]) * gu[:, F:] for gu (M, 2F) C-contiguous (gate and up side by side, as one matmul gives
+    them): each row's halves are contiguous, so the loops vectorize (act_mul on the two column slices gets
+    strided rows: ~5x slower)."""
+    M, F2 = gu.shape
+    F = F2 // 2
+    out = np.empty((M, F), np.float32)
+    t, scratch = np.empty(F, np.float32), np.empty(F, np.int32)
+    for m in range(M):
+        row = gu[m]
+        _act_mul_row(row[:F], row[F:], out[m], t, scratch, gelu)
     return out
 
 

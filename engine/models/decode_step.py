@@ -188,8 +188,7 @@ def decode_step(buf, pbuf, mats, head, norms, qk_norms, out_norm, inv_freq, wind
         _add_normed(x, _matvec(buf, pbuf, mats[layer, 3:4], a, n_chunks, tier), norms[layer, 2], eps, post)
         h = glue.rms_norm_rows(x, norms[layer, 1], eps)
         gu = _matvec(buf, pbuf, mats[layer, 4:6], h, n_chunks, tier)  # (M, 2F): [gate | up]
-        F = gu.shape[1] // 2
-        g = glue.act_mul(gu[:, :F], gu[:, F:], gelu)
+        g = glue.act_mul_halves(gu, gelu)
         _add_normed(x, _matvec(buf, pbuf, mats[layer, 6:7], g, n_chunks, tier), norms[layer, 3], eps, post)
     return _matvec(buf, pbuf, head, glue.rms_norm_rows(x, out_norm, eps), n_chunks, tier)
 

@@ -24,12 +24,24 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up, (T, F)."""
-    return glue.act_mul(gate, up, False)
+    return _act_mul(gate, up, False)
 
 
 def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """gelu(gate) * up with GELU's tanh approximation, (T, F)."""
-    return glue.act_mul(gate, up, True)
+    return _act_mul(gate, up, True)
+
+
+def _act_mul(gate: np.ndarray, up: np.ndarray, gelu: bool) -> np.ndarray:
+    # matmul_many gives gate and up as the two column halves of one (T, 2F) result: run on that whole array,
+    # whose rows are contiguous (the slices' strided rows do not vectorize).
+    base = gate.base
+    if (base is not None and up.base is base and base.ndim == 2 and base.flags.c_contiguous
+            and base.dtype == np.float32 and base.shape == (gate.shape[0], 2 * gate.shape[1])
+            and gate.__array_interface__["data"][0] == base.__array_interface__["data"][0]
+            and up.__array_interface__["data"][0] == base.__array_interface__["data"][0] + 4 * gate.shape[1]):
+        return glue.act_mul_halves(base, gelu)
+    return glue.act_mul(gate, up, gelu)
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
