@@ -65,9 +65,11 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     flags = getattr(fam, "STEP_FLAGS", None)
     if path_name == "int8" and not slow & _matrix_types(weights, config, fam) and decode_step.supported(config, weights,
                                                                                                      flags):
-        # The layers' 4/5-bit matrices in the row-interleaved layout of the decode kernels (same bytes, anonymous
-        # memory; their mapped pages are let go). Not for split models: those decode layer by layer.
-        weights.pack([f"blk.{i}.{r}" for i in range(config.n_layer) for r in decode_step.ROLES])
+        # The layers' and the head's legacy-block matrices in the row-interleaved layout of the decode kernels
+        # (same bytes, anonymous memory; their mapped pages are let go). Not for split models: those decode
+        # layer by layer.
+        weights.pack([f"blk.{i}.{r}" for i in range(config.n_layer) for r in decode_step.ROLES]
+                     + ["output" if weights.has("output") else "token_embd"])
         step = decode_step.build(config, weights, flags)
     return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=backend, step=step,
                  tokenizer=tokenizer, template=template, quant=quant, compute_path=path_name, metadata=meta)

@@ -44,7 +44,7 @@ def test_every_kernel_agrees_with_the_reference(fresh_selftest):
     assert result.status == "ok"
     assert {r.kernel for r in result.results} == {"matvec", "matvec_q8", "dequantize", "embed", "packed_q8"}
     assert {r.type for r in result.results} == {t.name for t in GGMLType}
-    assert {r.type for r in result.results if r.kernel == "packed_q8"} == {"Q4_0", "Q4_1", "Q5_0", "Q5_1"}
+    assert {r.type for r in result.results if r.kernel == "packed_q8"} == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
     assert all(r.ok and r.max_rel_err < selftest.TOLERANCE for r in result.results)
 
 
@@ -98,7 +98,7 @@ def test_health_carries_the_selftest(fresh_selftest, tmp_path):
         body = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 48
+    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 49
     assert body["selftest"]["failed"] == []
 
 

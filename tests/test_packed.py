@@ -92,11 +92,16 @@ def test_a_real_model_reads_its_packed_copy_and_lets_the_mapped_pages_go(smollm2
     names = [f"blk.{i}.{r}" for i in range(model.config.n_layer) for r in ("attn_q", "attn_k", "attn_v",
              "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
     assert all(w.tensor(n).ggml_type == GGMLType.Q4_1 and w.tensor(n).packed is not None for n in names)
-    assert w.packed_buffer.nbytes == sum(w.tensor(n).raw.nbytes for n in names)  # same bytes, none twice
+    head = w.tensor("token_embd")  # the tied head, Q8_0; its rows are still read as embeddings
+    assert head.ggml_type == GGMLType.Q8_0 and head.packed is not None
+    assert w.packed_buffer.nbytes == sum(w.tensor(n).raw.nbytes for n in names) + head.raw.nbytes  # none twice
     # a long prompt (dequantize + sgemm), a short one (int8 matvec) and decoding (the compiled step)
     long_ids = model.tokenizer.encode("The history of mechanical clocks begins in medieval Europe. " * 4)
     list(engine.generate(model, long_ids, max_tokens=4, temperature=0))
     list(engine.generate(model, model.tokenizer.encode("Hi"), max_tokens=4, temperature=0))
     raw_pages = sum(_present_pages(w.tensor(n).raw) for n in names)
-    assert raw_pages == 0, f"{raw_pages} pages of the mapped originals were read back in"
-    assert _present_pages(w.tensor("token_embd").raw) > 0  # the check itself sees pages that are used
+    total = sum(w.tensor(n).raw.nbytes for n in names) // 4096
+    # the kernel maps up to 16 cached pages around each page fault (fault-around), so reads of neighbouring
+    # tensors bring a few back; reading the originals would bring them all
+    assert raw_pages <= 0.01 * total, f"{raw_pages} of {total} pages of the mapped originals are resident"
+    assert 0 < _present_pages(head.raw) < 0.05 * head.raw.nbytes / 4096  # embedding rows only: not the head

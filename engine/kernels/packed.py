@@ -1,4 +1,4 @@
-"""Row-interleaved ("R8") layout of the 4- and 5-bit legacy blocks (Q4_0, Q4_1, Q5_0, Q5_1) for decode.
+"""Row-interleaved ("R8") layout of the legacy blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) for decode.
 
 GGUF stores each row's blocks one after another, so a matvec over them reads one row at a time and ends every
 32-weight block with per-row work: gathering its f16 scales from 18-24 byte strides, shuffling them next to the
@@ -6,13 +6,15 @@ products, a horizontal sum per row. On AVX2 that bookkeeping cost more than the 
 ~24 G weights/s of Q4_1 and ~16 of Q5_0 when hot). Eight rows interleaved per block make the rows the vector
 lanes instead: block b of rows 8g..8g+7 is stored as
 
-    d[8] f16 | m[8] f16 (Q4_1, Q5_1) | fifth bits (Q5_*), 32 bytes | qs, 4 x 32 bytes
+    d[8] f16 | m[8] f16 (Q4_1, Q5_1) | fifth bits (Q5_*), 32 bytes | qs, 4 x 32 bytes (Q8_0: 8 x 32)
 
 where qs group j (j = 0..3) holds, for row r at bytes 4r..4r+3, that row's quant bytes 4j..4j+3 (low nibbles:
 weights 4j..4j+3, high nibbles: weights 16+4j..16+4j+3), and fifth-bit byte 4r+i holds in bit 2j the fifth bit
-of weight 4j+i and in bit 2j+1 that of weight 16+4j+i. One 32-byte load then meets one broadcast 4-byte group
+of weight 4j+i and in bit 2j+1 that of weight 16+4j+i (Q8_0: group j holds weights 4j..4j+3, signed). One
+32-byte load then meets one broadcast 4-byte group
 of activations in vpmaddubsw, lane r of vpmaddwd's result belongs to row r, the eight scales are one 16-byte
-load, and a fifth bit costs a shift and a mask. Hot, one thread: Q4_1 57 G weights/s, Q5_0 39 (2.4x both).
+load, and a fifth bit costs a shift and a mask. Hot, one thread: Q4_1 57 G weights/s, Q5_0 39 (2.4x both),
+Q8_0 35 (1.85x).
 
 The packed copy has exactly the bytes of the original (8 rows x block bytes per group); rows past the last full
 group of 8 stay in the original layout. It is made once at load into anonymous memory, and the model then
@@ -29,16 +31,17 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from engine.kernels.cpu import _half_bits_to_f32
-from engine.kernels.cpu_q8 import (_E, _FLT, _I8, _I16, _I32, _V, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _is_arr, _quant32,
-                                   _tier_of)
+from engine.kernels.cpu_q8 import (_E, _FLT, _I8, _I16, _I32, _V, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _is_arr,
+                                   _quant32, _tier_of)
 from engine.kernels.quant_types import GGMLType
 
-PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
+PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
 ROWS = 8  # rows per interleaved group
 PREFETCH = 1024  # bytes ahead in the group's stream
 
 # code -> (block bytes, d offset, m offset or -1, qh offset or -1, qs offset) in a GGUF block
-_SRC = {_Q4_0: (18, 0, -1, -1, 2), _Q4_1: (20, 0, 2, -1, 4), _Q5_0: (22, 0, -1, 2, 6), _Q5_1: (24, 0, 2, 4, 8)}
+_SRC = {_Q4_0: (18, 0, -1, -1, 2), _Q4_1: (20, 0, 2, -1, 4), _Q5_0: (22, 0, -1, 2, 6), _Q5_1: (24, 0, 2, 4, 8),
+        _Q8_0: (34, 0, -1, -1, 2)}
 
 
 def _layout(code: int) -> tuple[int, int, int, int]:
@@ -60,6 +63,8 @@ _LAYOUT = {c: _layout(c) for c in _SRC}
 
 @njit(cache=True)
 def _src_geometry(code):
+    if code == _Q8_0:
+        return 34, -1, -1, 2
     if code == _Q4_0:
         return 18, -1, -1, 2
     if code == _Q4_1:
@@ -71,37 +76,47 @@ def _src_geometry(code):
 
 @njit(cache=True)
 def repack_into(raw, code, dst):
-    """raw (rows, row bytes) GGUF blocks -> dst (rows // 8 * row bytes,) uint8 in the packed layout."""
+    """raw (rows, row bytes) GGUF blocks -> dst (rows // 8 * row bytes,) uint8 in the packed layout.
+    Indices are unsigned (numba then drops its negative-index checks) and quants move 4 bytes at a time."""
     bb, mo, qh, qs = _src_geometry(code)
-    gbb = 8 * bb
-    po_m = 16 if mo >= 0 else -1
-    po_h = (32 if mo >= 0 else 16) if qh >= 0 else -1
-    po_q = 16 + (16 if mo >= 0 else 0) + (32 if qh >= 0 else 0)
+    u = np.uint64
+    gbb = u(8 * bb)
+    po_m = u(16)
+    po_h = u(32 if mo >= 0 else 16)
+    po_q = u(16 + (16 if mo >= 0 else 0) + (32 if qh >= 0 else 0))
+    nq = 8 if code == _Q8_0 else 4
     nb = raw.shape[1] // bb
+    dst32 = dst.view(np.uint32)  # packed blocks are multiples of 16 bytes, quants at multiples of 4
     for grp in range(raw.shape[0] // 8):
         for b in range(nb):
-            o = (grp * nb + b) * gbb
-            if po_h >= 0:
-                dst[o + po_h : o + po_h + 32] = 0
+            o = u(grp * nb + b) * gbb
+            if qh >= 0:
+                for k in range(32):
+                    dst[o + po_h + u(k)] = 0
             for r in range(8):
                 src = raw[grp * 8 + r]
-                s = b * bb
-                dst[o + 2 * r] = src[s]
-                dst[o + 2 * r + 1] = src[s + 1]
-                if po_m >= 0:
-                    dst[o + po_m + 2 * r] = src[s + mo]
-                    dst[o + po_m + 2 * r + 1] = src[s + mo + 1]
-                for j in range(4):
+                s = u(b * bb)
+                ur = u(r)
+                dst[o + u(2) * ur] = src[s]
+                dst[o + u(2) * ur + u(1)] = src[s + u(1)]
+                if mo >= 0:
+                    dst[o + po_m + u(2) * ur] = src[s + u(mo)]
+                    dst[o + po_m + u(2) * ur + u(1)] = src[s + u(mo) + u(1)]
+                for j in range(nq):
+                    a = s + u(qs + 4 * j)
+                    v = (np.uint32(src[a]) | (np.uint32(src[a + u(1)]) << np.uint32(8))
+                         | (np.uint32(src[a + u(2)]) << np.uint32(16)) | (np.uint32(src[a + u(3)]) << np.uint32(24)))
+                    dst32[(o + po_q + u(32 * j) + u(4) * ur) >> u(2)] = v
+                if qh >= 0:
+                    a = s + u(qh)
+                    bits = (np.uint32(src[a]) | (np.uint32(src[a + u(1)]) << np.uint32(8))
+                            | (np.uint32(src[a + u(2)]) << np.uint32(16)) | (np.uint32(src[a + u(3)]) << np.uint32(24)))
                     for i in range(4):
-                        dst[o + po_q + 32 * j + 4 * r + i] = src[s + qs + 4 * j + i]
-                if po_h >= 0:
-                    bits = (np.uint32(src[s + qh]) | (np.uint32(src[s + qh + 1]) << np.uint32(8))
-                            | (np.uint32(src[s + qh + 2]) << np.uint32(16)) | (np.uint32(src[s + qh + 3]) << np.uint32(24)))
-                    for j in range(4):
-                        for i in range(4):
-                            lo = (bits >> np.uint32(4 * j + i)) & np.uint32(1)
-                            hi = (bits >> np.uint32(16 + 4 * j + i)) & np.uint32(1)
-                            dst[o + po_h + 4 * r + i] |= np.uint8((lo << np.uint32(2 * j)) | (hi << np.uint32(2 * j + 1)))
+                        h = np.uint32(0)
+                        for j in range(4):
+                            h |= ((bits >> np.uint32(4 * j + i)) & np.uint32(1)) << np.uint32(2 * j)
+                            h |= ((bits >> np.uint32(16 + 4 * j + i)) & np.uint32(1)) << np.uint32(2 * j + 1)
+                        dst[o + po_h + u(4) * ur + u(i)] = np.uint8(h)
 
 
 def _dequant_kernel(code: int):
@@ -135,7 +150,17 @@ def _dequant_kernel(code: int):
                     hb16 = b.bitcast(e.ld(sp, e.add(o, hbo), _V(_I8, 32)), _V(_I16, 16)) if five else None
                     row0 = e.mul(gl.index, 8)
                     col0 = e.mul(bl.index, 32)
-                    for j in range(4):
+                    if code == _Q8_0:  # 8 groups of 4 signed weights: d * q
+                        for j in range(8):
+                            q = e.ld(sp, e.add(o, qso + 32 * j), _V(_I8, 32))
+                            for k in range(4):
+                                qi = b.sext(e.shuf(q, None, range(8 * k, 8 * k + 8)), _V(_I32, 8))
+                                f = b.fmul(ds[k], b.sitofp(qi, _V(_FLT, 8)))
+                                for half in range(2):
+                                    r = e.add(row0, 2 * k + half)
+                                    at_ = e.add(e.mul(r, row_b), e.mul(e.add(col0, 4 * j), 4))
+                                    e.st(op, at_, e.shuf(f, None, range(4 * half, 4 * half + 4)))
+                    for j in range(0 if code == _Q8_0 else 4):  # 4-5 bit types: 4 groups of nibble pairs
                         q = e.ld(sp, e.add(o, qso + 32 * j), _V(_I8, 32))
                         halves = [e.nib_lo(q), e.nib_hi(q)]
                         if five:
@@ -165,7 +190,7 @@ def _dequant_kernel(code: int):
     return intrinsic(impl)
 
 
-_d_q4_0, _d_q4_1, _d_q5_0, _d_q5_1 = (_dequant_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1))
+_d_q4_0, _d_q4_1, _d_q5_0, _d_q5_1, _d_q8_0 = (_dequant_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
 
 
 @njit(cache=True)
@@ -173,7 +198,9 @@ def dequantize_into(src, code, g0, g1, cols, out):
     """Row groups [g0, g1) of a packed matrix src (flat uint8) -> out (8 (g1 - g0), cols) f32 (C-contiguous),
     equal to dequantizing the original blocks bit for bit."""
     flat = out.reshape(-1)
-    if code == _Q4_0:
+    if code == _Q8_0:
+        _d_q8_0(src, g0, g1, cols, flat)
+    elif code == _Q4_0:
         _d_q4_0(src, g0, g1, cols, flat)
     elif code == _Q4_1:
         _d_q4_1(src, g0, g1, cols, flat)
@@ -206,7 +233,7 @@ def _group_kernel(code: int):
     row r of the packed group at byte woff of w (nb blocks) with activations xq[xoff:] (natural order), xs[soff:]
     ([dx, xsum] per block)."""
     gbb, mo, hbo, qso = _LAYOUT[code]
-    factor = {_Q4_0: -8.0, _Q5_0: -16.0}.get(code, 0.0)  # on d * xsum; the Q*_1 types add m * xsum instead
+    factor = {_Q4_0: -8.0, _Q5_0: -16.0}.get(code, 0.0)  # on d * xsum; Q*_1 add m * xsum instead, Q8_0 nothing
     five = hbo >= 0
 
     def impl(typingctx, w, woff, nb, xq, xoff, xs, soff, out, ooff, tier):
@@ -233,7 +260,15 @@ def _group_kernel(code: int):
                 xb = e.mul(lp.index, 32)
                 hb16 = b.bitcast(e.ld(wp, e.add(o, hbo), _V(_I8, 32)), _V(_I16, 16)) if five else None
                 sums, p16 = [], None
-                for j in range(4):
+                isum = None
+                if code == _Q8_0:  # signed weights: |w| against x with w's sign; pair sums need i32 at once
+                    isum = ir.Constant(_V(_I32, 8), None) if e.tier == "vnni" else None
+                    for j in range(8):
+                        w8 = e.ld(wp, e.add(o, qso + 32 * j), _V(_I8, 32))
+                        x4 = b.bitcast(e.splat(e.ld(xp, e.add(xb, 4 * j), _I32), 8), _V(_I8, 32))
+                        u, sx = e.abs_sign(w8, x4)
+                        isum = e.dot4(isum, u, sx)
+                for j in range(0 if code == _Q8_0 else 4):
                     q = e.ld(wp, e.add(o, qso + 32 * j), _V(_I8, 32))
                     halves = [e.nib_lo(q), e.nib_hi(q)]
                     if five:  # bit 2j (low nibbles) / 2j+1 (high) of each byte, moved to bit 4 (16-bit shifts:
@@ -250,8 +285,8 @@ def _group_kernel(code: int):
                     if five and j == 1:
                         sums.append(p16)
                         p16 = None
-                sums.append(p16)
-                isum = None
+                if p16 is not None:
+                    sums.append(p16)
                 for s in sums:
                     v = e.madd_i16(s, ones)  # lane r: row r
                     isum = v if isum is None else b.add(isum, v)
@@ -262,7 +297,7 @@ def _group_kernel(code: int):
                 e.fmacc(acc, b.sitofp(isum, _V(_FLT, 8)), b.fmul(d, dx))
                 if mo >= 0:
                     e.fmacc(corr, e.halves(e.ld(wp, e.add(o, mo), _V(_I16, 8))), xsum)
-                else:
+                elif factor:
                     e.fmacc(corr, d, b.fmul(xsum, e.splat_c(_FLT, factor, 8)))
             op = b.gep(e.base(at[7], o_), [e.mul(oo, 4)], source_etype=_I8)
             e.st(op, 0, b.fadd(b.load(acc), b.load(corr)))
@@ -274,7 +309,7 @@ def _group_kernel(code: int):
     return intrinsic(impl)
 
 
-_g_q4_0, _g_q4_1, _g_q5_0, _g_q5_1 = (_group_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1))
+_g_q4_0, _g_q4_1, _g_q5_0, _g_q5_1, _g_q8_0 = (_group_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
 
 
 @njit(cache=True)
@@ -284,12 +319,15 @@ def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
     M, R = out.shape
     K, ns = xq.shape[1], xs.shape[1]
     flat = out.reshape(-1)
-    gb = nb * (18 if code == _Q4_0 else 20 if code == _Q4_1 else 22 if code == _Q5_0 else 24) * 8
+    gb = nb * (18 if code == _Q4_0 else 20 if code == _Q4_1 else 22 if code == _Q5_0 else 24 if code == _Q5_1
+               else 34) * 8
     for g in range(g0, g1):
         wo = base + g * gb
         for m in range(M):
             oo = m * R + c0 + 8 * g
-            if code == _Q4_0:
+            if code == _Q8_0:
+                _g_q8_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+            elif code == _Q4_0:
                 _g_q4_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
             elif code == _Q4_1:
                 _g_q4_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
@@ -348,6 +386,20 @@ def dequantize_rows(w, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
     if r1 > split:
         cpu.dequantize_into(w.raw[split:r1], w.ggml_type, out[split - r0 :], parallel=False)
     return out
+
+
+def slice_rows(w, r0: int, r1: int):
+    """Rows [r0, r1) of QTensor w as a QTensor, keeping its packed copy for the whole groups it covers
+    (r0 must then be a multiple of 8)."""
+    from engine.kernels.quant_types import QTensor
+
+    part = None
+    if w.packed is not None and r0 < packed_rows(w.rows):
+        if r0 % ROWS:
+            raise ValueError(f"a packed matrix is sliced at multiples of {ROWS} rows, not {r0}")
+        rb = w.raw.shape[1]
+        part = w.packed[r0 * rb : (r0 + packed_rows(r1 - r0)) * rb]
+    return QTensor(w.name, w.ggml_type, (r1 - r0, w.cols), w.raw[r0:r1], part)
 
 
 def repack(raw: np.ndarray, ggml_type: GGMLType, dst: np.ndarray) -> None:

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from engine.cache.kv import KVCache
+from engine.kernels import packed
 from engine.kernels.backend import Backend
 from engine.kernels.quant_types import QTensor
 from engine.models.config import ModelConfig
@@ -41,7 +42,6 @@ class Model:
         self.kv_dtype = "f16" if compute_path == "int8" else "f32"
         self.metadata = metadata
         self.name = path.stem
-        self._head: QTensor = weights.tensor("output") if weights.has("output") else weights.tensor("token_embd")
 
     @property
     def context_length(self) -> int:
@@ -57,13 +57,14 @@ class Model:
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """Logits (T, vocab) from final-normed hidden states (T, n_embd)."""
-        t = self._head
+        w = self.weights
+        t = w.tensor("output") if w.has("output") else w.tensor("token_embd")  # after load: its packed copy
         if hidden.shape[0] <= 8 or t.rows <= HEAD_ROWS:
             logits = self.backend.matmul(hidden, t)
         else:
             logits = np.empty((hidden.shape[0], t.rows), np.float32)
             for r0 in range(0, t.rows, HEAD_ROWS):
-                part = QTensor(t.name, t.ggml_type, (min(HEAD_ROWS, t.rows - r0), t.cols), t.raw[r0 : r0 + HEAD_ROWS])
+                part = packed.slice_rows(t, r0, min(t.rows, r0 + HEAD_ROWS))
                 logits[:, r0 : r0 + part.rows] = self.backend.matmul(hidden, part)
         return self._finish_logits(logits)
 

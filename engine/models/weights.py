@@ -13,6 +13,9 @@ from engine.kernels import packed
 from engine.kernels.quant_types import QTensor
 
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if hasattr(mmap, "MADV_HUGEPAGE") else None)  # Linux 5.14+
+
+
 class Weights:
     """GGUF tensor names without the `.weight` suffix are our internal names (`blk.3.attn_q`)."""
 
@@ -51,30 +54,50 @@ class Weights:
         sizes = [packed.packed_rows(t.rows) * t.raw.shape[1] for _, t in todo]
         if not todo:
             return 0
-        buf = np.empty(sum(sizes), np.uint8)
+        buf = self._anonymous(sum(sizes))
         off = 0
         for (name, t), size in zip(todo, sizes):
             dst = buf[off : off + size]
+            self._advise(t.raw, _MADV_POPULATE_READ)  # one call maps the pages instead of a fault per 64 KiB
             packed.repack(t.raw, t.ggml_type, dst)
             view = dst.view()
             view.flags.writeable = False
             self._tensors[name] = dataclasses.replace(t, packed=view)
-            self._forget_pages(t.raw[: packed.packed_rows(t.rows)])
+            self._advise(t.raw[: packed.packed_rows(t.rows)], mmap.MADV_DONTNEED)
             off += size
         self.packed_buffer = buf
         return off
 
-    def _forget_pages(self, raw: np.ndarray) -> None:
-        """Unmap the whole pages of raw (a view of the mapped file) from this process; reading them again
-        would just fault them back in from the page cache."""
+    def _anonymous(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer in private anonymous memory, 2 MiB aligned and asking for transparent huge pages where
+        the OS has them: filling 237 MB of 4 KiB pages took 0.7 s of page faults here, huge pages 0.2 s (and
+        decode's streams then cross fewer TLB entries)."""
+        huge = 2 << 20
+        if not hasattr(mmap, "MAP_ANONYMOUS") or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return np.empty(nbytes, np.uint8)
+        self._anon_map = m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = (-np.frombuffer(m, np.uint8, 1).__array_interface__["data"][0]) % huge
+        whole = (nbytes + huge - 1) // huge * huge
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, start, min(whole, len(m) - start))
+        except OSError:  # huge pages switched off: 4 KiB pages work the same, only slower to fill
+            pass
+        return np.frombuffer(m, np.uint8, nbytes, start)
+
+    def _advise(self, raw: np.ndarray, advice: int) -> None:
+        """madvise the whole pages under raw (a view of the mapped file): MADV_DONTNEED unmaps them from this
+        process (reading them again would fault them back in from the page cache). Best effort: a kernel
+        without the advice, or a split model, is left as it is."""
         m = getattr(self._file, "_map", None)
-        base = self._file.data.__array_interface__["data"][0] if m is not None else None
-        if base is None:
+        if m is None or advice is None:
             return
-        start = raw.__array_interface__["data"][0] - base
+        start = raw.__array_interface__["data"][0] - self._file.data.__array_interface__["data"][0]
         lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
-            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            try:
+                m.madvise(advice, lo, hi - lo)
+            except OSError:
+                pass
 
     def optional_vector(self, name: str) -> np.ndarray | None:
         return self.vector(name) if self.has(name) else None
