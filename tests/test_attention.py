@@ -111,3 +111,15 @@ def test_decode_attention_equals_the_prompt_path(dtype, H, Hkv, D, window):
         A.attend(qkv, tuple(c.k for c in caches), tuple(c.v for c in caches), layer, pos, H, Hkv, D, window,
                  np.float32(0.1), out, n_split)
         np.testing.assert_allclose(out, np.stack(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos0,window", [(0, 0), (0, 100), (200, 0), (200, 150)])
+def test_prompt_attention_in_query_blocks_equals_one_block(monkeypatch, pos0, window):
+    """ops.attention splits a long chunk into causal query blocks (each sees no key past its last query)."""
+    T, H, Hkv, D = 300, 4, 2, 32
+    q = RNG.standard_normal((T, H, D)).astype(np.float32)
+    k, v = (RNG.standard_normal((pos0 + T, Hkv, D)).astype(np.float32) for _ in range(2))
+    blocked = ops.attention(q, k, v, pos0, 0.2, window)
+    monkeypatch.setattr(ops, "ATTN_BLOCK", 10**6)
+    whole = ops.attention(q, k, v, pos0, 0.2, window)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
