@@ -92,7 +92,7 @@ def test_a_real_model_reads_its_packed_copy_and_lets_the_mapped_pages_go(smollm2
     names = [f"blk.{i}.{r}" for i in range(model.config.n_layer) for r in ("attn_q", "attn_k", "attn_v",
              "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
     assert all(w.tensor(n).ggml_type == GGMLType.Q4_1 and w.tensor(n).packed is not None for n in names)
-    head = w.tensor("token_embd")  # the tied head, Q8_0; its rows are still read as embeddings
+    head = w.tensor("token_embd")  # the tied head, Q8_0, also the embedding table
     assert head.ggml_type == GGMLType.Q8_0 and head.packed is not None
     assert w.packed_buffer.nbytes == sum(w.tensor(n).raw.nbytes for n in names) + head.raw.nbytes  # none twice
     # a long prompt (dequantize + sgemm), a short one (int8 matvec) and decoding (the compiled step)
@@ -104,4 +104,8 @@ def test_a_real_model_reads_its_packed_copy_and_lets_the_mapped_pages_go(smollm2
     # the kernel maps up to 16 cached pages around each page fault (fault-around), so reads of neighbouring
     # tensors bring a few back; reading the originals would bring them all
     assert raw_pages <= 0.01 * total, f"{raw_pages} of {total} pages of the mapped originals are resident"
-    assert 0 < _present_pages(head.raw) < 0.05 * head.raw.nbytes / 4096  # embedding rows only: not the head
+    raw_pages += _present_pages(head.raw)  # embedding lookups read the packed copy too
+    total += head.raw.nbytes // 4096
+    assert raw_pages <= 0.01 * total, f"{raw_pages} of {total} pages of the mapped originals are resident"
+    np.testing.assert_array_equal(get_backend("cpu").embed(head, [0, 5, head.rows - 1]),
+                                  gq.dequantize(head.raw[[0, 5, head.rows - 1]], head.ggml_type))

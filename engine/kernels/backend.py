@@ -68,6 +68,11 @@ class NumbaBackend:
     def __init__(self) -> None:
         self._scratch = np.empty(0, dtype=np.float32)  # grows to the largest (chunk of a) weight used
 
+    def release(self) -> None:
+        """Free the dequantization scratch (up to the largest weight group, 10 MB for Gemma's gate|up) until the
+        next prompt: a model that sits decoding or idle should not keep it resident."""
+        self._scratch = np.empty(0, dtype=np.float32)
+
     def _scratch_for(self, rows: int, cols: int) -> np.ndarray:
         if self._scratch.size < rows * cols:
             self._scratch = np.empty(rows * cols, dtype=np.float32)
@@ -111,7 +116,10 @@ class NumbaBackend:
 
     def embed(self, w: QTensor, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        return cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), dtype=np.float32))
+        out = np.empty((ids.size, w.cols), dtype=np.float32)
+        if w.packed is not None:
+            return packed.embed_rows(w, ids, out)
+        return cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, out)
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         return _dequantize_rows(w, 0, w.rows, np.empty(w.shape, dtype=np.float32))

@@ -109,6 +109,9 @@ class Model:
                 rows.append(self.head(hidden[keep:]))
             if on_chunk is not None:
                 on_chunk(c0 + len(chunk))
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            release()
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def logprobs(self, ids, start: int = 0) -> np.ndarray:

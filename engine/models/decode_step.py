@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.cache.kv import KVCache
-from engine.kernels import attention, cpu, cpu_q8, glue, packed
+from engine.kernels import attention, cpu_q8, glue, packed
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
@@ -239,8 +239,7 @@ class DecodeStep:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) != len(caches) or not len(ids):
             raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
-        x = cpu.dequantize_rows_into(self.embd.raw, self.embd.ggml_type, ids,
-                                     np.empty((len(ids), self.embd.cols), np.float32))
+        x = packed.embed_rows(self.embd, ids, np.empty((len(ids), self.embd.cols), np.float32))
         x *= self.embed_scale
         for c in caches:
             c.reserve(1)
