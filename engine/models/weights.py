@@ -63,8 +63,11 @@ class Weights:
             view = dst.view()
             view.flags.writeable = False
             self._tensors[name] = dataclasses.replace(t, packed=view)
-            self._advise(t.raw[: packed.packed_rows(t.rows)], mmap.MADV_DONTNEED)
             off += size
+        # Only after the last one: where the page cache holds the file in huge pages, populating one tensor maps
+        # its neighbours' pages too.
+        for _, t in todo:
+            self._advise(t.raw[: packed.packed_rows(t.rows)], mmap.MADV_DONTNEED)
         self.packed_buffer = buf
         return off
 
