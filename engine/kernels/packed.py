@@ -119,6 +119,23 @@ def repack_into(raw, code, dst):
                         dst[o + po_h + u(4) * ur + u(i)] = np.uint8(h)
 
 
+def _quants(e: _E, p, off, hb16, j: int) -> list:
+    """The unsigned quants of nibble group j at byte off of p: [weights 4j.. of each row (low nibbles), weights
+    16+4j.. (high)], <32 x i8> each, lane 4r+i for row r; with fifth bits (hb16, the block's 32 fifth-bit bytes
+    as <16 x i16>, or None), bit 2j / 2j+1 of each byte moved to bit 4 (16-bit shifts: the mask drops what
+    crosses between the bytes) and or-ed in."""
+    b = e.b
+    q = e.ld(p, off, _V(_I8, 32))
+    halves = [e.nib_lo(q), e.nib_hi(q)]
+    if hb16 is not None:
+        for h in range(2):
+            k = 2 * j + h
+            v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(_I16, 4 - k, 16)) if k < 4
+                                     else b.lshr(hb16, e.splat_c(_I16, k - 4, 16)))
+            halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, _V(_I8, 32)), e.splat_c(_I8, 16, 32)))
+    return halves
+
+
 def _dequant_kernel(code: int):
     """Intrinsic (src, g0, g1, cols, out) -> None: row groups [g0, g1) of a packed matrix -> out (8 (g1 - g0),
     cols) f32, with the reference's f32 operations (d * (q - offset), or d * q + m unfused), so bit for bit."""
@@ -161,14 +178,7 @@ def _dequant_kernel(code: int):
                                     at_ = e.add(e.mul(r, row_b), e.mul(e.add(col0, 4 * j), 4))
                                     e.st(op, at_, e.shuf(f, None, range(4 * half, 4 * half + 4)))
                     for j in range(0 if code == _Q8_0 else 4):  # 4-5 bit types: 4 groups of nibble pairs
-                        q = e.ld(sp, e.add(o, qso + 32 * j), _V(_I8, 32))
-                        halves = [e.nib_lo(q), e.nib_hi(q)]
-                        if five:
-                            for h in range(2):
-                                k = 2 * j + h
-                                v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(_I16, 4 - k, 16)) if k < 4
-                                                         else b.lshr(hb16, e.splat_c(_I16, k - 4, 16)))
-                                halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, _V(_I8, 32)), e.splat_c(_I8, 16, 32)))
+                        halves = _quants(e, sp, e.add(o, qso + 32 * j), hb16, j)
                         for h, qv in enumerate(halves):
                             for k in range(4):
                                 qi = b.zext(e.shuf(qv, None, range(8 * k, 8 * k + 8)), _V(_I32, 8))
@@ -280,14 +290,7 @@ def _group_kernel(code: int):
                         u, sx = e.abs_sign(w8, x4)
                         isum = e.dot4(isum, u, sx)
                 for j in range(0 if code == _Q8_0 else 4):
-                    q = e.ld(wp, e.add(o, qso + 32 * j), _V(_I8, 32))
-                    halves = [e.nib_lo(q), e.nib_hi(q)]
-                    if five:  # bit 2j (low nibbles) / 2j+1 (high) of each byte, moved to bit 4 (16-bit shifts:
-                        for h in range(2):  # the mask drops what crosses between the bytes)
-                            k = 2 * j + h
-                            v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(_I16, 4 - k, 16)) if k < 4
-                                                     else b.lshr(hb16, e.splat_c(_I16, k - 4, 16)))
-                            halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, _V(_I8, 32)), e.splat_c(_I8, 16, 32)))
+                    halves = _quants(e, wp, e.add(o, qso + 32 * j), hb16, j)
                     xs_ = [b.bitcast(e.splat(e.ld(xp, e.add(xb, 16 * h + 4 * j), _I32), 8), _V(_I8, 32)) for h in range(2)]
                     p = b.add(e.madd_u8s8(halves[0], xs_[0]), e.madd_u8s8(halves[1], xs_[1]))
                     p16 = p if p16 is None else b.add(p16, p)
