@@ -333,8 +333,7 @@ def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
     M, R = out.shape
     K, ns = xq.shape[1], xs.shape[1]
     flat = out.reshape(-1)
-    gb = nb * (18 if code == _Q4_0 else 20 if code == _Q4_1 else 22 if code == _Q5_0 else 24 if code == _Q5_1
-               else 34) * 8
+    gb = nb * _src_geometry(code)[0] * 8  # bytes per group of 8 rows
     for g in range(g0, g1):
         wo = base + g * gb
         for m in range(M):
