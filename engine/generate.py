@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from engine import memory
 from engine.cache.kv import KVCache
 from engine.errors import ContextOverflow, InvalidRequest
 from engine.kernels import vmath
@@ -71,34 +72,37 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
     decoder = IncrementalDecoder(tok, skip_special=True)
     history = list(prompt_ids)
     pending = ""  # decoded text not yet shown: it may be the start of a stop string
-    logits = model.eval(prompt_ids, cache, on_chunk=on_prefill)[0]
-    for n in range(1, max_tokens + 1):
-        lse = _logsumexp(logits)
-        work = logits.copy()
-        for proc in processors:
-            work = proc(work, history)
-        token = sampler(work)
-        history.append(token)
-        for accept in accepts:
-            accept(token)
-        lp = float(logits[token]) - lse
-        top = top_logprobs_of(logits.astype(np.float64) - lse, top_logprobs) if top_logprobs else None
-        if token in tok.eog_ids:
-            yield TokenEvent(token, pending + decoder.flush(), lp, "stop", top)
-            return
-        pending += decoder.push(token)
-        cut = _find_stop(pending, stops)
-        if cut is not None:
-            which = next(st for st in stops if pending.find(st) == cut)
-            yield TokenEvent(token, pending[:cut], lp, "stop", top, which)
-            return
-        if n == max_tokens:
-            yield TokenEvent(token, pending + decoder.flush(), lp, "length", top)
-            return
-        safe = _safe_prefix_len(pending, stops)
-        yield TokenEvent(token, pending[:safe], lp, None, top)
-        pending = pending[safe:]
-        logits = model.eval([token], cache)[0]
+    try:
+        logits = model.eval(prompt_ids, cache, on_chunk=on_prefill)[0]
+        for n in range(1, max_tokens + 1):
+            lse = _logsumexp(logits)
+            work = logits.copy()
+            for proc in processors:
+                work = proc(work, history)
+            token = sampler(work)
+            history.append(token)
+            for accept in accepts:
+                accept(token)
+            lp = float(logits[token]) - lse
+            top = top_logprobs_of(logits.astype(np.float64) - lse, top_logprobs) if top_logprobs else None
+            if token in tok.eog_ids:
+                yield TokenEvent(token, pending + decoder.flush(), lp, "stop", top)
+                return
+            pending += decoder.push(token)
+            cut = _find_stop(pending, stops)
+            if cut is not None:
+                which = next(st for st in stops if pending.find(st) == cut)
+                yield TokenEvent(token, pending[:cut], lp, "stop", top, which)
+                return
+            if n == max_tokens:
+                yield TokenEvent(token, pending + decoder.flush(), lp, "length", top)
+                return
+            safe = _safe_prefix_len(pending, stops)
+            yield TokenEvent(token, pending[:safe], lp, None, top)
+            pending = pending[safe:]
+            logits = model.eval([token], cache)[0]
+    finally:  # decode's freed logits stay in the heap for the next token (engine/memory.py); not after the last
+        memory.trim()
 
 
 def _logsumexp(logits: np.ndarray) -> float:

@@ -6,8 +6,6 @@ before any heavy work.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
 import sys
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 from engine.errors import InvalidRequest
 from engine.formats.gguf import open_gguf
 from engine.kernels.backend import get_backend
+from engine.memory import release_free_memory, tune_allocator
 from engine.models import decode_step
 from engine.models.base import Model
 from engine.models.config import config_from_gguf
@@ -40,7 +39,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     if quant not in QUANT_MODES:
         raise InvalidRequest(f"unknown quant mode {quant!r} (choose from: {', '.join(QUANT_MODES)})")
     path = _resolve(ref, progress)
-    fix_mmap_threshold()
+    tune_allocator()
     gguf = open_gguf(path)  # one file, or every shard of a split model read as one
     meta = gguf.metadata
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -104,29 +103,6 @@ def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:
     names = ["token_embd"] + (["output"] if weights.has("output") else [])
     names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.LAYER_TENSORS]
     return frozenset(int(weights.tensor(n).ggml_type) for n in names)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def fix_mmap_threshold() -> None:
-    """Keep glibc's mmap threshold at 1 MiB. glibc raises it after each large free, so a prompt's big
-    temporaries (activations, attention scores) would next come from the heap and stay resident after use
-    (~30 MB on Gemma-3-270M after a 512-token prompt); fixed, they go back to the OS when freed. A no-op
-    elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
-def release_free_memory() -> None:
-    """Return freed heap pages to the OS (glibc keeps them otherwise); a no-op elsewhere."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _resolve(ref, progress) -> Path:

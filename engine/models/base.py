@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine import memory
 from engine.cache.kv import KVCache
 from engine.kernels import packed
 from engine.kernels.backend import Backend
@@ -101,17 +102,20 @@ class Model:
             return logits
         cache.reserve(len(ids))
         rows = []
-        for c0 in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[c0 : c0 + PREFILL_CHUNK]
-            hidden = self._forward(self.config, self.weights, self.backend, chunk, cache)  # (T, n_embd)
-            keep = max(0, logits_from - c0)
-            if keep < len(chunk):
-                rows.append(self.head(hidden[keep:]))
-            if on_chunk is not None:
-                on_chunk(c0 + len(chunk))
-        release = getattr(self.backend, "release", None)
-        if release is not None:
-            release()
+        try:
+            for c0 in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[c0 : c0 + PREFILL_CHUNK]
+                hidden = self._forward(self.config, self.weights, self.backend, chunk, cache)  # (T, n_embd)
+                keep = max(0, logits_from - c0)
+                if keep < len(chunk):
+                    rows.append(self.head(hidden[keep:]))
+                if on_chunk is not None:
+                    on_chunk(c0 + len(chunk))
+        finally:
+            release = getattr(self.backend, "release", None)
+            if release is not None:
+                release()
+            memory.trim()  # the heap kept the prompt's freed activations for reuse; back to the OS now
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def logprobs(self, ids, start: int = 0) -> np.ndarray:
