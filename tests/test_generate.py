@@ -7,6 +7,7 @@ import pytest
 
 import engine
 from engine.errors import ContextOverflow, InvalidRequest
+from engine.kernels import vmath
 from engine.sampling import SamplingParams, make_logits_processors, make_sampler
 
 
@@ -109,6 +110,39 @@ def test_sampler_follows_the_distribution():
     sample = make_sampler(SamplingParams(temperature=1.0, seed=0))
     counts = np.bincount([sample(logits.copy()) for _ in range(4000)], minlength=4) / 4000
     np.testing.assert_allclose(counts[:3], [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_compiled_draw_is_numpys_inverse_cdf_and_never_picks_a_masked_token():
+    # vmath.softmax_draw against the numpy oracle: f64 softmax, cumsum, the first index past u (what
+    # Generator.choice does). Its weights are f32, so only draws away from a CDF step by more than 1e-5 must agree.
+    rng = np.random.default_rng(5)
+    for n, scale, temp in [(4, 1.0, 1.0), (1000, 2.0, 0.7), (262144, 3.0, 1.0), (49152, 8.0, 1.3), (5000, 0.1, 0.5)]:
+        x = rng.normal(0, scale, n).astype(np.float32)
+        z = x.astype(np.float64) / temp
+        cdf = np.cumsum(np.exp(z - z.max()))
+        cdf /= cdf[-1]
+        checked = 0
+        for u in rng.random(200):
+            i = int(np.searchsorted(cdf, u, side="right"))
+            if np.min(np.abs(cdf[max(0, i - 1) : i + 1] - u)) > 1e-5:
+                assert vmath.softmax_draw(x, np.float32(1 / temp), u) == i
+                checked += 1
+        assert checked > 100
+    # -inf (a grammar mask) and hugely negative (a ban) logits carry no weight, even at the very end of the CDF.
+    x = np.full(10000, -np.inf, np.float32)
+    x[[3, 7000]] = [1.0, 0.5]
+    x[9999] = -1e9
+    for u in (0.0, 0.5, 0.999999, np.nextafter(1.0, 0.0)):
+        assert vmath.softmax_draw(x, np.float32(1.0), u) in (3, 7000)
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 1024])
+def test_compiled_top_k_selects_the_k_largest(k):
+    rng = np.random.default_rng(k)
+    x = rng.normal(0, 3, 262144).astype(np.float32)
+    assert set(vmath.top_k_indices(x, k).tolist()) == set(np.argsort(-x, kind="stable")[:k].tolist())
+    ties = rng.integers(0, 20, 5000).astype(np.float32)  # many equal values: the lower index wins a tie
+    assert set(vmath.top_k_indices(ties, k).tolist()) == set(np.argsort(-ties, kind="stable")[:k].tolist())
 
 
 def test_top_p_and_min_p_cut_the_tail():
