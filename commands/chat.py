@@ -117,7 +117,8 @@ def _reply(llm, session: Session) -> str:
     try:
         procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
         for ev in generate(llm, ids, max_tokens=session.max_tokens, temperature=session.temperature,
-                           top_k=session.top_k, top_p=session.top_p, seed=session.seed, processors=procs):
+                           top_k=session.top_k, top_p=session.top_p, seed=session.seed, processors=procs,
+                           logprobs=False):
             if ev.text:
                 parts.append(ev.text)
                 sys.stdout.write(ev.text)

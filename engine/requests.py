@@ -213,7 +213,8 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
                              stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
                              repetition_penalty=opts.repetition_penalty, presence_penalty=opts.presence_penalty,
                              frequency_penalty=opts.frequency_penalty, logit_bias=opts.logit_bias,
-                             top_logprobs=req.top_logprobs if req.logprobs else 0, cache=cache,
+                             top_logprobs=req.top_logprobs if req.logprobs else 0, logprobs=bool(req.logprobs),
+                             cache=cache,
                              on_prefill=on_prefill, processors=procs))
     head = ""
     if req.echo:

@@ -58,6 +58,17 @@ def test_same_seed_same_text_and_streamed_text_equals_decode(smol):
     assert text_a == smol.tokenizer.decode(tokens, skip_special=True)
 
 
+def test_without_logprobs_the_same_tokens_come_out(smol):
+    # logprobs=False skips the normalizer and lets processors work on the step's own logits: same draws.
+    ids = smol.tokenizer.encode("My favourite food is")
+    kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=5, logit_bias={smol.tokenizer.encode(" pizza")[0]: 5.0},
+              repetition_penalty=1.3)
+    with_lp = list(engine.generate(smol, ids, **kw))
+    without = list(engine.generate(smol, ids, logprobs=False, **kw))
+    assert [(e.token, e.text) for e in without] == [(e.token, e.text) for e in with_lp]
+    assert all(e.logprob is None for e in without) and all(e.logprob <= 0 for e in with_lp)
+
+
 def test_top_k_one_is_greedy(smol):
     ids = smol.tokenizer.encode("Water boils at")
     greedy = [e.token for e in engine.generate(smol, ids, max_tokens=8, temperature=0)]

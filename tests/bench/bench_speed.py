@@ -50,9 +50,11 @@ def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, 
         start = time.perf_counter()
         first = None
         n = 0
-        # logit_bias on EOG ids keeps generation going for exactly gen_tokens + 1 tokens
+        # logit_bias on EOG ids keeps generation going for exactly gen_tokens + 1 tokens; no log-probabilities
+        # (as a server request that asks for none, and as llama.cpp's run computes none)
         bias = {t: -1e9 for t in model.tokenizer.eog_ids}
-        for ev in engine.generate(model, ids, max_tokens=gen_tokens + 1, temperature=0, cache=cache, logit_bias=bias):
+        for ev in engine.generate(model, ids, max_tokens=gen_tokens + 1, temperature=0, cache=cache, logit_bias=bias,
+                                   logprobs=False):
             n += 1
             if first is None:
                 first = time.perf_counter()
