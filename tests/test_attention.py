@@ -34,7 +34,7 @@ def test_scores_equal_numpy(dtype, group, D, n):
     keys, want_k = _stored(RNG.standard_normal((D, cap)).astype(np.float32), dtype)
     q = RNG.standard_normal(3 + group * D).astype(np.float32)
     s = np.full(2 + group * (n + 1), 123.0, np.float32)  # row stride n + 1: untouched gaps show stray writes
-    A.scores(group, keys.reshape(-1), 0, cap, q, 3, D, n, np.float32(0.125), s, 2, n + 1)
+    A.scores(group, keys.reshape(-1), 0, cap, q, 3, D, n, np.float32(0.125), s, 2, n + 1, keys.reshape(-1), 0)
     got = s[2:].reshape(group, n + 1)
     want = 0.125 * (q[3:].reshape(group, D).astype(np.float64) @ want_k[:, :n].astype(np.float64))
     np.testing.assert_allclose(got[:, :n], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

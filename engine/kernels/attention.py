@@ -134,22 +134,27 @@ def _lane_mask(e: _E, j0, n):
 
 
 def _scores_kernel(G: int):
-    """Intrinsic (kf, k0, cap, q, q0, D, n, scale, s, s0, ss) -> None: for the G heads whose queries lie at
-    q[q0 + g D:][:D], s[s0 + g ss + j] = scale * sum_d q[g, d] K[k0 + d cap + j] for j < n (keys transposed,
-    rows of cap positions, f32 or half bits)."""
+    """Intrinsic (kf, k0, cap, q, q0, D, n, scale, s, s0, ss, vf, v0) -> None: for the G heads whose queries lie
+    at q[q0 + g D:][:D], s[s0 + g ss + j] = scale * sum_d q[g, d] K[k0 + d cap + j] for j < n (keys transposed,
+    rows of cap positions, f32 or half bits). Meanwhile it prefetches the values the weighted sum will read
+    next (rows of D from v0 of vf, the cache's storage): a decode step's keys and values come from DRAM (the
+    weights streamed through the caches since the last token), and fetched alongside the scores' arithmetic
+    they no longer stall the values pass."""
 
-    def impl(typingctx, kf, k0, cap, q, q0, D, n, scale, s, s0, ss):
-        if not (_cache_ok(kf) and _f32_ok(q) and _f32_ok(s)):
+    def impl(typingctx, kf, k0, cap, q, q0, D, n, scale, s, s0, ss, vf, v0):
+        if not (_cache_ok(kf) and _f32_ok(q) and _f32_ok(s) and _cache_ok(vf)):
             return None
         ip = types.intp
-        sig = types.none(kf, ip, ip, q, ip, ip, ip, types.float32, s, ip, ip)
+        sig = types.none(kf, ip, ip, q, ip, ip, ip, types.float32, s, ip, ip, vf, ip)
 
         def codegen(context, builder, signature, args):
             e, b = _E(context, builder, "generic"), builder
             at = signature.args
-            kf_, k0_, cap_, q_, q0_, D_, n_, scale_, s_, s0_, ss_ = args
+            kf_, k0_, cap_, q_, q0_, D_, n_, scale_, s_, s0_, ss_, vf_, v0_ = args
             load, es = _cache_loader(e, at[0])
             kp = b.gep(e.base(at[0], kf_), [e.mul(k0_, es)], source_etype=_I8)
+            vp = b.gep(e.base(at[11], vf_), [e.mul(v0_, es)], source_etype=_I8)
+            vtile = e.mul(e.mul(D_, TILE), es)  # bytes of values per tile of positions
             qp = b.gep(e.base(at[3], q_), [e.mul(q0_, 4)], source_etype=_I8)
             sp = b.gep(e.base(at[8], s_), [e.mul(s0_, 4)], source_etype=_I8)
             row = e.mul(cap_, es)
@@ -163,9 +168,11 @@ def _scores_kernel(G: int):
                 for pair in accs:
                     for a in pair[: width // 8]:
                         b.store(zero, a)
+                vstart = e.mul(b.sdiv(j0, e.i64(TILE)), vtile)
                 with e.loop(D_) as lp:
                     off = e.add(e.mul(lp.index, row), e.mul(j0, es))
                     e.prefetch(kp, e.add(off, PREFETCH))
+                    e.prefetch(vp, e.add(vstart, e.mul(lp.index, TILE * es)))  # this tile's values, D x 32 bytes
                     ks = [load(kp, off, mask)] if width == 8 else [load(kp, off), load(kp, e.add(off, 8 * es))]
                     for g, pair in enumerate(accs):
                         qv = e.splat(e.ld(qp, e.add(e.mul(lp.index, 4), qoffs[g]), _FLT), 8)
@@ -247,20 +254,21 @@ _v1, _v2, _v3, _v4 = (_values_kernel(g) for g in (1, 2, 3, 4))
 
 
 @njit(cache=True)
-def scores(group, kf, k0, cap, q, q0, D, n, scale, s, s0, ss):
-    """s[s0 + g ss + j] = scale * q_g . k_j for the group's heads g (queries at q[q0 + g D:]), j < n."""
+def scores(group, kf, k0, cap, q, q0, D, n, scale, s, s0, ss, vf, v0):
+    """s[s0 + g ss + j] = scale * q_g . k_j for the group's heads g (queries at q[q0 + g D:]), j < n; prefetches
+    the n values at v0 of vf (rows of D) that the weighted sum reads next."""
     g0 = 0
     while g0 < group:
         gs = min(MAX_GROUP, group - g0)
         qo, so = q0 + g0 * D, s0 + g0 * ss
         if gs == 4:
-            _s4(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+            _s4(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
         elif gs == 3:
-            _s3(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+            _s3(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
         elif gs == 2:
-            _s2(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+            _s2(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
         else:
-            _s1(kf, k0, cap, q, qo, D, n, scale, s, so, ss)
+            _s1(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
         g0 += gs
 
 
@@ -293,7 +301,7 @@ def _part(q, q0, group, D, kf, k0, cap, vf, v0, n, scale, s, acc, iscratch, mx, 
     acc (group, D) = sum_j exp(s_j - max) v_j, mx/total (group,) the max and the sum of exp per head;
     s (group, n) and iscratch (n,) are scratch."""
     sf = s.reshape(-1)
-    scores(group, kf, k0, cap, q, q0, D, n, scale, sf, 0, n)
+    scores(group, kf, k0, cap, q, q0, D, n, scale, sf, 0, n, vf, v0)
     for g in range(group):
         row = s[g]
         m = row[0]
