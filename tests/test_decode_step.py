@@ -100,6 +100,25 @@ def test_a_batch_equals_single_steps_bit_for_bit(fixtures):
             np.testing.assert_array_equal(s.values(layer), b.values(layer))
 
 
+def test_any_number_of_workers_gives_the_same_step(fixtures):
+    # The step is one parallel region whose threads claim tasks from shared counters (kernels/atomics.py): one
+    # worker alone, or more workers than threads (some then find every task taken), must give the same logits
+    # bit for bit and never wait forever, however many row ranges the matvecs are cut into.
+    model = engine.load_model(fixtures["gemma3"], selftest=False)
+    st = model.step
+    cache = model.new_cache(64)
+    model.eval(PROMPT, cache)
+    cache.reserve(1)
+    x = np.random.default_rng(0).standard_normal((1, model.config.n_embd)).astype(np.float32)
+    pos = np.array([cache.length])
+    args = (st.buf, st.pbuf, st.mats, st.head, st.norms, st.qk_norms, st.out_norm, st.inv_freq, st.windows,
+            st.fparams, st.iparams)
+    runs = [decode_step.decode_step(*args, x.copy(), pos, (cache.k,), (cache.v,), n_chunks, n_split, st.tier, workers)
+            for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
+    for got in runs[1:]:
+        np.testing.assert_array_equal(got, runs[0])
+
+
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(
     t not in cpu_q8.available_tiers(), reason=f"this CPU cannot run the {t} kernels")) for t in cpu_q8.TIERS])
 def test_every_tier_gives_the_same_step(fixtures, tier):

@@ -126,9 +126,13 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
     anon, model_pages, kv, packed = map(int, out.stdout.split())
     size = gemma_gguf.stat().st_size
     # The generation read every weight: through the map, or (the 4/5-bit layer matrices) their packed
-    # anonymous copy, whose mapped originals must not be resident as well.
+    # anonymous copy, whose mapped originals must not be resident as well (a whole tensor's would be 1-178 MB).
+    # Slack: reading an in-place tensor maps the page cache's pages around the fault (64 KB, or a whole large
+    # folio when the page cache holds the file in them) at each of the ~72 borders between in-place and packed
+    # tensors: 30-37 MB mapped here against 30 MB of in-place tensors, depending on the page cache's state.
+    # That nothing reads the originals is proven in tests/test_packed.py.
     assert model_pages + packed > 0.9 * size and packed > 0.1 * size, (model_pages, packed)
-    assert model_pages <= size - packed + 0.02 * size, (model_pages, packed)
+    assert model_pages <= size - packed + 0.05 * size, (model_pages, packed)
     used = anon + model_pages - kv
     limit = size + 200 * 2**20
     assert used <= limit, f"{used / 2**20:.0f} MiB resident (anonymous {anon / 2**20:.0f}) > {limit / 2**20:.0f} MiB"

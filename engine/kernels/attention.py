@@ -318,7 +318,7 @@ def _part(q, q0, group, D, kf, k0, cap, vf, v0, n, scale, s, acc, iscratch, mx, 
 
 
 @njit(cache=True)
-def _task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
     """Work item t of attend: one sequence, one kv head (its group of query heads), one key range."""
     m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
     kc, vc = kcs[m], vcs[m]
@@ -349,7 +349,7 @@ def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split
     # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
     # launched once per iteration (that cost 45 us per layer).
     for t in prange(n_tasks):
-        _task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc)
+        task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc)
 
 
 @njit(cache=True)
@@ -367,6 +367,14 @@ def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
     part_acc = np.empty((M, H, n_split, D), np.float32)
     _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max,
            part_sum, part_acc)
+    merge(part_max, part_sum, part_acc, out)
+
+
+@njit(cache=True)
+def merge(part_max, part_sum, part_acc, out):
+    """out (M, H D) from the tasks' partial softmaxes (part_* (M, H, n_split[, D]); a range with part_sum 0 is
+    empty), exactly as one softmax over all positions: ranges reweighted by exp(their max - the max)."""
+    M, H, n_split, D = part_acc.shape
     for m in range(M):
         for h in range(H):
             mx = -np.inf

@@ -71,7 +71,7 @@ def rope_rows(x, cos, sin, neox):
 
 
 @njit(cache=True, fastmath=True)
-def _act_mul_row(gate, up, out, t, scratch, gelu):
+def act_mul_row(gate, up, out, t, scratch, gelu):
     # Both are a * sigmoid(z): SiLU with z = a, GELU's tanh form with z = 2 c (a + 0.044715 a^3), since
     # 0.5 (1 + tanh(y)) = sigmoid(2y). One exp each, and no cancellation where tanh(y) nears -1.
     F = gate.shape[0]
@@ -88,7 +88,7 @@ def _act_mul_rows(gate, up, out, r0, r1, gelu):
     F = gate.shape[1]
     t, scratch = np.empty(F, np.float32), np.empty(F, np.int32)
     for m in range(r0, r1):
-        _act_mul_row(gate[m], up[m], out[m], t, scratch, gelu)
+        act_mul_row(gate[m], up[m], out[m], t, scratch, gelu)
 
 
 @njit(cache=True)
@@ -111,7 +111,7 @@ def act_mul_halves(gu, gelu):
     t, scratch = np.empty(F, np.float32), np.empty(F, np.int32)
     for m in range(M):
         row = gu[m]
-        _act_mul_row(row[:F], row[F:], out[m], t, scratch, gelu)
+        act_mul_row(row[:F], row[F:], out[m], t, scratch, gelu)
     return out
 
 
