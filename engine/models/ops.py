@@ -83,12 +83,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: flo
     group = H // Hkv
     first = max(0, pos0 - window + 1) if window else 0  # keys no query of this chunk can see
     k, v = k[first:], v[first:]
-    qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # (Hkv, G, T, D)
-    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (Hkv, G, T, L')
+    # The G query heads of a kv head share its keys: one GEMM of G*T rows per kv head (not G of T rows each).
+    qg = np.ascontiguousarray(q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)).reshape(Hkv, group * T, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, G*T, L'), rows g-major: (Hkv, G, T, L') in memory
     scores *= np.float32(scale)
     if softcap:
         scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
     # Masked (causal, sliding window) softmax in place; masked keys get weight 0.
     glue.causal_softmax(scores.reshape(Hkv * group, T, L - first), pos0, first, window)
-    out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (Hkv, G, T, D)
-    return out.transpose(2, 0, 1, 3).reshape(T, H, D)
+    out = np.matmul(scores, v.transpose(1, 0, 2))  # (Hkv, G*T, D)
+    return out.reshape(Hkv, group, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)
