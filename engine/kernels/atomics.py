@@ -5,7 +5,7 @@ one parallel loop each, every piece paid numba's fork/join and the imbalance of 
 with 2 threads). The compiled decode step (models/decode_step.py) instead runs one parallel region in which
 every thread walks the same list of phases: in a phase each thread claims task after task from the phase's
 counter (`claim`), reports each one done (`finish`), and waits until the phase's tasks are all done
-(`wait_done`) before the next phase reads their results.
+(`wait_done`, `next_phase`) before the next phase reads their results.
 
 Nothing here can deadlock: a thread only waits for tasks that another thread has claimed and is running, never
 for a thread to arrive. If the region gets fewer threads than workers, the first runs every task and the others
@@ -84,6 +84,13 @@ def finish(ctr, phase):
 def wait_done(ctr, phase, n_tasks):
     while _load_acquire(ctr, 2 * SLOT * phase + SLOT) < n_tasks:
         _spin_pause()
+
+
+@njit(cache=True)
+def next_phase(ctr, phase, n_tasks):
+    """Wait until phase's n_tasks tasks are done; the next phase's number."""
+    wait_done(ctr, phase, n_tasks)
+    return phase + 1
 
 
 def counters_size(n_phases: int) -> int:

@@ -119,7 +119,7 @@ def _quantize(mats, x, qb):
 @njit(cache=True)
 def _matvec_phase(ctr, phase, buf, pbuf, mats, qb, x, out, n_chunks, tier):
     """out (M, sum of rows) = x @ W_i.T for the matrices mats side by side (x already quantized into qb), in
-    n_chunks row ranges claimed by whichever thread is free."""
+    n_chunks row ranges claimed by whichever thread is free. Returns the next phase once all are done."""
     xq8, xqn, xs8, xqk, xdk, xbk = qb
     total = out.shape[1]
     while True:
@@ -129,7 +129,7 @@ def _matvec_phase(ctr, phase, buf, pbuf, mats, qb, x, out, n_chunks, tier):
         _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, ch * total // n_chunks,
                (ch + 1) * total // n_chunks, tier)
         atomics.finish(ctr, phase)
-    atomics.wait_done(ctr, phase, n_chunks)
+    return atomics.next_phase(ctr, phase, n_chunks)
 
 
 @njit(cache=True)
@@ -229,18 +229,15 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
                 _norm_rows_into(x, out_norm, eps, h)
                 _quantize(head, h, qe)
             atomics.finish(ctr, p)
-        atomics.wait_done(ctr, p, 1)
-        p += 1
+        p = atomics.next_phase(ctr, p, 1)
         if layer == n_layer:
             break
-        _matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
-        p += 1
+        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
         if atomics.claim(ctr, p) == 0:
             _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, cos, sin, H, Hkv, D, qk_norm, neox, eps)
             part_sum[:] = 0.0  # a key range left empty keeps 0: the merge skips it
             atomics.finish(ctr, p)
-        atomics.wait_done(ctr, p, 1)
-        p += 1
+        p = atomics.next_phase(ctr, p, 1)
         while True:
             t = atomics.claim(ctr, p)
             if t >= n_tasks:
@@ -248,33 +245,26 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
             attention.task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, n_split, part_max,
                            part_sum, part_acc)
             atomics.finish(ctr, p)
-        atomics.wait_done(ctr, p, n_tasks)
-        p += 1
+        p = atomics.next_phase(ctr, p, n_tasks)
         if atomics.claim(ctr, p) == 0:
             attention.merge(part_max, part_sum, part_acc, a)
             _quantize(mats[layer, 3:4], a, qa)
             atomics.finish(ctr, p)
-        atomics.wait_done(ctr, p, 1)
-        p += 1
-        _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
-        p += 1
+        p = atomics.next_phase(ctr, p, 1)
+        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
             _add_normed(x, o, norms[layer, 2], eps, post)
             _norm_rows_into(x, norms[layer, 1], eps, h)
             _quantize(mats[layer, 4:6], h, qe)
             atomics.finish(ctr, p)
-        atomics.wait_done(ctr, p, 1)
-        p += 1
-        _matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
-        p += 1
+        p = atomics.next_phase(ctr, p, 1)
+        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
         if atomics.claim(ctr, p) == 0:
             _act_into(gu, g, gelu)
             _quantize(mats[layer, 6:7], g, qf)
             atomics.finish(ctr, p)
-        atomics.wait_done(ctr, p, 1)
-        p += 1
-        _matvec_phase(ctr, p, buf, pbuf, mats[layer, 6:7], qf, g, dn, n_chunks, tier)
-        p += 1
+        p = atomics.next_phase(ctr, p, 1)
+        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 6:7], qf, g, dn, n_chunks, tier)
     _matvec_phase(ctr, p, buf, pbuf, head, qe, h, logits, n_chunks, tier)
 
 
