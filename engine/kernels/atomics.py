@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import platform
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -93,5 +94,7 @@ def next_phase(ctr, phase, n_tasks):
     return phase + 1
 
 
-def counters_size(n_phases: int) -> int:
-    return 2 * SLOT * n_phases
+@njit(cache=True)
+def counters(n_phases):
+    """Zeroed counters for phases 0 .. n_phases - 1 (a claim and a done count each)."""
+    return np.zeros(2 * SLOT * n_phases, np.int64)

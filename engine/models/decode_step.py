@@ -42,8 +42,6 @@ _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # ro
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX = range(8)
 _LEGACY_CODES = tuple(int(t) for t in cpu_q8.LEGACY_TYPES)
 _K_CODES = tuple(int(t) for t in cpu_q8.K_TYPES)
-_EMPTY_I8, _EMPTY_F32 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32)
-_EMPTY_I16 = np.empty((0, 0, 0), np.int16)
 _NO_PACKED = np.empty(0, np.uint8)
 
 
@@ -309,7 +307,7 @@ def decode_step(buf, pbuf, mats, head, norms, qk_norms, out_norm, inv_freq, wind
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.zeros((M, H, n_split), np.float32)
     part_acc = np.empty((M, H, n_split, D), np.float32)
-    ctr = np.zeros(2 * atomics.SLOT * (PHASES_PER_LAYER * mats.shape[0] + 2), np.int64)
+    ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 2)  # the last layer's serial phase, the head
     _region(n_workers, ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams,
             pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
             n_split, tier)
