@@ -50,11 +50,11 @@ def logsumexp(x):
     m = x[0]
     for i in range(1, n):
         m = max(m, x[i])
-    buf = np.empty(4096, np.float32)
-    scratch = np.empty(4096, np.int32)
+    buf = np.empty(_BLOCK, np.float32)
+    scratch = np.empty(_BLOCK, np.int32)
     total = 0.0
-    for c0 in range(0, n, 4096):
-        c = min(4096, n - c0)
+    for c0 in range(0, n, _BLOCK):
+        c = min(_BLOCK, n - c0)
         b = buf[:c]
         for i in range(c):
             b[i] = x[c0 + i] - m
