@@ -100,6 +100,22 @@ def test_a_batch_equals_single_steps_bit_for_bit(fixtures):
             np.testing.assert_array_equal(s.values(layer), b.values(layer))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_step_embeds_tokens_as_the_prompt_path_does(fixtures, arch):
+    # The step looks its tokens up itself (compiled, from the packed copy of the table; the fixtures' 300 and 332
+    # rows leave 4 past the last packed group, read from the mapped blocks): bit for bit the prompt path's rows,
+    # and a token id outside the table is an error, never a read past it.
+    model = engine.load_model(fixtures[arch], selftest=False)
+    st, table = model.step, model.weights.tensor("token_embd")
+    ids = np.array([0, 1, 7, 8, 123, table.rows - 5, table.rows - 4, table.rows - 1])
+    got = np.empty((len(ids), model.config.n_embd), np.float32)
+    decode_step._embed(st.buf, st.pbuf, st.embd, ids, st.embed_scale, got)
+    np.testing.assert_array_equal(got, model.backend.embed(table, ids) * np.float32(model.config.embed_scale))
+    for bad in (-1, table.rows):
+        with pytest.raises(IndexError):
+            decode_step._embed(st.buf, st.pbuf, st.embd, np.array([bad]), st.embed_scale, got)
+
+
 def test_any_number_of_workers_gives_the_same_step(fixtures):
     # The step is one parallel region whose threads claim tasks from shared counters (kernels/atomics.py): one
     # worker alone, or more workers than threads (some then find every task taken), must give the same logits

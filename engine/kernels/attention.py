@@ -394,6 +394,7 @@ def merge(part_max, part_sum, part_acc, out):
                 o[d] /= total
 
 
-def n_split(M: int, Hkv: int, longest: int, threads: int) -> int:
+@njit(cache=True)
+def n_split(M, Hkv, longest, threads):
     """Key ranges per (sequence, kv head): about two tasks per thread, ranges of at least 64 keys."""
     return max(1, min(-(-2 * threads // (M * Hkv)), longest // 64))

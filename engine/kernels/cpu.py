@@ -353,7 +353,7 @@ def _row_q6_k(src, dst):
 
 
 @njit(cache=True)
-def _dequant_row(src, code, dst):
+def dequant_row(src, code, dst):
     """Dispatch one row on the type code (one branch per row: negligible)."""
     if code == _Q4_0:
         _row_q4_0(src, dst)
@@ -387,20 +387,20 @@ def _dequant_row(src, code, dst):
 @njit(parallel=True, cache=True)
 def _dequantize_rows(raw, code, out):
     for r in prange(raw.shape[0]):
-        _dequant_row(raw[r], code, out[r])
+        dequant_row(raw[r], code, out[r])
 
 
 @njit(cache=True)
 def _dequantize_rows_serial(raw, code, out):
     for r in range(raw.shape[0]):
-        _dequant_row(raw[r], code, out[r])
+        dequant_row(raw[r], code, out[r])
 
 
 @njit(cache=True)
 def _gather_rows(raw, code, ids, out):
     # Serial: a handful of rows per call, not worth a parallel launch.
     for i in range(ids.shape[0]):
-        _dequant_row(raw[ids[i]], code, out[i])
+        dequant_row(raw[ids[i]], code, out[i])
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -413,7 +413,7 @@ def _matvec(raw, code, x, out, n_chunks):
     for ch in prange(n_chunks):
         buf = bufs[ch]
         for r in range(ch * rows // n_chunks, (ch + 1) * rows // n_chunks):
-            _dequant_row(raw[r], code, buf)
+            dequant_row(raw[r], code, buf)
             for t in range(T):
                 xt = x[t]
                 acc = np.float32(0.0)
