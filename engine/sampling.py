@@ -97,7 +97,7 @@ def make_sampler(p: SamplingParams) -> Sampler:
         # (its normalizer compiled: numpy's f64 exp over 262k logits took 4 ms); then only as many of the best as
         # they can keep are sorted (few), growing the set until it holds them. Selection runs on the f32 logits
         # (4x faster than on an f64 copy), the kept few in f64.
-        total = None if top_k else float(np.exp(vmath.logsumexp(row) - np.float64(row.max())))
+        total = None if top_k else float(vmath.sum_exp(row, row.max()))  # sum(exp(logit - max))
         k = p.top_k if top_k else 64
         while True:
             take = (vmath.top_k_indices(row, k) if k <= HEAP_MAX_K else np.argpartition(-row, k - 1)[:k]) if k < n \

@@ -46,24 +46,36 @@ def exp_inplace(x, scratch):
 def logsumexp(x):
     """log(sum(exp(x))) of a contiguous float32 array (a row of logits): exp in f32, the sum in f64, in chunks
     that stay in L1 (a 262k vocabulary in numpy took ~1 ms per token)."""
+    m = np.max(x)
+    return np.float64(m) + np.log(sum_exp(x, m))
+
+
+@njit(cache=True, fastmath=True)
+def sum_exp(x, m):
+    """sum(exp(x - m)) of a contiguous float32 array, m its maximum (so no term overflows): exp in f32, each
+    L1-sized block summed in f32 (vector lanes), the blocks in f64. Full blocks go through the whole C buffer
+    (a slice of it would compile to strided code: ~30% slower)."""
     n = x.shape[0]
-    m = x[0]
-    for i in range(1, n):
-        m = max(m, x[i])
     buf = np.empty(_BLOCK, np.float32)
     scratch = np.empty(_BLOCK, np.int32)
     total = 0.0
-    for c0 in range(0, n, _BLOCK):
-        c = min(_BLOCK, n - c0)
-        b = buf[:c]
-        for i in range(c):
-            b[i] = x[c0 + i] - m
-        exp_inplace(b, scratch)
-        part = np.float32(0.0)  # each chunk summed in f32 (vector lanes), the chunks in f64
-        for i in range(c):
-            part += b[i]
-        total += np.float64(part)
-    return np.float64(m) + np.log(total)
+    full = n // _BLOCK * _BLOCK
+    for c0 in range(0, full, _BLOCK):
+        total += _block_sum_exp(x, c0, m, buf, scratch)
+    if full < n:
+        total += _block_sum_exp(x, full, m, buf[: n - full], scratch)
+    return total
+
+
+@njit(cache=True, fastmath=True)
+def _block_sum_exp(x, c0, m, b, scratch):
+    for i in range(b.shape[0]):
+        b[i] = x[c0 + i] - m
+    exp_inplace(b, scratch)
+    part = np.float32(0.0)
+    for i in range(b.shape[0]):
+        part += b[i]
+    return np.float64(part)
 
 
 @njit(cache=True, fastmath={"reassoc", "nsz", "contract"})  # not "ninf": -inf logits (masks) are data here
