@@ -109,11 +109,11 @@ def test_the_step_embeds_tokens_as_the_prompt_path_does(fixtures, arch):
     st, table = model.step, model.weights.tensor("token_embd")
     ids = np.array([0, 1, 7, 8, 123, table.rows - 5, table.rows - 4, table.rows - 1])
     got = np.empty((len(ids), model.config.n_embd), np.float32)
-    decode_step._embed(st.buf, st.pbuf, st.embd, ids, st.embed_scale, got)
+    decode_step._embed(st.table, st.pbuf, st.embd, ids, st.embed_scale, got)
     np.testing.assert_array_equal(got, model.backend.embed(table, ids) * np.float32(model.config.embed_scale))
     for bad in (-1, table.rows):
         with pytest.raises(IndexError):
-            decode_step._embed(st.buf, st.pbuf, st.embd, np.array([bad]), st.embed_scale, got)
+            decode_step._embed(st.table, st.pbuf, st.embd, np.array([bad]), st.embed_scale, got)
 
 
 def test_any_number_of_workers_gives_the_same_step(fixtures):

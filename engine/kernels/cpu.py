@@ -260,7 +260,9 @@ def _f16_at(src, o):
 
 @njit(cache=True)
 def _row_f32(src, dst):
-    dst[:] = src.view(np.float32)
+    f = src.view(np.float32)
+    for c in range(dst.shape[0]):  # a loop: `dst[:] = f` compiles numba's formatted shape error (~3 s cold)
+        dst[c] = f[c]
 
 
 @njit(cache=True)

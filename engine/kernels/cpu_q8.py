@@ -939,10 +939,11 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, 
         for i in range(len(raws)):
             a, z = max(lo, starts[i]), min(hi, starts[i + 1])
             if a < z:
-                # Flat, as the decode step's file buffer: both share one compiled specialization of every row
-                # kernel (half the first-run compile time).
-                rows_into(codes[i], raws[i].reshape(-1), 0, raws[i].shape[1], a - starts[i], z - starts[i], xq8, xs8,
-                      xqk, xdk, xbk, x, out, starts[i], tier)
+                # Flat, as the decode step's file buffer, and offsets typed int64 (a literal 0 would be a type
+                # of its own): both share one compiled specialization of every row kernel (each one more cost
+                # ~5-10 s of the first run's compile).
+                rows_into(codes[i], raws[i].reshape(-1), np.int64(0), raws[i].shape[1], a - starts[i], z - starts[i],
+                          xq8, xs8, xqk, xdk, xbk, x, out, np.int64(starts[i]), tier)
 
 
 @njit(cache=True)

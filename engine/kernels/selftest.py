@@ -84,6 +84,9 @@ def fixed_weight(ggml_type: GGMLType, rows: int = ROWS, cols: int = COLS, seed: 
             raw[:, :, off:off + 2] = scales[:, :, i:i + 1].view(np.uint8).reshape(rows, n_blocks, 2)
         raw = raw.reshape(rows, n_blocks * size)
     raw = np.ascontiguousarray(raw.reshape(rows, -1))
+    # Read-only, as a model's mapped weights are: numba compiles a kernel once per argument type, and a writable
+    # copy would make the self-test compile (and check) a second variant of every kernel that models never run.
+    raw.setflags(write=False)
     return QTensor(f"selftest.{ggml_type.name}", ggml_type, (rows, cols), raw)
 
 
@@ -120,6 +123,7 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
             return None
         dst = np.empty(w.raw.size, np.uint8)
         packed.repack(w.raw, w.ggml_type, dst)
+        dst.setflags(write=False)  # as Weights.pack hands out its packed copies
         p = QTensor(w.name, w.ggml_type, w.shape, w.raw, dst)
         _, want = matvec_q8(w, x, ids)
         got = packed.matvec(p, x)

@@ -74,7 +74,7 @@ def _needs(mats):
 def _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, lo, hi, tier):
     """Rows [lo, hi) of the matrices side by side. A packed matrix's group of 8 rows belongs to the chunk that
     holds its first row (so chunks may split groups and each group still runs once)."""
-    start = 0
+    start = np.int64(0)  # not a literal 0: rows_into would compile a variant of its own for it
     for i in range(mats.shape[0]):
         rows = mats[i, 1]
         a, z = max(lo, start) - start, min(hi, start + rows) - start
@@ -315,10 +315,11 @@ def decode_step(buf, pbuf, mats, head, norms, qk_norms, out_norm, inv_freq, wind
 
 
 @njit(cache=True)
-def _embed(buf, pbuf, entry, ids, scale, x):
-    """x (M, E) = the embedding rows ids of the table at entry (as mats rows) times scale: from its packed copy
-    where that holds the row (as packed.embed_rows, bit for bit), else from the mapped blocks."""
-    off, rows, rb, code, poff = entry[0], entry[1], entry[2], entry[3], entry[4]
+def _embed(table, pbuf, entry, ids, scale, x):
+    """x (M, E) = the embedding rows ids of the table (its GGUF rows (rows, row bytes), at entry as mats rows)
+    times scale: from its packed copy where that holds the row (as packed.embed_rows, bit for bit), else from
+    the table itself (a GGUF row as the prompt path reads it: the same compiled decoder, no second one)."""
+    rows, code, poff = entry[1], entry[3], entry[4]
     E = x.shape[1]
     group = np.empty((packed.ROWS, E), np.float32)
     for m in range(ids.shape[0]):
@@ -327,15 +328,17 @@ def _embed(buf, pbuf, entry, ids, scale, x):
             raise IndexError("a token id lies outside the embedding table")
         if poff >= 0 and t < rows // packed.ROWS * packed.ROWS:
             packed.dequantize_into(pbuf[poff:], code, t // packed.ROWS, t // packed.ROWS + 1, E, group)
-            x[m, :] = group[t % packed.ROWS]
+            r = t % packed.ROWS
+            for i in range(E):
+                x[m, i] = group[r, i] * scale
         else:
-            cpu.dequant_row(buf[off + t * rb : off + (t + 1) * rb], code, x[m])
-        for i in range(E):
-            x[m, i] *= scale
+            cpu.dequant_row(table[t], code, x[m])
+            for i in range(E):
+                x[m, i] *= scale
 
 
 @njit(cache=True)
-def step(buf, pbuf, mats, head, embd, embed_scale, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams,
+def step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams,
          ids, pos, kcs, vcs, tier, threads):
     """decode_step for the tokens ids (M,), its work split for `threads` threads. The embedding lookup and this
     arithmetic run compiled because between two steps the Python interpreter's own data has left the caches (a
@@ -343,7 +346,7 @@ def step(buf, pbuf, mats, head, embd, embed_scale, norms, qk_norms, out_norm, in
     packed.embed_rows and the split in Python: ~0.25 ms a token, 4% of SmolLM2's step)."""
     M = ids.shape[0]
     x = np.empty((M, norms.shape[2]), np.float32)
-    _embed(buf, pbuf, embd, ids, embed_scale, x)
+    _embed(table, pbuf, embd, ids, embed_scale, x)
     longest = 0
     for m in range(M):
         longest = max(longest, pos[m] + 1)
@@ -384,6 +387,7 @@ class DecodeStep:
         self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor], np.float64)
         self.iparams = np.array([cfg.n_head, cfg.n_head_kv, D, cfg.rope_dim, flags["qk_norm"], flags["post_norms"],
                                  flags["act"] == "gelu_tanh", cfg.rope_style == "neox"], np.int64)
+        self.table = w.tensor("token_embd").raw  # (rows, row bytes): the rows past its packed groups
         self.embd = np.array(self._entry(w, "token_embd"), np.int64)
         self.embed_scale = np.float32(cfg.embed_scale)
         self.tier = cpu_q8.tier_token(tier)
@@ -401,7 +405,7 @@ class DecodeStep:
         for c in caches:
             c.reserve(1)
         pos = np.array([c.length for c in caches], np.int64)
-        logits = step(self.buf, self.pbuf, self.mats, self.head, self.embd, self.embed_scale, self.norms,
+        logits = step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale, self.norms,
                       self.qk_norms, self.out_norm, self.inv_freq, self.windows, self.fparams, self.iparams, ids, pos,
                       tuple(c.k for c in caches), tuple(c.v for c in caches), self.tier, numba.get_num_threads())
         for c in caches:
