@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.kernels import cpu_q8
+from engine.kernels import attention, cpu_q8
 from engine.models import decode_step
 from engine.models.base import log_softmax
 from engine.models.registry import family
@@ -125,14 +125,17 @@ def test_any_number_of_workers_gives_the_same_step(fixtures):
     cache = model.new_cache(64)
     model.eval(PROMPT, cache)
     cache.reserve(1)
-    x = np.random.default_rng(0).standard_normal((1, model.config.n_embd)).astype(np.float32)
     pos = np.array([cache.length])
-    args = (st.buf, st.pbuf, st.mats, st.head, st.norms, st.qk_norms, st.out_norm, st.inv_freq, st.windows,
-            st.fparams, st.iparams)
-    runs = [decode_step.decode_step(*args, x.copy(), pos, (cache.k,), (cache.v,), n_chunks, n_split, st.tier, workers)
+    args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.out_norm,
+            st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos, (cache.k,), (cache.v,))
+    runs = [decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers)
             for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
     for got in runs[1:]:
         np.testing.assert_array_equal(got, runs[0])
+    # n_split 0: the step picks the key ranges itself, as attention.n_split says
+    auto = attention.n_split(1, model.config.n_head_kv, cache.length + 1, 2)
+    np.testing.assert_array_equal(decode_step.decode_step(*args, 8, 0, st.tier, 2),
+                                  decode_step.decode_step(*args, 8, auto, st.tier, 2))
 
 
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(

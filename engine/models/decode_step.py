@@ -266,52 +266,12 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
     _matvec_phase(ctr, p, buf, pbuf, head, qe, h, logits, n_chunks, tier)
 
 
-@njit(parallel=True, cache=True)
-def _region(n_workers, ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams,
-            pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-            n_split, tier):
-    for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
-        _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams, pos,
-                kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-                n_split, tier)
-
-
 @njit(cache=True)
 def _rows(mats):
     r = 0
     for i in range(mats.shape[0]):
         r += mats[i, 1]
     return r
-
-
-@njit(cache=True)
-def decode_step(buf, pbuf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos, kcs, vcs,
-                n_chunks, n_split, tier, n_workers):
-    """x (M, E): the embedded new token of each sequence at positions pos (M,); kcs/vcs: each sequence's cache
-    arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos), written at
-    pos. Returns the head's logits (M, head rows).
-    n_chunks: row ranges per matvec; n_split: key ranges per attention head; n_workers: threads of the region."""
-    M, E = x.shape
-    H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
-    F = _rows(mats[0, 4:6]) // 2  # gate and up side by side
-    cos, sin = _rope_tables(inv_freq, pos, fparams[2])
-    h = np.empty((M, E), np.float32)
-    qkv = np.empty((M, _rows(mats[0, 0:3])), np.float32)
-    a = np.empty((M, H * D), np.float32)
-    o = np.empty((M, _rows(mats[0, 3:4])), np.float32)
-    gu = np.empty((M, 2 * F), np.float32)
-    g = np.empty((M, F), np.float32)
-    dn = np.empty((M, _rows(mats[0, 6:7])), np.float32)
-    logits = np.empty((M, _rows(head)), np.float32)
-    qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(M, F)
-    part_max = np.empty((M, H, n_split), np.float32)
-    part_sum = np.zeros((M, H, n_split), np.float32)
-    part_acc = np.empty((M, H, n_split, D), np.float32)
-    ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 2)  # the last layer's serial phase, the head
-    _region(n_workers, ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams,
-            pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-            n_split, tier)
-    return logits
 
 
 @njit(cache=True)
@@ -337,22 +297,50 @@ def _embed(table, pbuf, entry, ids, scale, x):
                 x[m, i] *= scale
 
 
-@njit(cache=True)
-def step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams,
-         ids, pos, kcs, vcs, tier, threads):
-    """decode_step for the tokens ids (M,), its work split for `threads` threads. The embedding lookup and this
-    arithmetic run compiled because between two steps the Python interpreter's own data has left the caches (a
-    step streams the weights through them): every Python line then costs ~10x its warm time (as
-    packed.embed_rows and the split in Python: ~0.25 ms a token, 4% of SmolLM2's step)."""
+@njit(parallel=True, cache=True)
+def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, out_norm, inv_freq, windows, fparams,
+                iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers):
+    """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
+    cache arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos),
+    written at pos. Returns the head's logits (M, head rows).
+    n_chunks: row ranges per matvec; n_split: key ranges per attention head (0: about two tasks per thread);
+    n_workers: threads of the parallel region.
+
+    Everything from the embedding lookup on is compiled, because between two steps the Python interpreter's
+    own data has left the caches (a step streams the weights through them) and every Python line costs ~10x
+    its warm time (the lookup and the split in Python: ~0.25 ms a token, 4% of SmolLM2's step). And it is one
+    function, not a chain of calls: numba optimizes each caller again with its callees' code linked in, so
+    every level cost ~5 s of the first run's compile."""
     M = ids.shape[0]
-    x = np.empty((M, norms.shape[2]), np.float32)
+    E = norms.shape[2]
+    H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
+    x = np.empty((M, E), np.float32)
     _embed(table, pbuf, embd, ids, embed_scale, x)
-    longest = 0
-    for m in range(M):
-        longest = max(longest, pos[m] + 1)
-    n_split = attention.n_split(M, iparams[_HKV], longest, threads)
-    return decode_step(buf, pbuf, mats, head, norms, qk_norms, out_norm, inv_freq, windows, fparams, iparams, x, pos,
-                       kcs, vcs, ROW_RANGES_PER_THREAD * threads, n_split, tier, threads)
+    if n_split <= 0:
+        longest = 0
+        for m in range(M):
+            longest = max(longest, pos[m] + 1)
+        n_split = attention.n_split(M, Hkv, longest, n_workers)
+    F = _rows(mats[0, 4:6]) // 2  # gate and up side by side
+    cos, sin = _rope_tables(inv_freq, pos, fparams[2])
+    h = np.empty((M, E), np.float32)
+    qkv = np.empty((M, _rows(mats[0, 0:3])), np.float32)
+    a = np.empty((M, H * D), np.float32)
+    o = np.empty((M, _rows(mats[0, 3:4])), np.float32)
+    gu = np.empty((M, 2 * F), np.float32)
+    g = np.empty((M, F), np.float32)
+    dn = np.empty((M, _rows(mats[0, 6:7])), np.float32)
+    logits = np.empty((M, _rows(head)), np.float32)
+    qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(M, F)
+    part_max = np.empty((M, H, n_split), np.float32)
+    part_sum = np.empty((M, H, n_split), np.float32)  # zeroed by each layer's serial phase before attention
+    part_acc = np.empty((M, H, n_split, D), np.float32)
+    ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 2)  # the last layer's serial phase, the head
+    for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
+        _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams, pos,
+                kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
+                n_split, tier)
+    return logits
 
 
 # =========================================================================================================
@@ -405,9 +393,11 @@ class DecodeStep:
         for c in caches:
             c.reserve(1)
         pos = np.array([c.length for c in caches], np.int64)
-        logits = step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale, self.norms,
-                      self.qk_norms, self.out_norm, self.inv_freq, self.windows, self.fparams, self.iparams, ids, pos,
-                      tuple(c.k for c in caches), tuple(c.v for c in caches), self.tier, numba.get_num_threads())
+        threads = numba.get_num_threads()
+        logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
+                             self.norms, self.qk_norms, self.out_norm, self.inv_freq, self.windows, self.fparams,
+                             self.iparams, ids, pos, tuple(c.k for c in caches), tuple(c.v for c in caches),
+                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads)
         for c in caches:
             c.advance(1)
         return logits
