@@ -82,7 +82,8 @@ def cpu_backend(selftest: bool = True, name: str = "cpu"):
     if not selftest or os.environ.get("GOINFER_NO_SELFTEST", "").strip() not in ("", "0"):
         st.mark_skipped()
         return get_backend(name), frozenset()
-    st.run_selftest(warn=lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
+    st.run_selftest(warn=lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True),
+                    kernels=st.PATH_KERNELS[name])
     slow = st.disabled_types()
     if not slow:
         return get_backend(name), slow

@@ -27,8 +27,8 @@ def fresh_selftest(monkeypatch):
     monkeypatch.delenv("GOINFER_NO_SELFTEST", raising=False)
 
 
-def _break_q4_k_matvec(monkeypatch):
-    real = selftest.KERNELS["matvec"]
+def _break_q4_k_matvec(monkeypatch):  # the int8 path's matvec: the kernel a default load checks
+    real = selftest.KERNELS["matvec_q8"]
 
     def wrong(w, x, ids):
         got, want = real(w, x, ids)
@@ -36,7 +36,7 @@ def _break_q4_k_matvec(monkeypatch):
             got = got * 1.5  # a quietly wrong kernel
         return got, want
 
-    monkeypatch.setitem(selftest.KERNELS, "matvec", wrong)
+    monkeypatch.setitem(selftest.KERNELS, "matvec_q8", wrong)
 
 
 def test_every_kernel_agrees_with_the_reference(fresh_selftest):
@@ -59,7 +59,7 @@ def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selft
     assert "matvec" in warn[0] and "Q4_K" in warn[0] and "tier reference" in warn[0] and "0.5" in warn[0]
     report = selftest.report()
     assert report["status"] == "stepped_down" and report["stepped_down"] == {"Q4_K": "reference"}
-    assert [(f["kernel"], f["type"]) for f in report["failed"]] == [("matvec", "Q4_K")]
+    assert [(f["kernel"], f["type"]) for f in report["failed"]] == [("matvec_q8", "Q4_K")]
     # The model's Q4_K weights now run on the reference tier; other types stay on the fast one.
     backend = model.backend
     q4k = next(model.weights.tensor(n[: -len(".weight")]) for n, e in model.weights._file.entries.items()
@@ -75,6 +75,20 @@ def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selft
     # The self-test runs once per process: a second load neither repeats it nor warns again.
     load_model(tmp_path / "tiny.gguf")
     assert "WARN" not in capsys.readouterr().err
+
+
+def test_a_load_checks_what_its_path_runs_and_check_hardware_the_rest(fresh_selftest, tmp_path):
+    # Each checked kernel compiles on the first run: a default (int8) load leaves the exact path's f32 matvec
+    # alone, an exact-path load checks it, and `check --hardware` adds whatever is left without repeating.
+    from engine.load import load_model
+
+    path = mf.write_llama_fixture(tmp_path / "tiny.gguf")
+    load_model(path)
+    assert {r.kernel for r in selftest.report_results()} == {"matvec_q8", "packed_q8", "dequantize", "embed"}
+    load_model(path, quant="f32")
+    assert {r.kernel for r in selftest.report_results()} == {"matvec_q8", "packed_q8", "dequantize", "embed", "matvec"}
+    n = len(selftest.report_results())
+    assert selftest.run_selftest().status == "ok" and len(selftest.report_results()) == n  # nothing left to run
 
 
 def test_no_selftest_skips_it(fresh_selftest, monkeypatch, tmp_path):
@@ -98,7 +112,8 @@ def test_health_carries_the_selftest(fresh_selftest, tmp_path):
         body = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 49
+    # the int8 path's kernels: matvec_q8, dequantize and embed for 11 types, packed_q8 for 5
+    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 38
     assert body["selftest"]["failed"] == []
 
 
