@@ -153,9 +153,9 @@ def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = No
     with _LOCK:
         if not KERNELS:
             KERNELS.update(_cpu_kernels())
-        wanted = list(KERNELS) if kernels is None else [k for k in KERNELS if k in set(kernels)]
+        wanted = set(KERNELS) if kernels is None else set(kernels)
         done = set() if force or _STATE.status in ("not_run", "skipped") else {r.kernel for r in _STATE.results}
-        todo = [k for k in wanted if k not in done]
+        todo = [k for k in KERNELS if k in wanted and k not in done]  # in KERNELS' order, as before
         if not todo:
             return _STATE
         start = time.perf_counter()
