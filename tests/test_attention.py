@@ -30,11 +30,13 @@ def _stored(a: np.ndarray, dtype: str):
 @pytest.mark.parametrize("group,D,n", [(1, 64, 1), (2, 64, 15), (3, 64, 16), (4, 256, 17), (3, 128, 40),
                                        (5, 64, 33), (9, 64, 300), (8, 96, 7)])
 def test_scores_equal_numpy(dtype, group, D, n):
-    cap = n + 5  # rows longer than n: the kernel must not read or write past n
-    keys, want_k = _stored(RNG.standard_normal((D, cap)).astype(np.float32), dtype)
+    tiles = n // A.TILE + 2  # a tile before the keys (the kernel starts at k0) and room past n
+    keys, want_k = _stored(RNG.standard_normal((D, tiles * A.TILE)).astype(np.float32), dtype)
+    tiled = np.ascontiguousarray(keys.reshape(D, tiles, A.TILE).transpose(1, 0, 2))  # (tiles, D, 16)
+    want_k = want_k[:, A.TILE :]
     q = RNG.standard_normal(3 + group * D).astype(np.float32)
     s = np.full(2 + group * (n + 1), 123.0, np.float32)  # row stride n + 1: untouched gaps show stray writes
-    A.scores(group, keys.reshape(-1), 0, cap, q, 3, D, n, np.float32(0.125), s, 2, n + 1, keys.reshape(-1), 0)
+    A.scores(group, tiled.reshape(-1), D * A.TILE, q, 3, D, n, np.float32(0.125), s, 2, n + 1, tiled.reshape(-1), 0)
     got = s[2:].reshape(group, n + 1)
     want = 0.125 * (q[3:].reshape(group, D).astype(np.float64) @ want_k[:, :n].astype(np.float64))
     np.testing.assert_allclose(got[:, :n], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

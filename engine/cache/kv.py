@@ -2,12 +2,13 @@
 
 Keys and values in f32 (the exact path) or f16 (the fast path, as llama.cpp's default cache: half the memory and
 half the bytes each decoded token's attention reads; stored as IEEE half bits in uint16 arrays, which the
-compiled kernels widen in registers), one array each for all layers (so the compiled decode step reaches every layer through one
-argument): keys transposed, (n_layer, n_head_kv, head_dim, capacity), so a query's dot products with all keys
-run along contiguous positions (SIMD across keys, no horizontal sums); values (n_layer, n_head_kv, capacity,
-head_dim), so the weighted sum runs along contiguous head dims. Grown in steps as the sequence grows (a server
-must not reserve the whole context window for every request), with the small protocol the engine needs:
-length, reserve, write, advance, truncate (prefix reuse and rewinding), keys/values of a layer.
+compiled kernels widen in registers), one array each for all layers (so the compiled decode step reaches every
+layer through one argument): keys in tiles of 16 positions, (n_layer, n_head_kv, tiles, head_dim, 16), so a
+query's dot products run along contiguous positions (SIMD across keys, no horizontal sums) and a tile is one
+contiguous block; values (n_layer, n_head_kv, capacity, head_dim), so the weighted sum runs along contiguous
+head dims. Grown in steps as the sequence grows (a server must not reserve the whole context window for every
+request), with the small protocol the engine needs: length, reserve, write, advance, truncate (prefix reuse
+and rewinding), keys/values of a layer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class KVCache:
         self.dtype = dtype
         self._store = np.float32 if dtype == "f32" else np.uint16
         self.length = 0  # tokens whose keys/values every layer holds
-        self.k = np.empty((n_layer, n_head_kv, head_dim, 0), self._store)  # keys, transposed
+        self.k = np.empty((n_layer, n_head_kv, 0, head_dim, attention.TILE), self._store)  # keys, in tiles
         self.v = np.empty((n_layer, n_head_kv, 0, head_dim), self._store)
 
     @property
@@ -46,9 +47,10 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = min(self.max_tokens, max(need, 2 * self.capacity, _GROW_STEP))
-        k = np.empty((self.n_layer, self.n_head_kv, self.head_dim, cap), self._store)
+        tiles = -(-cap // attention.TILE)
+        k = np.empty((self.n_layer, self.n_head_kv, tiles, self.head_dim, attention.TILE), self._store)
         v = np.empty((self.n_layer, self.n_head_kv, cap, self.head_dim), self._store)
-        k[..., : self.length] = self.k[..., : self.length]
+        k[:, :, : self.k.shape[2]] = self.k
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
 
@@ -56,28 +58,22 @@ class KVCache:
         """Store k, v (T, Hkv, D) f32 at positions length..length+T-1; return all keys/values of the layer as
         (L, Hkv, D) f32 (as stored: f16 values come back rounded)."""
         T, end = k.shape[0], self.length + k.shape[0]
+        attention.store_keys(np.ascontiguousarray(k, np.float32), self.k, layer, self.length)
         if self.dtype == "f32":
-            self.k[layer, :, :, self.length : end] = k.transpose(1, 2, 0)
             self.v[layer, :, self.length : end] = v.transpose(1, 0, 2)
         else:
             H, D, cap = self.n_head_kv, self.head_dim, self.capacity
-            kt = np.ascontiguousarray(k.transpose(1, 2, 0), np.float32).reshape(-1)  # (Hkv, D, T)
             vt = np.ascontiguousarray(v.transpose(1, 0, 2), np.float32).reshape(-1)  # (Hkv, T, D)
-            attention.to_halves(kt, 0, T, self.k.reshape(-1), layer * H * D * cap + self.length, cap, H * D, T)
             attention.to_halves(vt, 0, T * D, self.v.reshape(-1), (layer * H * cap + self.length) * D, cap * D, H,
                                 T * D)
         return self.keys(layer, end), self.values(layer, end)
 
     def keys(self, layer: int, n: int | None = None) -> np.ndarray:
-        """The first n (default: length) keys of a layer, (n, Hkv, D) f32: a view of an f32 cache, a copy of an
-        f16 one."""
+        """The first n (default: length) keys of a layer, (n, Hkv, D) f32 (a copy)."""
         n = self.length if n is None else n
-        if self.dtype == "f32":
-            return self.k[layer, :, :, :n].transpose(2, 0, 1)
-        H, D, cap = self.n_head_kv, self.head_dim, self.capacity
-        out = np.empty((H, D, n), np.float32)
-        attention.from_halves(self.k.reshape(-1), layer * H * D * cap, cap, out.reshape(-1), 0, n, H * D, n)
-        return out.transpose(2, 0, 1)
+        out = np.empty((n, self.n_head_kv, self.head_dim), np.float32)
+        attention.load_keys(self.k, layer, out)
+        return out
 
     def values(self, layer: int, n: int | None = None) -> np.ndarray:
         n = self.length if n is None else n

@@ -3,16 +3,18 @@
 The two products of attention at one token are written as LLVM-IR kernels (as the matvec rows of cpu_q8), each
 serving all the query heads that share one kv head (grouped-query attention) in one pass over the cache:
 
-  scores   s[g, j] = scale * q_g . k_j       keys transposed (D rows of positions): tiles of 16 positions, the
-                                             group's accumulators in registers, each key row loaded once for
-                                             every head of the group
+  scores   s[g, j] = scale * q_g . k_j       keys in tiles of 16 positions, each tile D rows of 16 (one
+                                             contiguous block): the group's accumulators in registers, each
+                                             key row loaded once for every head of the group
   values   o[g, :] = sum_j p[g, j] v_j       values in rows of D: tiles of 16 head dims, the same sharing
 
-Numba loops here were load-bound, re-read the cache once per query head, and left the D strided key rows to the
-hardware prefetcher (which tracks far fewer streams than a head has dims); these kernels read each cache line
-once per group and prefetch every key row ahead. The cache holds f32 (the exact path) or IEEE halves stored as
-uint16 (the fast path, as llama.cpp's default f16 cache: half the bytes a token's attention streams from memory);
-halves widen to f32 in registers (vcvtph2ps). Groups of more than four heads run four at a time (registers).
+Numba loops here were load-bound and re-read the cache once per query head; these kernels read each cache line
+once per group. Keys were first stored transposed (D rows of all positions): a tile then read 16 positions from
+each of D rows a capacity apart, D streams for the prefetchers; in tiles of D x 16 the scores read one
+contiguous stream (cold cache, one thread, all layers at 577 positions: SmolLM2 0.97 -> 0.71 ms, Gemma-3 0.79
+-> 0.56). The cache holds f32 (the exact path) or IEEE halves stored as uint16 (the fast path, as llama.cpp's
+default f16 cache: half the bytes a token's attention streams from memory); halves widen to f32 in registers
+(vcvtph2ps). Groups of more than four heads run four at a time (registers).
 
 Plain LLVM vector IR (fmuladd, fpext, masked loads and stores): no target intrinsics, so no CPU tier.
 """
@@ -29,7 +31,8 @@ from engine.kernels.cpu_q8 import _E, _FLT, _I8, _I16, _I32, _V
 
 TILE = 16  # positions (scores) or head dims (values) per tile: two 8-float vectors per head
 MAX_GROUP = 4  # query heads per kernel call: 4 x 2 accumulators + 2 loads fit the 16 AVX registers
-PREFETCH = 256  # bytes ahead along each key row (256 and 512 measured alike; 0 and 1-2 KB slower)
+PREFETCH = 512  # bytes ahead along the keys' stream (cold scores, 512 / 1024 / 4096: 0.74 / 0.76 / 0.80 of the
+# transposed layout's time)
 
 
 # =========================================================================================================
@@ -71,6 +74,39 @@ def _kv_value(x, like):
     if like.dtype == types.uint16:
         return lambda x, like: half_bits(np.float32(x))
     return lambda x, like: np.float32(x)
+
+
+def kv_float(x):
+    """An element of a cache array (f32, or half bits in uint16) as f32."""
+
+
+@overload(kv_float)
+def _kv_float(x):
+    if x == types.uint16:
+        return lambda x: half_value(x)
+    return lambda x: np.float32(x)
+
+
+@njit(cache=True)
+def store_keys(src, kc, layer, start):
+    """Keys src (T, Hkv, D) f32 into a cache's key array kc (n_layer, Hkv, tiles, D, TILE) at positions
+    start .. start + T - 1 of a layer (rounded to halves where the cache holds them)."""
+    T, Hkv, D = src.shape
+    for t in range(T):
+        tile, lane = (start + t) // TILE, (start + t) % TILE
+        for h in range(Hkv):
+            for d in range(D):
+                kc[layer, h, tile, d, lane] = kv_value(src[t, h, d], kc)
+
+
+@njit(cache=True)
+def load_keys(kc, layer, out):
+    """out (n, Hkv, D) f32 = the keys of positions 0 .. n - 1 of a layer of a cache's key array kc."""
+    n, Hkv, D = out.shape
+    for j in range(n):
+        for h in range(Hkv):
+            for d in range(D):
+                out[j, h, d] = kv_float(kc[layer, h, j // TILE, d, j % TILE])
 
 
 @njit(cache=True)
@@ -134,30 +170,29 @@ def _lane_mask(e: _E, j0, n):
 
 
 def _scores_kernel(G: int):
-    """Intrinsic (kf, k0, cap, q, q0, D, n, scale, s, s0, ss, vf, v0) -> None: for the G heads whose queries lie
-    at q[q0 + g D:][:D], s[s0 + g ss + j] = scale * sum_d q[g, d] K[k0 + d cap + j] for j < n (keys transposed,
-    rows of cap positions, f32 or half bits). Meanwhile it prefetches the values the weighted sum will read
-    next (rows of D from v0 of vf, the cache's storage): a decode step's keys and values come from DRAM (the
-    weights streamed through the caches since the last token), and fetched alongside the scores' arithmetic
-    they no longer stall the values pass."""
+    """Intrinsic (kf, k0, q, q0, D, n, scale, s, s0, ss, vf, v0) -> None: for the G heads whose queries lie
+    at q[q0 + g D:][:D], s[s0 + g ss + j] = scale * sum_d q[g, d] K[k0 + (j // 16 D + d) 16 + j % 16] for j < n
+    (keys in tiles of 16 positions from k0, each D rows of 16; f32 or half bits). Meanwhile it prefetches the
+    values the weighted sum will read next (rows of D from v0 of vf, the cache's storage): a decode step's keys
+    and values come from DRAM (the weights streamed through the caches since the last token), and fetched
+    alongside the scores' arithmetic they no longer stall the values pass."""
 
-    def impl(typingctx, kf, k0, cap, q, q0, D, n, scale, s, s0, ss, vf, v0):
+    def impl(typingctx, kf, k0, q, q0, D, n, scale, s, s0, ss, vf, v0):
         if not (_cache_ok(kf) and _f32_ok(q) and _f32_ok(s) and _cache_ok(vf)):
             return None
         ip = types.intp
-        sig = types.none(kf, ip, ip, q, ip, ip, ip, types.float32, s, ip, ip, vf, ip)
+        sig = types.none(kf, ip, q, ip, ip, ip, types.float32, s, ip, ip, vf, ip)
 
         def codegen(context, builder, signature, args):
             e, b = _E(context, builder, "generic"), builder
             at = signature.args
-            kf_, k0_, cap_, q_, q0_, D_, n_, scale_, s_, s0_, ss_, vf_, v0_ = args
+            kf_, k0_, q_, q0_, D_, n_, scale_, s_, s0_, ss_, vf_, v0_ = args
             load, es = _cache_loader(e, at[0])
             kp = b.gep(e.base(at[0], kf_), [e.mul(k0_, es)], source_etype=_I8)
-            vp = b.gep(e.base(at[11], vf_), [e.mul(v0_, es)], source_etype=_I8)
-            vtile = e.mul(e.mul(D_, TILE), es)  # bytes of values per tile of positions
-            qp = b.gep(e.base(at[3], q_), [e.mul(q0_, 4)], source_etype=_I8)
-            sp = b.gep(e.base(at[8], s_), [e.mul(s0_, 4)], source_etype=_I8)
-            row = e.mul(cap_, es)
+            vp = b.gep(e.base(at[10], vf_), [e.mul(v0_, es)], source_etype=_I8)
+            tile_bytes = e.mul(e.mul(D_, TILE), es)  # of keys, and of values, per tile of positions
+            qp = b.gep(e.base(at[2], q_), [e.mul(q0_, 4)], source_etype=_I8)
+            sp = b.gep(e.base(at[7], s_), [e.mul(s0_, 4)], source_etype=_I8)
             scv = e.splat(scale_, 8)
             accs = [[e.fvar(8) for _ in range(2)] for _ in range(G)]
             qoffs = [e.mul(D_, 4 * g) for g in range(G)]  # byte offset of each head's query
@@ -168,11 +203,12 @@ def _scores_kernel(G: int):
                 for pair in accs:
                     for a in pair[: width // 8]:
                         b.store(zero, a)
-                vstart = e.mul(b.sdiv(j0, e.i64(TILE)), vtile)
+                tstart = e.mul(b.sdiv(j0, e.i64(TILE)), tile_bytes)
+                lane = e.mul(b.srem(j0, e.i64(TILE)), es)
                 with e.loop(D_) as lp:
-                    off = e.add(e.mul(lp.index, row), e.mul(j0, es))
+                    off = e.add(e.add(tstart, e.mul(lp.index, TILE * es)), lane)
                     e.prefetch(kp, e.add(off, PREFETCH))
-                    e.prefetch(vp, e.add(vstart, e.mul(lp.index, TILE * es)))  # this tile's values, D x 32 bytes
+                    e.prefetch(vp, e.add(tstart, e.mul(lp.index, TILE * es)))  # this tile's values, D x 32 bytes
                     ks = [load(kp, off, mask)] if width == 8 else [load(kp, off), load(kp, e.add(off, 8 * es))]
                     for g, pair in enumerate(accs):
                         qv = e.splat(e.ld(qp, e.add(e.mul(lp.index, 4), qoffs[g]), _FLT), 8)
@@ -254,21 +290,22 @@ _v1, _v2, _v3, _v4 = (_values_kernel(g) for g in (1, 2, 3, 4))
 
 
 @njit(cache=True)
-def scores(group, kf, k0, cap, q, q0, D, n, scale, s, s0, ss, vf, v0):
-    """s[s0 + g ss + j] = scale * q_g . k_j for the group's heads g (queries at q[q0 + g D:]), j < n; prefetches
-    the n values at v0 of vf (rows of D) that the weighted sum reads next."""
+def scores(group, kf, k0, q, q0, D, n, scale, s, s0, ss, vf, v0):
+    """s[s0 + g ss + j] = scale * q_g . k_j for the group's heads g (queries at q[q0 + g D:]), j < n, the keys in
+    tiles of 16 positions from k0 of kf (each D rows of 16); prefetches the n values at v0 of vf (rows of D)
+    that the weighted sum reads next."""
     g0 = 0
     while g0 < group:
         gs = min(MAX_GROUP, group - g0)
         qo, so = q0 + g0 * D, s0 + g0 * ss
         if gs == 4:
-            _s4(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
+            _s4(kf, k0, q, qo, D, n, scale, s, so, ss, vf, v0)
         elif gs == 3:
-            _s3(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
+            _s3(kf, k0, q, qo, D, n, scale, s, so, ss, vf, v0)
         elif gs == 2:
-            _s2(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
+            _s2(kf, k0, q, qo, D, n, scale, s, so, ss, vf, v0)
         else:
-            _s1(kf, k0, cap, q, qo, D, n, scale, s, so, ss, vf, v0)
+            _s1(kf, k0, q, qo, D, n, scale, s, so, ss, vf, v0)
         g0 += gs
 
 
@@ -296,14 +333,16 @@ def weighted_values(group, vf, v0, D, n, p, p0, ps, out, o0):
 
 
 @njit(cache=True, fastmath=True)
-def _part(q, q0, group, D, kf, k0, cap, vf, v0, n, scale, s, acc, iscratch, mx, total):
-    """The group's query heads (q[q0:]) over n cached positions (keys at k0 of kf, values at v0 of vf):
+def _part(q, q0, group, D, kf, k0, vf, v0, lead, n, scale, s, acc, iscratch, mx, total):
+    """The group's query heads (q[q0:]) over n cached positions (keys in tiles from k0 of kf, the first `lead`
+    positions of its first tile before the range; values at v0 of vf, the range's first):
     acc (group, D) = sum_j exp(s_j - max) v_j, mx/total (group,) the max and the sum of exp per head;
-    s (group, n) and iscratch (n,) are scratch."""
+    s (group, lead + n) and iscratch (n,) are scratch."""
     sf = s.reshape(-1)
-    scores(group, kf, k0, cap, q, q0, D, n, scale, sf, 0, n, vf, v0)
+    w = lead + n  # scores from the tile's start: the lead ones are computed and ignored
+    scores(group, kf, k0, q, q0, D, w, scale, sf, 0, w, vf, v0 - lead * D)
     for g in range(group):
-        row = s[g]
+        row = s[g, lead:]
         m = row[0]
         for j in range(1, n):
             m = max(m, row[j])
@@ -314,28 +353,32 @@ def _part(q, q0, group, D, kf, k0, cap, vf, v0, n, scale, s, acc, iscratch, mx, 
         for j in range(n):
             t += row[j]
         mx[g], total[g] = m, t
-    weighted_values(group, vf, v0, D, n, sf, 0, n, acc.reshape(-1), 0)
+    weighted_values(group, vf, v0, D, n, sf, lead, w, acc.reshape(-1), 0)
 
 
 @njit(cache=True)
 def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
-    """Work item t of attend: one sequence, one kv head (its group of query heads), one key range."""
+    """Work item t of attend: one sequence, one kv head (its group of query heads), one key range. Ranges
+    split the positions at whole key tiles, so only the first starts inside one."""
     m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
     kc, vc = kcs[m], vcs[m]
     group = H // Hkv
     p = pos[m]
     first = max(0, p - window + 1) if window > 0 else 0
-    n = p + 1 - first
-    j0, j1 = sp * n // n_split, (sp + 1) * n // n_split
-    if j0 == j1:
-        return  # more ranges than keys: part_sum stays 0 and the merge skips it
-    cap = kc.shape[3]
-    k0 = ((layer * Hkv + kvh) * D) * cap + first + j0
-    v0 = ((layer * Hkv + kvh) * cap + first + j0) * D
+    base = first // TILE * TILE
+    n_tiles = (p + 1 - base + TILE - 1) // TILE
+    t0, t1 = sp * n_tiles // n_split, (sp + 1) * n_tiles // n_split
+    j0, j1 = max(first, base + t0 * TILE), min(p + 1, base + t1 * TILE)  # positions [j0, j1)
+    if j0 >= j1:
+        return  # more ranges than tiles: part_sum stays 0 and the merge skips it
+    tiles, cap = kc.shape[2], vc.shape[2]
+    k0 = (((layer * Hkv + kvh) * tiles) + j0 // TILE) * D * TILE
+    v0 = ((layer * Hkv + kvh) * cap + j0) * D
+    lead, n = j0 % TILE, j1 - j0
     acc = np.empty((group, D), np.float32)
     gmax, gsum = np.empty(group, np.float32), np.empty(group, np.float32)
-    _part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, cap, vc.reshape(-1), v0, j1 - j0, scale,
-          np.empty((group, j1 - j0), np.float32), acc, np.empty(j1 - j0, np.int32), gmax, gsum)
+    _part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, vc.reshape(-1), v0, lead, n, scale,
+          np.empty((group, lead + n), np.float32), acc, np.empty(n, np.int32), gmax, gsum)
     for g in range(group):
         h = kvh * group + g
         part_max[m, h, sp] = gmax[g]
@@ -356,7 +399,7 @@ def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split
 def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
     """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
     cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; kcs/vcs each sequence's cache arrays (keys
-    (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D)); out (M, H D).
+    (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D)); out (M, H D).
 
     Work is split over (sequence, kv head, key range) so both threads stay busy whatever the head count
     (SmolLM2 has 3 kv heads, Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged

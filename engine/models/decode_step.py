@@ -180,7 +180,8 @@ def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, cos, sin, H, Hkv, D, qk_nor
         kc, vc = kcs[m], vcs[m]
         for kh in range(Hkv):
             for d in range(D):
-                kc[layer, kh, d, pos[m]] = attention.kv_value(row[(H + kh) * D + d], kc)  # keys transposed
+                kc[layer, kh, pos[m] // attention.TILE, d, pos[m] % attention.TILE] = attention.kv_value(
+                    row[(H + kh) * D + d], kc)
                 vc[layer, kh, pos[m], d] = attention.kv_value(row[(H + Hkv + kh) * D + d], vc)
 
 
@@ -301,7 +302,7 @@ def _embed(table, pbuf, entry, ids, scale, x):
 def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, out_norm, inv_freq, windows, fparams,
                 iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers):
     """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
-    cache arrays (keys (n_layer, Hkv, D, capacity), values (n_layer, Hkv, capacity, D); capacity > pos),
+    cache arrays (keys (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D); capacity > pos),
     written at pos. Returns the head's logits (M, head rows).
     n_chunks: row ranges per matvec; n_split: key ranges per attention head (0: about two tasks per thread);
     n_workers: threads of the parallel region.
