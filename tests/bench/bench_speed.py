@@ -9,7 +9,11 @@ Measures through the public API, wall clock, medians over --reps runs after one 
   decode_sampled_tok_s  the same, sampled (temperature 0.8, top_p 0.95; goinfer only)
   peak_rss_mb       the process's peak resident memory
 With --llama-python PY (a python that has llama-cpp-python), runs ../shared/bench/llama_cpp_anchor.py on
-the same file in the same sitting and prints both and our/their ratios.
+the same file in the same sitting and prints both and our/their ratios. The two take turns, run by run (ours,
+then one anchor run of one warm-up and one measured rep, --reps times): this VM's memory bandwidth drifts by
+20-30 % over minutes (other tenants), and both engines' decode is bound by it, so measuring one engine's runs
+all before the other's turned that drift into a 1.3x-2.1x spread of the same ratio between sittings.
+Medians are taken over each side's runs; "rounds" lists each turn's pair and ratio.
 
 Usage:
   python tests/bench/bench_speed.py MODEL.gguf [--quant auto] [--threads 2] [--prompt-tokens 512]
@@ -37,7 +41,9 @@ FILLER = ("The history of mechanical clocks begins in medieval Europe, where mon
           "to mark the hours of prayer. Early tower clocks had no faces; they simply rang bells. ")
 
 
-def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, reps: int) -> dict:
+def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, reps: int,
+                    between=lambda rep: None) -> dict:
+    """Our figures; between(rep) runs after each measured greedy run (the other engine's turn)."""
     sys.path.insert(0, str(ROOT))
     import engine
 
@@ -45,7 +51,13 @@ def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, 
     model = engine.load_model(path, quant=quant)
     load_s = time.perf_counter() - t0
     ids = model.tokenizer.encode(FILLER * (prompt_tokens // 10 + 1))[:prompt_tokens]
-    runs = [_run(engine, model, ids, gen_tokens, temperature=0) for _ in range(reps + 1)][1:]  # 1st warms up
+    _run(engine, model, ids, gen_tokens, temperature=0)  # warms up
+    runs, foreign = [], []
+    for rep in range(reps):
+        busy0 = _foreign_busy()
+        runs.append(_run(engine, model, ids, gen_tokens, temperature=0))
+        foreign.append(_foreign_busy(busy0))
+        between(rep)
     ttft = statistics.median(t for t, _ in runs)
     # Sampled as a chat client asks (llama.cpp's side stays greedy): the draw's cost on top of the step.
     sampled = [_run(engine, model, ids, gen_tokens, temperature=0.8, top_p=0.95, seed=rep)[1] for rep in range(reps)]
@@ -55,6 +67,8 @@ def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, 
         "decode_tok_s": round(statistics.median(d for _, d in runs), 1),
         "decode_sampled_tok_s": round(statistics.median(sampled), 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "foreign_cpu_frac": max(foreign),  # of the machine's CPU that others used during our runs (the worst)
+        "runs": [{"prefill_tok_s": round(prompt_tokens / t, 1), "decode_tok_s": round(d, 1)} for t, d in runs],
     }
 
 
@@ -89,25 +103,46 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["NUMBA_NUM_THREADS"] = str(a.threads)
     os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)
-    busy0 = _foreign_busy()
-    ours = measure_goinfer(a.model, a.quant, a.prompt_tokens, a.gen_tokens, a.reps)
-    ours["foreign_cpu_frac"] = _foreign_busy(busy0)
+    theirs: list[dict] = []  # one anchor result per turn
+
+    def llama_turn(rep: int) -> None:
+        if a.llama_python:
+            theirs.append(_anchor(a.llama_python, a.model, a.threads, a.prompt_tokens, a.gen_tokens))
+
+    ours = measure_goinfer(a.model, a.quant, a.prompt_tokens, a.gen_tokens, a.reps, llama_turn)
     if a.cold:
         ours["first_token_cold_cache_s"] = _first_token_s(a.model, a.quant, a.threads, cold=True)
         ours["first_token_warm_cache_s"] = _first_token_s(a.model, a.quant, a.threads, cold=False)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {_cpu_name()}, {os.cpu_count()} cores",
               "threads": a.threads, "model": Path(a.model).name, "goinfer": ours}
-    if a.llama_python:
-        out = subprocess.run([a.llama_python, str(ANCHOR), "--models", a.model, "--threads", str(a.threads),
-                              "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
-                              "--reps", str(a.reps)], capture_output=True, text=True, check=True)
-        theirs = json.loads(out.stdout.strip().splitlines()[-1])
-        result["llama_cpp"] = theirs
-        model_res = next(iter(theirs["models"].values()))
-        pf, dc = model_res.get("prefill_tok_s_median"), model_res.get("decode_tok_s_median")
-        if pf and dc:
-            result["ratio"] = {"prefill": round(ours["prefill_tok_s"] / pf, 2), "decode": round(ours["decode_tok_s"] / dc, 2)}
+    if theirs:
+        pf = statistics.median(t["prefill_tok_s_median"] for t in theirs)
+        dc = statistics.median(t["decode_tok_s_median"] for t in theirs)
+        result["llama_cpp"] = {
+            "engine": theirs[0]["engine"], "version": theirs[0]["version"], "system_info": theirs[0]["system_info"],
+            "prefill_tok_s_median": round(pf, 2), "decode_tok_s_median": round(dc, 2),
+            "load_s": statistics.median(t["load_s"] for t in theirs),
+            "foreign_cpu_frac": max(t["foreign_cpu_frac"] for t in theirs)}
+        result["ratio"] = {"prefill": round(ours["prefill_tok_s"] / pf, 2), "decode": round(ours["decode_tok_s"] / dc, 2)}
+        result["rounds"] = [
+            {"ours": r, "llama_cpp": {"prefill_tok_s": round(t["prefill_tok_s_median"], 1),
+                                      "decode_tok_s": round(t["decode_tok_s_median"], 1)},
+             "ratio": {"prefill": round(r["prefill_tok_s"] / t["prefill_tok_s_median"], 2),
+                       "decode": round(r["decode_tok_s"] / t["decode_tok_s_median"], 2)}}
+            for r, t in zip(ours["runs"], theirs)]
     print(json.dumps(result, indent=2))
+
+
+def _anchor(python: str, model: str, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
+    """One turn of llama.cpp: ../shared/bench/llama_cpp_anchor.py in its own process (load, one warm-up run, one
+    measured run); its figures for the model, with the engine's description."""
+    out = subprocess.run([python, str(ANCHOR), "--models", model, "--threads", str(threads), "--prompt-tokens",
+                          str(prompt_tokens), "--gen-tokens", str(gen_tokens), "--reps", "1", "--warmup", "1"],
+                         capture_output=True, text=True, check=True)
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    res = dict(next(iter(run["models"].values())))
+    res.update(engine=run["engine"], version=run["llama_cpp_python_version"], system_info=run["system_info"])
+    return res
 
 
 _FIRST_TOKEN = """
