@@ -736,11 +736,17 @@ def legacy_x_order(K: int) -> np.ndarray:
 @njit(cache=True)
 def quantize_legacy_into(x, xq, xs):
     """x (M, K) f32 -> xq (M, K) int8 in pair-interleaved order, xs (M, 2 * K/32) f32 [dx, dx * sum(q)] per block."""
+    quantize_legacy_cols(x, xq, xs, 0, x.shape[1])
+
+
+@njit(cache=True)
+def quantize_legacy_cols(x, xq, xs, c0, c1):
+    """quantize_legacy_into for columns [c0, c1) only (multiples of 64, or c1 = K): threads can share one input."""
     M, K = x.shape
     nb = K // 32
     paired = nb // 2 * 2
     for m in range(M):
-        for blk in range(nb):
+        for blk in range(c0 // 32, c1 // 32):
             if blk < paired:
                 lo = m * K + (blk // 2) * 64 + (blk % 2) * 16
                 hi = lo + 32
@@ -753,10 +759,16 @@ def quantize_legacy_into(x, xq, xs):
 @njit(cache=True)
 def quantize_k_into(x, xq, xd, xb):
     """x (M, K) f32 -> xq (M, K) int8, xd (M, K/256) f32, xb (M, K/256, 24) int16 (8 sums of 32, 16 of 16)."""
+    quantize_k_cols(x, xq, xd, xb, 0, x.shape[1])
+
+
+@njit(cache=True)
+def quantize_k_cols(x, xq, xd, xb, c0, c1):
+    """quantize_k_into for columns [c0, c1) only (multiples of 256): threads can share one input."""
     M, K = x.shape
     nsb = K // 256
     for m in range(M):
-        for sb in range(nsb):
+        for sb in range(c0 // 256, c1 // 256):
             o = m * K + sb * 256
             _quant256(x, o, xq, o, xd, m * nsb + sb, xb, (m * nsb + sb) * 24)
 

@@ -30,7 +30,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from engine.kernels.cpu import _half_bits_to_f32
 from engine.kernels.cpu_q8 import (_E, _FLT, _I8, _I16, _I32, _V, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _is_arr,
                                    _quant32, _tier_of)
 from engine.kernels.quant_types import GGMLType
@@ -236,10 +235,16 @@ def quantize_natural_into(x, xq, xs):
     """x (M, K) f32 -> xq (M, K) int8 in natural order, xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same
     values as cpu_q8.quantize_legacy_into, without its pair interleaving (the packed kernels read groups of 4
     consecutive activations)."""
+    quantize_natural_cols(x, xq, xs, 0, x.shape[1])
+
+
+@njit(cache=True)
+def quantize_natural_cols(x, xq, xs, c0, c1):
+    """quantize_natural_into for columns [c0, c1) only (multiples of 32): threads can share one input."""
     M, K = x.shape
     nb = K // 32
     for m in range(M):
-        for blk in range(nb):
+        for blk in range(c0 // 32, c1 // 32):
             o = m * K + blk * 32
             _quant32(x, o, xq, o, o + 16, xs, m * 2 * nb + 2 * blk)
 

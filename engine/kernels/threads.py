@@ -8,6 +8,7 @@ would otherwise be preferred and is slower to launch.
 from __future__ import annotations
 
 import os
+import threading
 
 import numba
 from threadpoolctl import threadpool_limits
@@ -15,6 +16,7 @@ from threadpoolctl import threadpool_limits
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 _limits = None  # keeps the BLAS limit in force for the life of the process
+_local = threading.local()  # the count set_threads gave this thread (numba's own count is per thread too)
 
 
 def available_cores() -> int:
@@ -32,9 +34,18 @@ def set_threads(n: int | None) -> int:
         raise ValueError(f"threads must be >= 1, got {n}")
     n = min(n, numba.config.NUMBA_NUM_THREADS)  # numba cannot go above the count it started with
     numba.set_num_threads(n)
+    _local.n = n
     _limits = threadpool_limits(limits=n, user_api="blas")
     return n
 
 
 def get_threads() -> int:
     return numba.get_num_threads()
+
+
+def current() -> int:
+    """The calling thread's count, for the decode step's call each token: as set_threads left it, else numba's.
+    numba.get_num_threads() takes ~30 us there (the interpreter's objects are cold after a step); a count that
+    numba.set_num_threads changed behind our back only changes how many workers split the step, not a result."""
+    n = getattr(_local, "n", None)
+    return n if n is not None else numba.get_num_threads()

@@ -12,7 +12,6 @@ from engine import memory
 from engine.cache.kv import KVCache
 from engine.kernels import packed
 from engine.kernels.backend import Backend
-from engine.kernels.quant_types import QTensor
 from engine.models.config import ModelConfig
 from engine.models.decode_step import DecodeStep
 from engine.models.weights import Weights

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from engine.cache.kv import KVCache
 from engine.kernels import atomics, attention, cpu, cpu_q8, glue, packed
+from engine.kernels.threads import current as threads_in_use
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
@@ -102,16 +102,17 @@ def _quant_buffers(M, K):
 
 
 @njit(cache=True)
-def _quantize(mats, x, qb):
-    """x (M, K) quantized into qb (_quant_buffers) in each form the matrices mats read."""
+def _quantize(mats, x, qb, c0, c1):
+    """Columns [c0, c1) of x (M, K) quantized into qb (_quant_buffers) in each form the matrices mats read
+    (c0, c1 multiples of 256, or 0 and K)."""
     legacy, natural, kq = _needs(mats)
     xq8, xqn, xs8, xqk, xdk, xbk = qb
     if natural:
-        packed.quantize_natural_into(x, xqn, xs8)
+        packed.quantize_natural_cols(x, xqn, xs8, c0, c1)
     if legacy:
-        cpu_q8.quantize_legacy_into(x, xq8, xs8)
+        cpu_q8.quantize_legacy_cols(x, xq8, xs8, c0, c1)
     if kq:
-        cpu_q8.quantize_k_into(x, xqk, xdk, xbk)
+        cpu_q8.quantize_k_cols(x, xqk, xdk, xbk, c0, c1)
 
 
 @njit(cache=True)
@@ -186,12 +187,20 @@ def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, cos, sin, H, Hkv, D, qk_nor
 
 
 @njit(cache=True)
-def _act_into(gu, out, gelu):
+def _act_into(gu, out, gelu, c0, c1):
+    """Columns [c0, c1) of out (M, F) = act(gate) * up, gu (M, 2F) holding [gate | up]."""
     F = out.shape[1]
-    t, scratch = np.empty(F, np.float32), np.empty(F, np.int32)
+    t, scratch = np.empty(c1 - c0, np.float32), np.empty(c1 - c0, np.int32)
     for m in range(gu.shape[0]):
         row = gu[m]
-        glue.act_mul_row(row[:F], row[F:], out[m], t, scratch, gelu)
+        glue.act_mul_row(row[c0:c1], row[F + c0 : F + c1], out[m, c0:c1], t, scratch, gelu)
+
+
+@njit(cache=True)
+def _act_tasks(F, n_workers):
+    """Column ranges the activation phase splits into: one per thread, at 256-column boundaries (where the K
+    quantization's super-blocks and the legacy pairs both end), or the whole width where F is not a multiple."""
+    return n_workers if F % 256 == 0 and F // 256 >= n_workers else 1
 
 
 # Row ranges per thread in a matvec phase. Claimed dynamically, few long ranges stream best; one spare each
@@ -204,12 +213,15 @@ PHASES_PER_LAYER = 10  # serial and parallel phases per layer in _worker (the co
 @njit(cache=True)
 def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams, pos, kcs,
             vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks, n_split,
-            tier):
+            tier, n_workers):
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
-    phase (norms, RoPE, the KV write, the attention merge, activations, quantizing the next input) is run by
-    whichever thread claims it first; a parallel one (matvec row ranges, attention tasks) by all, task by task.
+    phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
+    thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
+    ranges) by all, task by task.
     Each waits for the phase before it (kernels/atomics.py). Which thread runs what never changes a result."""
-    M = x.shape[0]
+    M, E = x.shape
+    F = g.shape[1]
+    n_act = _act_tasks(F, n_workers)
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
     gelu, neox = iparams[_GELU] != 0, iparams[_NEOX] != 0
@@ -223,10 +235,10 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
                 _add_normed(x, dn, norms[layer - 1, 3], eps, post)
             if layer < n_layer:
                 _norm_rows_into(x, norms[layer, 0], eps, h)
-                _quantize(mats[layer, 0:3], h, qe)
+                _quantize(mats[layer, 0:3], h, qe, 0, E)
             else:
                 _norm_rows_into(x, out_norm, eps, h)
-                _quantize(head, h, qe)
+                _quantize(head, h, qe, 0, E)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         if layer == n_layer:
@@ -247,22 +259,28 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
         p = atomics.next_phase(ctr, p, n_tasks)
         if atomics.claim(ctr, p) == 0:
             attention.merge(part_max, part_sum, part_acc, a)
-            _quantize(mats[layer, 3:4], a, qa)
+            _quantize(mats[layer, 3:4], a, qa, 0, a.shape[1])
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
             _add_normed(x, o, norms[layer, 2], eps, post)
             _norm_rows_into(x, norms[layer, 1], eps, h)
-            _quantize(mats[layer, 4:6], h, qe)
+            _quantize(mats[layer, 4:6], h, qe, 0, E)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
-        if atomics.claim(ctr, p) == 0:
-            _act_into(gu, g, gelu)
-            _quantize(mats[layer, 6:7], g, qf)
+        while True:  # the activation and its quantization, column ranges in parallel
+            t = atomics.claim(ctr, p)
+            if t >= n_act:
+                break
+            c0, c1 = t * (F // 256) // n_act * 256, (t + 1) * (F // 256) // n_act * 256
+            if n_act == 1:
+                c0, c1 = 0, F
+            _act_into(gu, g, gelu, c0, c1)
+            _quantize(mats[layer, 6:7], g, qf, c0, c1)
             atomics.finish(ctr, p)
-        p = atomics.next_phase(ctr, p, 1)
+        p = atomics.next_phase(ctr, p, n_act)
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 6:7], qf, g, dn, n_chunks, tier)
     _matvec_phase(ctr, p, buf, pbuf, head, qe, h, logits, n_chunks, tier)
 
@@ -340,7 +358,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
         _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams, pos,
                 kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-                n_split, tier)
+                n_split, tier, n_workers)
     return logits
 
 
@@ -394,7 +412,7 @@ class DecodeStep:
         for c in caches:
             c.reserve(1)
         pos = np.array([c.length for c in caches], np.int64)
-        threads = numba.get_num_threads()
+        threads = threads_in_use()
         logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
                              self.norms, self.qk_norms, self.out_norm, self.inv_freq, self.windows, self.fparams,
                              self.iparams, ids, pos, tuple(c.k for c in caches), tuple(c.v for c in caches),
