@@ -71,7 +71,7 @@ def test_the_group_kernel_equals_the_integer_math(gt, tier):
 def test_natural_order_quantization_equals_the_interleaved_one():
     x = RNG.standard_normal((2, 256)).astype(np.float32)
     xq, xs = np.empty((2, 256), np.int8), np.empty((2, 16), np.float32)
-    packed.quantize_natural_into(x, xq, xs)
+    packed.quantize_natural_into(x, xq, xs, 0, x.shape[1])
     qin = cpu_q8.quantize(x)
     np.testing.assert_array_equal(xq[:, cpu_q8.legacy_x_order(256)], qin.xq8)
     np.testing.assert_array_equal(xs, qin.xs8)

@@ -382,8 +382,8 @@ def test_real_tensors(real_matrices, tier):
 @numba.njit(cache=False)
 def _compiled_step(x, wa, ta, wb, tb, xq8, xs8, xqk, xdk, xbk, out, tier):
     # One input quantized in place, then two matrices in one parallel call.
-    cpu_q8.quantize_legacy_into(x, xq8, xs8)
-    cpu_q8.quantize_k_into(x, xqk, xdk, xbk)
+    cpu_q8.quantize_legacy_into(x, xq8, xs8, 0, x.shape[1])
+    cpu_q8.quantize_k_into(x, xqk, xdk, xbk, 0, x.shape[1])
     starts = np.array([0, wa.shape[0], wa.shape[0] + wb.shape[0]])
     cpu_q8.matvec_into((wa, wb), np.array([ta, tb]), starts, xq8, xs8, xqk, xdk, xbk, x, out, 4, tier)
 

@@ -734,14 +734,9 @@ def legacy_x_order(K: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def quantize_legacy_into(x, xq, xs):
-    """x (M, K) f32 -> xq (M, K) int8 in pair-interleaved order, xs (M, 2 * K/32) f32 [dx, dx * sum(q)] per block."""
-    quantize_legacy_cols(x, xq, xs, 0, x.shape[1])
-
-
-@njit(cache=True)
-def quantize_legacy_cols(x, xq, xs, c0, c1):
-    """quantize_legacy_into for columns [c0, c1) only (multiples of 64, or c1 = K): threads can share one input."""
+def quantize_legacy_into(x, xq, xs, c0, c1):
+    """Columns [c0, c1) (multiples of 64, or c1 = K; 0 and K for all) of x (M, K) f32 -> xq (M, K) int8 in
+    pair-interleaved order, xs (M, 2 * K/32) f32 [dx, dx * sum(q)] per block."""
     M, K = x.shape
     nb = K // 32
     paired = nb // 2 * 2
@@ -757,14 +752,9 @@ def quantize_legacy_cols(x, xq, xs, c0, c1):
 
 
 @njit(cache=True)
-def quantize_k_into(x, xq, xd, xb):
-    """x (M, K) f32 -> xq (M, K) int8, xd (M, K/256) f32, xb (M, K/256, 24) int16 (8 sums of 32, 16 of 16)."""
-    quantize_k_cols(x, xq, xd, xb, 0, x.shape[1])
-
-
-@njit(cache=True)
-def quantize_k_cols(x, xq, xd, xb, c0, c1):
-    """quantize_k_into for columns [c0, c1) only (multiples of 256): threads can share one input."""
+def quantize_k_into(x, xq, xd, xb, c0, c1):
+    """Columns [c0, c1) (multiples of 256; 0 and K for all) of x (M, K) f32 -> xq (M, K) int8, xd (M, K/256)
+    f32, xb (M, K/256, 24) int16 (8 sums of 32, 16 of 16)."""
     M, K = x.shape
     nsb = K // 256
     for m in range(M):
@@ -1085,13 +1075,13 @@ def quantize(x: np.ndarray, ggml_types: Sequence[GGMLType | int] | Prepared = tu
         if K % QK:
             raise ValueError(f"K = {K} is not a multiple of {QK}")
         xq8, xs8 = np.empty((M, K), np.int8), np.empty((M, 2 * (K // QK)), np.float32)
-        quantize_legacy_into(x, xq8, xs8)
+        quantize_legacy_into(x, xq8, xs8, 0, K)
     if kquant:
         if K % QK_K:
             raise ValueError(f"K = {K} is not a multiple of {QK_K}")
         xqk, xdk = np.empty((M, K), np.int8), np.empty((M, K // QK_K), np.float32)
         xbk = np.empty((M, K // QK_K, KB_SUMS), np.int16)
-        quantize_k_into(x, xqk, xdk, xbk)
+        quantize_k_into(x, xqk, xdk, xbk, 0, K)
     return QInput(x, xq8, xs8, xqk, xdk, xbk)
 
 

@@ -231,16 +231,10 @@ def gather_rows_into(src, code, ids, cols, out):
 
 
 @njit(cache=True)
-def quantize_natural_into(x, xq, xs):
-    """x (M, K) f32 -> xq (M, K) int8 in natural order, xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same
-    values as cpu_q8.quantize_legacy_into, without its pair interleaving (the packed kernels read groups of 4
-    consecutive activations)."""
-    quantize_natural_cols(x, xq, xs, 0, x.shape[1])
-
-
-@njit(cache=True)
-def quantize_natural_cols(x, xq, xs, c0, c1):
-    """quantize_natural_into for columns [c0, c1) only (multiples of 32): threads can share one input."""
+def quantize_natural_into(x, xq, xs, c0, c1):
+    """Columns [c0, c1) (multiples of 32; 0 and K for all) of x (M, K) f32 -> xq (M, K) int8 in natural order,
+    xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same values as cpu_q8.quantize_legacy_into, without its
+    pair interleaving (the packed kernels read groups of 4 consecutive activations)."""
     M, K = x.shape
     nb = K // 32
     for m in range(M):
@@ -375,7 +369,7 @@ def matvec(w, x: np.ndarray, tier: str | None = None) -> np.ndarray:
     n = packed_rows(w.rows)
     out = np.empty((M, w.rows), np.float32)
     xq, xs = np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32)
-    quantize_natural_into(x, xq, xs)
+    quantize_natural_into(x, xq, xs, 0, K)
     _groups_parallel(int(w.ggml_type), w.packed, K // 32, n // ROWS, xq, xs, out,
                      max(1, min(n // ROWS, 4 * numba.config.NUMBA_NUM_THREADS)), cpu_q8.tier_token(tier))
     if n < w.rows:

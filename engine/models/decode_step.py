@@ -108,11 +108,11 @@ def _quantize(mats, x, qb, c0, c1):
     legacy, natural, kq = _needs(mats)
     xq8, xqn, xs8, xqk, xdk, xbk = qb
     if natural:
-        packed.quantize_natural_cols(x, xqn, xs8, c0, c1)
+        packed.quantize_natural_into(x, xqn, xs8, c0, c1)
     if legacy:
-        cpu_q8.quantize_legacy_cols(x, xq8, xs8, c0, c1)
+        cpu_q8.quantize_legacy_into(x, xq8, xs8, c0, c1)
     if kq:
-        cpu_q8.quantize_k_cols(x, xqk, xdk, xbk, c0, c1)
+        cpu_q8.quantize_k_into(x, xqk, xdk, xbk, c0, c1)
 
 
 @njit(cache=True)
@@ -221,6 +221,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
     Each waits for the phase before it (kernels/atomics.py). Which thread runs what never changes a result."""
     M, E = x.shape
     F = g.shape[1]
+    col0 = np.int64(0)  # not a literal 0: _quantize would compile a variant of its own for it
     n_act = _act_tasks(F, n_workers)
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
@@ -235,10 +236,10 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
                 _add_normed(x, dn, norms[layer - 1, 3], eps, post)
             if layer < n_layer:
                 _norm_rows_into(x, norms[layer, 0], eps, h)
-                _quantize(mats[layer, 0:3], h, qe, 0, E)
+                _quantize(mats[layer, 0:3], h, qe, col0, E)
             else:
                 _norm_rows_into(x, out_norm, eps, h)
-                _quantize(head, h, qe, 0, E)
+                _quantize(head, h, qe, col0, E)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         if layer == n_layer:
@@ -259,14 +260,14 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
         p = atomics.next_phase(ctr, p, n_tasks)
         if atomics.claim(ctr, p) == 0:
             attention.merge(part_max, part_sum, part_acc, a)
-            _quantize(mats[layer, 3:4], a, qa, 0, a.shape[1])
+            _quantize(mats[layer, 3:4], a, qa, col0, a.shape[1])
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
             _add_normed(x, o, norms[layer, 2], eps, post)
             _norm_rows_into(x, norms[layer, 1], eps, h)
-            _quantize(mats[layer, 4:6], h, qe, 0, E)
+            _quantize(mats[layer, 4:6], h, qe, col0, E)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
@@ -276,7 +277,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
                 break
             c0, c1 = t * (F // 256) // n_act * 256, (t + 1) * (F // 256) // n_act * 256
             if n_act == 1:
-                c0, c1 = 0, F
+                c0, c1 = col0, F
             _act_into(gu, g, gelu, c0, c1)
             _quantize(mats[layer, 6:7], g, qf, c0, c1)
             atomics.finish(ctr, p)
