@@ -40,12 +40,8 @@ def set_threads(n: int | None) -> int:
 
 
 def get_threads() -> int:
-    return numba.get_num_threads()
-
-
-def current() -> int:
-    """The calling thread's count, for the decode step's call each token: as set_threads left it, else numba's.
-    numba.get_num_threads() takes ~30 us there (the interpreter's objects are cold after a step); a count that
+    """The calling thread's count: as set_threads left it, else numba's. Read by the decode step every token,
+    where numba.get_num_threads() took ~30 us (the interpreter's objects are cold after a step); a count that
     numba.set_num_threads changed behind our back only changes how many workers split the step, not a result."""
     n = getattr(_local, "n", None)
     return n if n is not None else numba.get_num_threads()

@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from engine.cache.kv import KVCache
 from engine.kernels import atomics, attention, cpu, cpu_q8, glue, packed
-from engine.kernels.threads import current as threads_in_use
+from engine.kernels.threads import get_threads
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
@@ -217,8 +217,8 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
-    ranges) by all, task by task.
-    Each waits for the phase before it (kernels/atomics.py). Which thread runs what never changes a result."""
+    ranges) by all, task by task. Each waits for the phase before it (kernels/atomics.py). Which thread runs
+    what never changes a result."""
     M, E = x.shape
     F = g.shape[1]
     col0 = np.int64(0)  # not a literal 0: _quantize would compile a variant of its own for it
@@ -413,7 +413,7 @@ class DecodeStep:
         for c in caches:
             c.reserve(1)
         pos = np.array([c.length for c in caches], np.int64)
-        threads = threads_in_use()
+        threads = get_threads()
         logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
                              self.norms, self.qk_norms, self.out_norm, self.inv_freq, self.windows, self.fparams,
                              self.iparams, ids, pos, tuple(c.k for c in caches), tuple(c.v for c in caches),
