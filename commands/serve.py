@@ -118,7 +118,7 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
         weights = _weight_type(m)
         limit = f"context {s.window}" + (f" of {m.context_length}" if s.window < m.context_length else "")
         _note(f"model {s.name}: {Path(m.path).name} ({m.config.arch}, {weights}), quant {m.quant} "
-              f"(compute {m.compute_path}), {limit}, kernels {m.backend.name} ({_threads(config)} threads)")
+              f"({m.backend.describe()}), {limit}, {_threads(config)} threads")
     _note(f"limits: request body {_size(server.body_cap)}, queue {config.max_queue} per model, "
           f"SSE keep-alive after {config.keepalive_s:g} s of silence")
     if config.api_key:

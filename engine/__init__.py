@@ -17,7 +17,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 from engine.errors import (ContextOverflow, FetchError, GoinferError, InvalidRequest, ModelLoadError,
                            ModelNotFound, TemplateError, UnsupportedModel)
 from engine.generate import TokenEvent, generate
-from engine.kernels.threads import get_threads, set_threads
+from engine.kernels.cpu.threads import get_threads, set_threads
 from engine.load import load_model
 from engine.models.base import Model
 

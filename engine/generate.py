@@ -13,9 +13,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from engine import memory
-from engine.cache.kv import KVCache
 from engine.errors import ContextOverflow, InvalidRequest
-from engine.kernels import vmath
+from engine.kernels.backend import KVCache
+from engine.kernels.cpu import vmath
 from engine.models.base import Model
 from engine.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
 from engine.tokenizer import IncrementalDecoder
@@ -78,7 +78,7 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
     history = list(prompt_ids)
     pending = ""  # decoded text not yet shown: it may be the start of a stop string
     try:
-        logits = model.eval(prompt_ids, cache, on_chunk=on_prefill)[0]
+        logits = model.prefill(prompt_ids, cache, on_chunk=on_prefill)[0]
         for n in range(1, max_tokens + 1):
             # The normalizer is a pass over the vocabulary (0.35 ms a token on a 262k one): only when asked for.
             lse = _logsumexp(logits) if want_logprob else 0.0
@@ -106,7 +106,7 @@ def _run(model: Model, prompt_ids: list[int], max_tokens: int, params: SamplingP
             safe = _safe_prefix_len(pending, stops)
             yield TokenEvent(token, pending[:safe], lp, None, top)
             pending = pending[safe:]
-            logits = model.eval([token], cache)[0]
+            logits = model.decode([token], [cache])[0]
     finally:  # decode's freed logits stay in the heap for the next token (engine/memory.py); not after the last
         memory.trim()
 

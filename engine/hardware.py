@@ -99,7 +99,7 @@ def _kernel_tier() -> dict[str, Any]:
         import llvmlite.binding as llvm
         import numba
 
-        from engine.kernels.selftest import TIERS, report
+        from engine.kernels.cpu.selftest import TIERS, report
 
         info["tiers"] = list(TIERS)
         info["numba_target"] = llvm.get_host_cpu_name()
@@ -189,7 +189,7 @@ def hardware_report(*, selftest: bool = True, fit: str | None = None, context: i
                     progress=None) -> dict[str, Any]:
     import numpy as np
 
-    from engine.kernels import selftest as st
+    from engine.kernels.cpu import selftest as st
 
     if selftest:
         st.run_selftest(warn=lambda line: None)  # failures are in the report itself

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.cache.kv import KVCache
-from engine.kernels import attention as A
-from engine.models import ops
+from engine.kernels.cpu.kv_cache import KVCache
+from engine.kernels.cpu import attention as A
+from engine.kernels.cpu import ops
 
 RNG = np.random.default_rng(7)
 

@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/models/decode_step.py) against the layer-by-layer forward pass.
+"""The compiled decode step (engine/kernels/cpu/decode_step.py) against the layer-by-layer forward pass.
 
 Both run the same int8 kernels over the same blocks; they differ only in float summation order (norms,
 attention), which can flip an int8 rounding now and then. So: the one-token logits agree closely on tiny
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import engine
-from engine.kernels import attention, cpu_q8
-from engine.models import decode_step
+from engine.kernels.cpu import attention, ir
+from engine.kernels.cpu import decode_step
 from engine.models.base import log_softmax
 from engine.models.registry import family
 from testdata import make_fixtures as mf
@@ -29,20 +29,20 @@ def fixtures(tmp_path_factory):
 
 def _layerwise(model, ids, cache):
     """One token through the family's Python forward pass (the int8 backend: T=1 takes its matvec)."""
-    step, model.step = model.step, None
+    step, model.backend.step = model.backend.step, None
     try:
-        return model.eval(ids, cache)
+        return model.prefill(ids, cache)
     finally:
-        model.step = step
+        model.backend.step = step
 
 
 def _compare(model, prompt, n_steps=4, rtol=2e-2):
     a, b = model.new_cache(64), model.new_cache(64)
-    model.eval(prompt, a)
-    model.eval(prompt, b)
+    model.prefill(prompt, a)
+    model.prefill(prompt, b)
     tok = prompt[-1]
     for _ in range(n_steps):
-        fast, slow = model.eval([tok], a), _layerwise(model, [tok], b)
+        fast, slow = model.decode([tok], [a]), _layerwise(model, [tok], b)
         assert fast.shape == slow.shape == (1, model.vocab_size)
         scale = np.abs(slow).max()
         assert np.abs(fast - slow).max() <= rtol * scale, (np.abs(fast - slow).max(), scale)
@@ -56,7 +56,7 @@ def _compare(model, prompt, n_steps=4, rtol=2e-2):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_step_agrees_with_the_layerwise_pass_on_fixtures(fixtures, arch):
     model = engine.load_model(fixtures[arch], selftest=False)
-    assert model.compute_path == "int8" and model.step is not None
+    assert model.backend.path == "fast" and model.backend.step is not None
     types = {model.weights.tensor(n[: -len(".weight")]).ggml_type for n in model.weights._file.entries
              if n.startswith("blk.") and model.weights.tensor(n[: -len(".weight")]).rows > 1}
     assert len(types) >= 8  # the fixture spreads quantized and float types over the layers
@@ -74,8 +74,8 @@ def test_step_stays_within_int8_noise_of_the_exact_path_on_real_models(request, 
         rows = {}
         for key, m in (("fast", model), ("exact", exact)):
             cache = m.new_cache(64)
-            m.eval(prompt[:-1], cache)
-            rows[key] = log_softmax(m.eval(prompt[-1:], cache))[0]
+            m.prefill(prompt[:-1], cache)
+            rows[key] = log_softmax(m.decode(prompt[-1:], [cache]))[0]
         p = np.exp(rows["exact"].astype(np.float64))
         assert float(np.sum(p * (rows["exact"] - rows["fast"]))) < 0.02, text
 
@@ -85,11 +85,11 @@ def test_a_batch_equals_single_steps_bit_for_bit(fixtures):
     prompts = [PROMPT, PROMPT[:3], PROMPT[2:] + PROMPT]
     singles, batched = [model.new_cache(64) for _ in prompts], [model.new_cache(64) for _ in prompts]
     for p, s, b in zip(prompts, singles, batched):
-        model.eval(p, s)
-        model.eval(p, b)
+        model.prefill(p, s)
+        model.prefill(p, b)
     toks = [3, 8, 5]
     for _ in range(3):
-        want = np.concatenate([model.eval([t], c) for t, c in zip(toks, singles)])
+        want = np.concatenate([model.decode([t], [c]) for t, c in zip(toks, singles)])
         got = model.decode(toks, batched)
         np.testing.assert_array_equal(got, want)
         toks = [int(r.argmax()) for r in want]
@@ -106,7 +106,7 @@ def test_the_step_embeds_tokens_as_the_prompt_path_does(fixtures, arch):
     # rows leave 4 past the last packed group, read from the mapped blocks): bit for bit the prompt path's rows,
     # and a token id outside the table is an error, never a read past it.
     model = engine.load_model(fixtures[arch], selftest=False)
-    st, table = model.step, model.weights.tensor("token_embd")
+    st, table = model.backend.step, model.weights.tensor("token_embd")
     ids = np.array([0, 1, 7, 8, 123, table.rows - 5, table.rows - 4, table.rows - 1])
     got = np.empty((len(ids), model.config.n_embd), np.float32)
     decode_step._embed(st.table, st.pbuf, st.embd, ids, st.embed_scale, got)
@@ -124,9 +124,9 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     # fixture's MLP (512 wide) also splits its activation into column ranges from 2 workers on (legacy and
     # K-quant down projections).
     model = engine.load_model(fixtures[family], selftest=False)
-    st = model.step
+    st = model.backend.step
     cache = model.new_cache(64)
-    model.eval(PROMPT, cache)
+    model.prefill(PROMPT, cache)
     cache.reserve(1)
     pos = np.array([cache.length])
     args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.out_norm,
@@ -142,14 +142,15 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
 
 
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(
-    t not in cpu_q8.available_tiers(), reason=f"this CPU cannot run the {t} kernels")) for t in cpu_q8.TIERS])
+    t not in ir.available_tiers(), reason=f"this CPU cannot run the {t} kernels")) for t in ir.TIERS])
 def test_every_tier_gives_the_same_step(fixtures, tier):
     model = engine.load_model(fixtures["llama"], selftest=False)
-    forced = decode_step.build(model.config, model.weights, family(model.config.arch).STEP_FLAGS, tier=tier)
+    forced = decode_step.build(model.config, model.weights, family(model.config.arch).STEP_FLAGS,
+                              model.backend.packed_buffer, tier=tier)
     a, b = model.new_cache(64), model.new_cache(64)
-    model.eval(PROMPT, a)
-    model.eval(PROMPT, b)
-    want = model.step([4], [a])
+    model.prefill(PROMPT, a)
+    model.prefill(PROMPT, b)
+    want = model.backend.step([4], [a])
     got = forced([4], [b])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
@@ -157,7 +158,7 @@ def test_every_tier_gives_the_same_step(fixtures, tier):
 def test_a_split_model_decodes_layer_by_layer(tmp_path):
     shards = mf.write_llama_split_fixture(tmp_path / "split.gguf")
     model = engine.load_model(shards[0], selftest=False)
-    assert model.step is None  # no single buffer: the Python forward pass decodes
+    assert model.backend.step is None  # no single buffer: the Python forward pass decodes
     whole = engine.load_model(mf.write_llama_fixture(tmp_path / "whole.gguf"), selftest=False)
     got = [e.token for e in engine.generate(model, PROMPT, max_tokens=6, temperature=0)]
     want = [e.token for e in engine.generate(whole, PROMPT, max_tokens=6, temperature=0)]
@@ -166,4 +167,4 @@ def test_a_split_model_decodes_layer_by_layer(tmp_path):
 
 def test_the_exact_path_has_no_step(fixtures):
     model = engine.load_model(fixtures["llama"], quant="f32", selftest=False)
-    assert model.compute_path == "f32" and model.step is None
+    assert model.backend.path == "exact" and model.backend.step is None

@@ -7,7 +7,7 @@ import pytest
 
 import engine
 from engine.errors import ContextOverflow, InvalidRequest
-from engine.kernels import vmath
+from engine.kernels.cpu import vmath
 from engine.sampling import SamplingParams, make_logits_processors, make_sampler
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels import glue, vmath
+from engine.kernels.cpu import rowops, vmath
 
 
 def test_exp_is_within_a_few_ulp_and_clamps():
@@ -25,7 +25,7 @@ def test_rms_norm_rows():
     w = rng.normal(1, 0.1, 576).astype(np.float32)
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
-    np.testing.assert_allclose(glue.rms_norm_rows(x, w, 1e-5), want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(rowops.rms_norm_rows(x, w, 1e-5), want, rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("gelu", [False, True])
@@ -37,7 +37,7 @@ def test_gated_activations(gelu, rows):
     gate, up = gu[:, :300], gu[:, 300:]  # strided views, as the decode step passes them
     g = gate.astype(np.float64)
     act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if gelu else g / (1 + np.exp(-g))
-    np.testing.assert_allclose(glue.act_mul(gate, up, gelu), act * up, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(rowops.act_mul(gate, up, gelu), act * up, rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("T,L,pos0,first,window", [(5, 12, 7, 0, 0), (64, 64, 0, 0, 0), (40, 100, 60, 0, 0),
@@ -53,7 +53,7 @@ def test_causal_softmax(T, L, pos0, first, window):
     want = np.exp(z - z.max(axis=-1, keepdims=True))
     want /= want.sum(axis=-1, keepdims=True)
     got = s.copy()
-    glue.causal_softmax(got, pos0, first, window)
+    rowops.causal_softmax(got, pos0, first, window)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
     assert np.all(got[:, ~allowed] == 0)
 
@@ -72,5 +72,5 @@ def test_rope_rotates_pairs_and_passes_the_rest_through(neox):
     want[..., ia] = a * cos[:, None] - b * sin[:, None]
     want[..., ib] = b * cos[:, None] + a * sin[:, None]
     got = x.copy()
-    glue.rope_rows(got, cos, sin, neox)
+    rowops.rope_rows(got, cos, sin, neox)
     np.testing.assert_array_equal(got, want)  # the same f32 operations: bit for bit

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engine.kernels import selftest
+from engine.kernels.cpu import selftest
 from engine.kernels.quant_types import GGMLType
 from goinfer_cli.app import app
 from testdata import make_fixtures as mf
@@ -61,7 +61,7 @@ def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selft
     assert report["status"] == "stepped_down" and report["stepped_down"] == {"Q4_K": "reference"}
     assert [(f["kernel"], f["type"]) for f in report["failed"]] == [("matvec_q8", "Q4_K")]
     # The model's Q4_K weights now run on the reference tier; other types stay on the fast one.
-    backend = model.backend
+    backend = model.backend.kernels
     q4k = next(model.weights.tensor(n[: -len(".weight")]) for n, e in model.weights._file.entries.items()
                if e.type_id == GGMLType.Q4_K)
     assert backend._pick(q4k) is backend._slow
@@ -71,7 +71,7 @@ def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selft
     np.testing.assert_array_equal(backend.matmul(x, q4k), reference.matmul(x, q4k))
     q8 = model.weights.tensor("token_embd")
     assert backend._pick(q8) is backend._fast
-    assert model.step is None  # the compiled decode step runs every type's int8 kernel: off while one is suspect
+    assert model.backend.step is None  # the compiled decode step runs every type's int8 kernel: off while one is suspect
     # The self-test runs once per process: a second load neither repeats it nor warns again.
     load_model(tmp_path / "tiny.gguf")
     assert "WARN" not in capsys.readouterr().err
@@ -97,7 +97,7 @@ def test_no_selftest_skips_it(fresh_selftest, monkeypatch, tmp_path):
     _break_q4_k_matvec(monkeypatch)
     model = load_model(mf.write_llama_fixture(tmp_path / "tiny.gguf"), selftest=False)
     assert selftest.report()["status"] == "skipped"
-    assert not isinstance(model.backend, selftest.TieredBackend)
+    assert not isinstance(model.backend.kernels, selftest.TieredKernels)
 
 
 def test_health_carries_the_selftest(fresh_selftest, tmp_path):

@@ -115,7 +115,7 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
                 anon += int(parts[1]) * 1024
             elif parts[0] == "Rss:" and current == {str(gemma_gguf)!r}:
                 model_pages += int(parts[1]) * 1024
-        packed = m.weights.packed_buffer.nbytes if m.weights.packed_buffer is not None else 0
+        packed = m.backend.packed_buffer.nbytes if m.backend.packed_buffer is not None else 0
         print(anon, model_pages, cache.nbytes(), packed)
     """)
     # The first run fills numba's cache if the code changed since the last (compiling holds LLVM memory that a
@@ -149,10 +149,10 @@ def test_a_prompt_reuses_its_freed_activations_and_hands_them_back(smollm2_gguf)
         ids = m.tokenizer.encode("The history of the city begins with a market by the river. " * 60)[:512]
         def anon():
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) * 1024
-        m.eval(ids, m.new_cache(512))
+        m.prefill(ids, m.new_cache(512))
         cache = m.new_cache(512)
         before, f0 = anon(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        m.eval(ids, cache)
+        m.prefill(ids, cache)
         print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, anon() - before, cache.nbytes())
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

@@ -2,7 +2,7 @@
 
 Repacking then dequantizing equals gguf.quants' dequantization bit for bit (every packable type, random
 blocks and row counts off the groups of 8); the group kernel equals the integer math of int8 activations
-against the dequantized weights and agrees with cpu_q8's per-row kernels, in every code tier this CPU runs;
+against the dequantized weights and agrees with int8's per-row kernels, in every code tier this CPU runs;
 a real model reads only the packed copies once they exist (its mapped originals are overwritten under it).
 """
 
@@ -15,13 +15,13 @@ import pytest
 from gguf import quants as gq
 
 import engine
-from engine.kernels import cpu_q8, packed
-from engine.kernels.backend import get_backend
+from engine.kernels.cpu import int8, ir, packed, quantize
+from engine.kernels.cpu.matmul import kernels_for
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
 
 RNG = np.random.default_rng(11)
-TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in cpu_q8.available_tiers(), reason=f"no {t} on this CPU"))
-         for t in cpu_q8.TIERS]
+TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tiers(), reason=f"no {t} on this CPU"))
+         for t in ir.TIERS]
 
 
 def _random_tensor(gt: GGMLType, rows: int, cols: int) -> QTensor:
@@ -45,7 +45,7 @@ def _packed(t: QTensor) -> QTensor:
 def test_packed_dequantizes_bit_for_bit(gt, rows):
     t = _packed(_random_tensor(gt, rows, 256))
     want = gq.dequantize(t.raw, gt).reshape(rows, 256)
-    got = get_backend("cpu").dequantize(t)  # groups from the packed copy, the last rows % 8 from raw
+    got = kernels_for("cpu").dequantize(t)  # groups from the packed copy, the last rows % 8 from raw
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
     part = np.empty((rows - 8, 256), np.float32)
     packed.dequantize_rows(t, 8, rows, part)  # a row range from the second group on, tail rows included
@@ -60,11 +60,11 @@ def test_the_group_kernel_equals_the_integer_math(gt, tier):
     t = _packed(_random_tensor(gt, 45, 640))
     x = RNG.standard_normal((3, 640)).astype(np.float32)
     got = packed.matvec(t, x, tier)
-    qin = cpu_q8.quantize(x)
-    xd = cpu_q8.dequantized_input(qin, gt).astype(np.float64)  # what the int8 activations stand for
+    qin = int8.quantize(x)
+    xd = int8.dequantized_input(qin, gt).astype(np.float64)  # what the int8 activations stand for
     want = xd @ gq.dequantize(t.raw, gt).reshape(45, 640).T.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    unpacked = cpu_q8.matvec([QTensor("w", gt, t.shape, t.raw)], qin, tier=tier)
+    unpacked = int8.matvec([QTensor("w", gt, t.shape, t.raw)], qin, tier=tier)
     np.testing.assert_allclose(got, unpacked, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -72,8 +72,8 @@ def test_natural_order_quantization_equals_the_interleaved_one():
     x = RNG.standard_normal((2, 256)).astype(np.float32)
     xq, xs = np.empty((2, 256), np.int8), np.empty((2, 16), np.float32)
     packed.quantize_natural_into(x, xq, xs, 0, x.shape[1])
-    qin = cpu_q8.quantize(x)
-    np.testing.assert_array_equal(xq[:, cpu_q8.legacy_x_order(256)], qin.xq8)
+    qin = int8.quantize(x)
+    np.testing.assert_array_equal(xq[:, quantize.legacy_x_order(256)], qin.xq8)
     np.testing.assert_array_equal(xs, qin.xs8)
 
 
@@ -88,7 +88,7 @@ def test_a_real_model_reads_only_its_packed_copy(smollm2_gguf, tmp_path):
     names = [f"blk.{i}.{r}" for i in range(model.config.n_layer) for r in ("attn_q", "attn_k", "attn_v",
              "attn_output", "ffn_gate", "ffn_up", "ffn_down")] + ["token_embd"]  # the tied head is embeddings too
     assert all(w.tensor(n).packed is not None for n in names)
-    assert w.packed_buffer.nbytes == sum(w.tensor(n).raw.nbytes for n in names)  # the same bytes, none twice
+    assert model.backend.packed_buffer.nbytes == sum(w.tensor(n).raw.nbytes for n in names)  # the same bytes, none twice
     base = w.buffer().__array_interface__["data"][0]
     with open(path, "r+b") as f:
         for n in names:
@@ -99,5 +99,5 @@ def test_a_real_model_reads_only_its_packed_copy(smollm2_gguf, tmp_path):
         got = [(e.token, e.logprob) for e in engine.generate(model, ids, max_tokens=4, temperature=0)]
         want = [(e.token, e.logprob) for e in engine.generate(clean, ids, max_tokens=4, temperature=0)]
         assert got == want
-    np.testing.assert_array_equal(get_backend("cpu").embed(w.tensor("token_embd"), [0, 5, 49151]),
-                                  get_backend("cpu").embed(clean.weights.tensor("token_embd"), [0, 5, 49151]))
+    np.testing.assert_array_equal(kernels_for("cpu").embed(w.tensor("token_embd"), [0, 5, 49151]),
+                                  kernels_for("cpu").embed(clean.weights.tensor("token_embd"), [0, 5, 49151]))

@@ -1,4 +1,4 @@
-"""Integer kernels (engine/kernels/cpu_q8.py) and the "cpu-q8" backend against numpy references written here:
+"""Integer kernels (engine/kernels/cpu/int8.py) and the "cpu-q8" backend against numpy references written here:
 activation quantization bit for bit, per-block integer dot products exactly, float results within 1e-5 relative
 of the float64 product of the dequantized weights (reference.py) and the dequantized int8 activations.
 Every code tier this CPU can run is tested (generic = the fallback); tiers it cannot run are reported as skipped.
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from engine.formats.gguf import GGUFFile
-from engine.kernels import cpu_q8, reference
-from engine.kernels.backend import Backend, get_backend
-from engine.kernels.backend_q8 import Q8_MATVEC_MAX_T, Q8Backend
+from engine.kernels import reference
+from engine.kernels.cpu import int8, ir, quantize
+from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels, MatmulKernels, kernels_for
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
 from testdata import make_fixtures
 
@@ -21,9 +21,9 @@ G = GGMLType
 LEGACY = [G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q8_0]
 KQUANT = [G.Q4_K, G.Q5_K, G.Q6_K]
 FLOATS = [G.F32, G.F16, G.BF16]
-TIER_PARAMS = [pytest.param(t, marks=pytest.mark.skipif(t not in cpu_q8.available_tiers(),
+TIER_PARAMS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tiers(),
                                                         reason=f"this CPU cannot run the {t} kernels"))
-               for t in cpu_q8.TIERS]
+               for t in ir.TIERS]
 
 
 def _ids(ts):
@@ -78,7 +78,7 @@ def _ref_legacy_quants(raw, t: GGMLType, K: int) -> np.ndarray:
 
 
 def _ref_integer_dots(raw, t: GGMLType, K: int, x: np.ndarray) -> np.ndarray:
-    """What cpu_q8.integer_dots must return, from x (M, K) f32 through the reference quantizers."""
+    """What int8.integer_dots must return, from x (M, K) f32 through the reference quantizers."""
     rows, M = raw.shape[0], x.shape[0]
     if t in LEGACY:
         xq = _ref_quantize_legacy(x)[0].astype(np.int64).reshape(M, 1, K // 32, 32)
@@ -142,18 +142,18 @@ def _inputs(M: int, K: int, seed: int) -> np.ndarray:
 
 
 def test_legacy_order_interleaves_pairs_of_blocks():
-    order = cpu_q8.legacy_x_order(96)  # a pair, then an odd last block in natural order
+    order = quantize.legacy_x_order(96)  # a pair, then an odd last block in natural order
     want = np.r_[0:16, 32:48, 16:32, 48:64, 64:96]
     np.testing.assert_array_equal(order, want)
-    assert sorted(cpu_q8.legacy_x_order(640)) == list(range(640))
+    assert sorted(quantize.legacy_x_order(640)) == list(range(640))
 
 
 @pytest.mark.parametrize("M,K", [(1, 32), (3, 96), (2, 576), (1, 1536)])
 def test_quantize_legacy_matches_reference(M, K):
     x = _inputs(M, K, seed=K)
-    qin = cpu_q8.quantize(x)
+    qin = int8.quantize(x)
     q, d, xsum = _ref_quantize_legacy(x)
-    np.testing.assert_array_equal(qin.xq8, q[:, cpu_q8.legacy_x_order(K)])
+    np.testing.assert_array_equal(qin.xq8, q[:, quantize.legacy_x_order(K)])
     np.testing.assert_array_equal(qin.xs8.reshape(M, -1, 2)[..., 0].view(np.uint32), d.view(np.uint32))
     np.testing.assert_array_equal(qin.xs8.reshape(M, -1, 2)[..., 1].view(np.uint32), xsum.view(np.uint32))
     assert (q[0, :32] == 0).all() and d[0, 0] == 0  # the all-zero block
@@ -164,7 +164,7 @@ def test_quantize_legacy_matches_reference(M, K):
 @pytest.mark.parametrize("M,K", [(1, 256), (3, 768), (2, 2048)])
 def test_quantize_k_matches_reference(M, K):
     x = _inputs(M, K, seed=K + 1)
-    qin = cpu_q8.quantize(x, [G.Q4_K])
+    qin = int8.quantize(x, [G.Q4_K])
     q, d, s32, s16 = _ref_quantize_k(x)
     np.testing.assert_array_equal(qin.xqk, q)
     np.testing.assert_array_equal(qin.xdk.view(np.uint32), d.view(np.uint32))
@@ -175,10 +175,10 @@ def test_quantize_k_matches_reference(M, K):
 
 def test_quantize_refuses_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_q8.quantize(np.ones((1, 40), np.float32))
+        int8.quantize(np.ones((1, 40), np.float32))
     with pytest.raises(ValueError, match="multiple of 256"):
-        cpu_q8.quantize(np.ones((1, 96), np.float32), [G.Q6_K])
-    assert cpu_q8.quantize(np.ones(64, np.float32)).shape == (1, 64)  # a single vector is (1, K)
+        int8.quantize(np.ones((1, 96), np.float32), [G.Q6_K])
+    assert int8.quantize(np.ones(64, np.float32)).shape == (1, 64)  # a single vector is (1, K)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_integer_dots_match_reference(t, tier):
     for seed, K in enumerate([256, 768] if t in KQUANT else [32, 64, 96, 160, 576]):
         raw = _random_bytes(t, 9, K, seed)
         x = _inputs(2, K, seed)
-        got = cpu_q8.integer_dots((raw, t), cpu_q8.quantize(x, [t]), tier=tier)
+        got = int8.integer_dots((raw, t), int8.quantize(x, [t]), tier=tier)
         want = _ref_integer_dots(raw, t, K, x)
         assert got.dtype == np.int32 and got.shape == want.shape
         np.testing.assert_array_equal(got, want, err_msg=f"{t.name} K={K}")
@@ -209,19 +209,19 @@ def test_matvec_matches_reference(t, tier):
     for seed, (rows, K, M) in enumerate([(37, 512, 1), (5, 768, 3)] if t in KQUANT else
                                         [(37, 96, 1), (5, 32, 2), (13, 576, 3), (8, 640, 1)]):
         w = _sane(t, rows, K, seed)
-        qin = cpu_q8.quantize(_inputs(M, K, seed), [t])
-        _assert_close(cpu_q8.matvec([w], qin, tier=tier), cpu_q8.dequantized_input(qin, t), reference.dequantize(w))
+        qin = int8.quantize(_inputs(M, K, seed), [t])
+        _assert_close(int8.matvec([w], qin, tier=tier), int8.dequantized_input(qin, t), reference.dequantize(w))
 
 
 def test_matvec_detects_a_changed_weight():
     # The tolerance sees one weight's lowest bit change (the tests above can fail).
     w = _sane(G.Q4_1, 8, 64, seed=5)
-    qin = cpu_q8.quantize(np.ones((1, 64), np.float32))
-    got = cpu_q8.matvec([w], qin)
+    qin = int8.quantize(np.ones((1, 64), np.float32))
+    got = int8.matvec([w], qin)
     bumped = w.raw.copy()
     bumped[3, 4] ^= 1  # row 3, first block's first quant byte
     with pytest.raises(AssertionError):
-        _assert_close(got, cpu_q8.dequantized_input(qin, G.Q4_1), reference.dequantize_raw(bumped, G.Q4_1, 64))
+        _assert_close(got, int8.dequantized_input(qin, G.Q4_1), reference.dequantize_raw(bumped, G.Q4_1, 64))
 
 
 @pytest.mark.parametrize("tier", TIER_PARAMS)
@@ -230,29 +230,29 @@ def test_fused_matvec_over_mixed_types_shares_one_input(tier):
     ws = [_sane(t, rows, 512, seed) for seed, (t, rows) in
           enumerate([(G.Q5_0, 40), (G.Q8_0, 8), (G.Q4_K, 24), (G.Q6_K, 3), (G.F16, 5), (G.Q4_1, 1)])]
     x = _inputs(2, 512, seed=11)
-    qin = cpu_q8.quantize(x, [w.ggml_type for w in ws])
+    qin = int8.quantize(x, [w.ggml_type for w in ws])
     out = np.full((2, sum(w.rows for w in ws)), np.nan, np.float32)
-    assert cpu_q8.matvec(ws, qin, out, tier=tier) is out
+    assert int8.matvec(ws, qin, out, tier=tier) is out
     col = 0
     for w in ws:
-        _assert_close(out[:, col:col + w.rows], cpu_q8.dequantized_input(qin, w.ggml_type), reference.dequantize(w))
+        _assert_close(out[:, col:col + w.rows], int8.dequantized_input(qin, w.ggml_type), reference.dequantize(w))
         col += w.rows
 
 
 def test_matvec_checks_its_arguments():
     w = _sane(G.Q4_K, 4, 256, seed=1)
     with pytest.raises(ValueError, match="not quantized for Q4_K"):
-        cpu_q8.matvec([w], cpu_q8.quantize(np.ones((1, 256), np.float32)))
+        int8.matvec([w], int8.quantize(np.ones((1, 256), np.float32)))
     with pytest.raises(ValueError, match="input has 512 columns, the weights 256"):
-        cpu_q8.matvec([w], cpu_q8.quantize(np.ones((1, 512), np.float32), [G.Q4_K]))
+        int8.matvec([w], int8.quantize(np.ones((1, 512), np.float32), [G.Q4_K]))
     with pytest.raises(ValueError, match="rows of 256"):  # matrices of one group share their columns
-        cpu_q8.prepare([w, _sane(G.Q8_0, 4, 512, seed=2)])
+        int8.prepare([w, _sane(G.Q8_0, 4, 512, seed=2)])
     with pytest.raises(ValueError, match="rows of"):
-        cpu_q8.prepare([(np.zeros((2, 21), np.uint8), G.Q4_1)])  # not whole blocks
+        int8.prepare([(np.zeros((2, 21), np.uint8), G.Q4_1)])  # not whole blocks
     with pytest.raises(NotImplementedError, match="Q2_K"):
-        cpu_q8.matvec([(np.zeros((2, 84), np.uint8), 10)], cpu_q8.quantize(np.ones((1, 256), np.float32)))
+        int8.matvec([(np.zeros((2, 84), np.uint8), 10)], int8.quantize(np.ones((1, 256), np.float32)))
     with pytest.raises(ValueError, match="out must be"):
-        cpu_q8.matvec([w], cpu_q8.quantize(np.ones((1, 256), np.float32), [G.Q4_K]), np.empty((1, 5), np.float32))
+        int8.matvec([w], int8.quantize(np.ones((1, 256), np.float32), [G.Q4_K]), np.empty((1, 5), np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -261,24 +261,24 @@ def test_matvec_checks_its_arguments():
 
 
 def test_tiers_are_chosen_from_cpu_features_and_can_be_forced(monkeypatch):
-    assert cpu_q8.available_tiers()[0] == "generic" and cpu_q8.TIER in cpu_q8.available_tiers()
+    assert ir.available_tiers()[0] == "generic" and ir.TIER in ir.available_tiers()
     monkeypatch.setenv("GOINFER_CPU_TIER", "generic")
-    assert cpu_q8._default_tier() == "generic"
+    assert ir._default_tier() == "generic"
     monkeypatch.setenv("GOINFER_CPU_TIER", "auto")
-    assert cpu_q8._default_tier() == cpu_q8.available_tiers()[-1]
+    assert ir._default_tier() == ir.available_tiers()[-1]
     with pytest.raises(ValueError, match="unknown CPU kernel tier"):
-        cpu_q8.tier_token("sse9")
-    for t in set(cpu_q8.TIERS) - set(cpu_q8.available_tiers()):  # never compiled: LLVM would abort
+        ir.tier_token("sse9")
+    for t in set(ir.TIERS) - set(ir.available_tiers()):  # never compiled: LLVM would abort
         with pytest.raises(ValueError, match="cannot run"):
-            cpu_q8.tier_token(t)
+            ir.tier_token(t)
 
 
 def test_a_bad_forced_tier_is_reported_when_used(monkeypatch):
     # GOINFER_CPU_TIER=vnni on a CPU without VNNI must not break importing the engine.
-    monkeypatch.setattr(cpu_q8, "_TIER_ERROR", ValueError("this CPU cannot run the 'vnni' kernels"))
+    monkeypatch.setattr(ir, "_TIER_ERROR", ValueError("this CPU cannot run the 'vnni' kernels"))
     with pytest.raises(ValueError, match="GOINFER_CPU_TIER"):
-        get_backend("cpu-q8")
-    assert Q8Backend("generic").tier == "generic"  # an explicit tier still works
+        kernels_for("cpu-q8")
+    assert Int8Kernels("generic").tier == "generic"  # an explicit tier still works
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -298,26 +298,26 @@ def fixture_matrices(tmp_path_factory) -> list[QTensor]:
 
 
 def test_backend_is_registered():
-    be = get_backend("cpu-q8")
-    assert isinstance(be, Q8Backend) and isinstance(be, Backend) and be.name == "cpu-q8"
-    assert be.tier == cpu_q8.TIER and Q8Backend("generic").tier == "generic"
+    be = kernels_for("cpu-q8")
+    assert isinstance(be, Int8Kernels) and isinstance(be, MatmulKernels) and be.name == "cpu-q8"
+    assert be.tier == ir.TIER and Int8Kernels("generic").tier == "generic"
 
 
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 def test_backend_matmul_on_fixtures_both_paths(fixture_matrices, tier):
-    be = Q8Backend(tier)
+    be = Int8Kernels(tier)
     rng = np.random.default_rng(6)
     for T in (1, 3, Q8_MATVEC_MAX_T, Q8_MATVEC_MAX_T + 1, 33):
         for w in fixture_matrices:
             x = rng.standard_normal((T, w.cols)).astype(np.float32)
             got = be.matmul(x, w)
             if T <= Q8_MATVEC_MAX_T:  # int8 activations (float weights keep f32 ones)
-                x = cpu_q8.dequantized_input(cpu_q8.quantize(x, [w.ggml_type]), w.ggml_type)
+                x = int8.dequantized_input(int8.quantize(x, [w.ggml_type]), w.ggml_type)
             _assert_close(got, x, reference.dequantize(w))
 
 
 def test_backend_matmul_many(fixture_matrices):
-    be = get_backend("cpu-q8")
+    be = kernels_for("cpu-q8")
     by_cols = {}
     for w in fixture_matrices:
         by_cols.setdefault(w.cols, []).append(w)
@@ -363,12 +363,12 @@ def test_real_tensors(real_matrices, tier):
     rng = np.random.default_rng(10)
     for w in real_matrices:
         x = rng.standard_normal((2, w.cols)).astype(np.float32)
-        qin = cpu_q8.quantize(x, [w.ggml_type])
-        np.testing.assert_array_equal(cpu_q8.integer_dots(w, qin, tier=tier)[:, :64],
+        qin = int8.quantize(x, [w.ggml_type])
+        np.testing.assert_array_equal(int8.integer_dots(w, qin, tier=tier)[:, :64],
                                       _ref_integer_dots(w.raw[:64], w.ggml_type, w.cols, x), err_msg=w.name)
-        got = cpu_q8.matvec([w], qin, tier=tier)
+        got = int8.matvec([w], qin, tier=tier)
         wf = reference.dequantize(w)
-        _assert_close(got, cpu_q8.dequantized_input(qin, w.ggml_type), wf)
+        _assert_close(got, int8.dequantized_input(qin, w.ggml_type), wf)
         # Against exact f32 activations the int8 ones cost ~0.5 % (as in llama.cpp): a sanity bound.
         exact = x.astype(np.float64) @ wf.T.astype(np.float64)
         assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name
@@ -382,17 +382,17 @@ def test_real_tensors(real_matrices, tier):
 @numba.njit(cache=False)
 def _compiled_step(x, wa, ta, wb, tb, xq8, xs8, xqk, xdk, xbk, out, tier):
     # One input quantized in place, then two matrices in one parallel call.
-    cpu_q8.quantize_legacy_into(x, xq8, xs8, 0, x.shape[1])
-    cpu_q8.quantize_k_into(x, xqk, xdk, xbk, 0, x.shape[1])
+    quantize.quantize_legacy_into(x, xq8, xs8, 0, x.shape[1])
+    quantize.quantize_k_into(x, xqk, xdk, xbk, 0, x.shape[1])
     starts = np.array([0, wa.shape[0], wa.shape[0] + wb.shape[0]])
-    cpu_q8.matvec_into((wa, wb), np.array([ta, tb]), starts, xq8, xs8, xqk, xdk, xbk, x, out, 4, tier)
+    int8.matvec_into((wa, wb), np.array([ta, tb]), starts, xq8, xs8, xqk, xdk, xbk, x, out, 4, tier)
 
 
 def test_entry_points_compose_inside_njit():
     wa, wb = _sane(G.Q4_1, 12, 512, seed=1), _sane(G.Q6_K, 7, 512, seed=2)
     x = _inputs(2, 512, seed=3)
-    qin = cpu_q8.quantize(x, [G.Q4_1, G.Q6_K])
+    qin = int8.quantize(x, [G.Q4_1, G.Q6_K])
     bufs = [np.empty_like(a) for a in (qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk)]
     out = np.empty((2, 19), np.float32)
-    _compiled_step(x, wa.raw, int(wa.ggml_type), wb.raw, int(wb.ggml_type), *bufs, out, cpu_q8.tier_token())
-    np.testing.assert_array_equal(out, cpu_q8.matvec([wa, wb], qin))
+    _compiled_step(x, wa.raw, int(wa.ggml_type), wb.raw, int(wb.ggml_type), *bufs, out, ir.tier_token())
+    np.testing.assert_array_equal(out, int8.matvec([wa, wb], qin))

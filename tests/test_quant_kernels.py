@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from engine.formats.gguf import GGUFFile
-from engine.kernels import backend as backend_mod
-from engine.kernels import cpu, reference
-from engine.kernels.backend import Backend, NumbaBackend, ReferenceBackend, get_backend
+from engine.kernels.cpu import matmul as matmul_mod
+from engine.kernels import reference
+from engine.kernels.cpu import exact
+from engine.kernels.cpu.matmul import ExactKernels, MatmulKernels, ReferenceKernels, kernels_for
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor, row_bytes
 from testdata import make_fixtures
 
@@ -158,9 +159,9 @@ def test_unsupported_types_are_refused():
     with pytest.raises(NotImplementedError, match="Q2_K"):
         reference.dequantize_raw(raw, 10, 256)
     with pytest.raises(NotImplementedError, match="Q2_K"):
-        cpu.dequantize_into(raw, 10, np.empty((2, 256), np.float32))
+        exact.dequantize_into(raw, 10, np.empty((2, 256), np.float32))
     with pytest.raises(ValueError):  # row_bytes does not match the column count
-        cpu.dequantize_into(np.zeros((2, 20), np.uint8), GGMLType.Q4_1, np.empty((2, 64), np.float32))
+        exact.dequantize_into(np.zeros((2, 20), np.uint8), GGMLType.Q4_1, np.empty((2, 64), np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,18 +174,18 @@ def test_cpu_dequantize_matches_reference_on_random_blocks(ggml_type):
     rows, cols = 37, 2 * _cols_for(ggml_type)
     raw = _random_bytes(ggml_type, rows, cols, seed=7)
     out = np.full((rows, cols), 123.0, np.float32)
-    cpu.dequantize_into(raw, ggml_type, out)
+    exact.dequantize_into(raw, ggml_type, out)
     with np.errstate(invalid="ignore", over="ignore"):
         want = reference.dequantize_raw(raw, ggml_type, cols)
     np.testing.assert_array_equal(_bits(out), _bits(want))
     ids = np.array([36, 0, 5, 5, 20])
-    rows_out = cpu.dequantize_rows_into(raw, ggml_type, ids, np.empty((len(ids), cols), np.float32))
+    rows_out = exact.dequantize_rows_into(raw, ggml_type, ids, np.empty((len(ids), cols), np.float32))
     np.testing.assert_array_equal(_bits(rows_out), _bits(want[ids]))
 
 
 def test_cpu_dequantize_matches_reference_on_fixtures_and_real_tensors(fixture_matrices, real_tensors):
     for t in fixture_matrices + list(real_tensors.values()):
-        out = cpu.dequantize_into(t.raw, t.ggml_type, np.empty(t.shape, np.float32))
+        out = exact.dequantize_into(t.raw, t.ggml_type, np.empty(t.shape, np.float32))
         np.testing.assert_array_equal(_bits(out), _bits(reference.dequantize(t)), err_msg=t.name)
 
 
@@ -200,7 +201,7 @@ def test_cpu_matvec_matches_reference(ggml_type):
     rng = np.random.default_rng(4)
     for T in (1, 3, 8):
         x = rng.standard_normal((T, t.cols)).astype(np.float32)
-        out = cpu.matvec(t.raw, t.ggml_type, x, np.full((T, t.rows), np.nan, np.float32))
+        out = exact.matvec(t.raw, t.ggml_type, x, np.full((T, t.rows), np.nan, np.float32))
         _assert_close(out, x, w)
 
 
@@ -208,7 +209,7 @@ def test_cpu_matvec_detects_a_changed_weight():
     # The tolerance is tight enough to see one weight's lowest nibble change (the test above can fail).
     t = _sane(GGMLType.Q4_1, 8, 64, seed=5)
     x = np.ones((1, 64), np.float32)
-    out = cpu.matvec(t.raw, t.ggml_type, x, np.empty((1, 8), np.float32))
+    out = exact.matvec(t.raw, t.ggml_type, x, np.empty((1, 8), np.float32))
     bumped = t.raw.copy()
     bumped[3, 4] ^= 1  # row 3, first block's first quant byte
     with pytest.raises(AssertionError):
@@ -217,22 +218,22 @@ def test_cpu_matvec_detects_a_changed_weight():
 
 @pytest.mark.parametrize("name", ["cpu", "reference"])
 def test_backend_matmul_matches_reference_on_both_paths(name, fixture_matrices, monkeypatch):
-    be = get_backend(name)
-    assert isinstance(be, Backend) and be.name in ("cpu", "reference")
+    be = kernels_for(name)
+    assert isinstance(be, MatmulKernels) and be.name in ("cpu", "reference")
     rng = np.random.default_rng(6)
-    for T in (1, backend_mod.MATVEC_MAX_T, backend_mod.MATVEC_MAX_T + 1, 33):
+    for T in (1, matmul_mod.MATVEC_MAX_T, matmul_mod.MATVEC_MAX_T + 1, 33):
         for t in fixture_matrices:
             x = rng.standard_normal((T, t.cols)).astype(np.float32)
             _assert_close(be.matmul(x, t), x, reference.dequantize(t))
     # A weight bigger than the scratch limit goes through BLAS in row chunks.
-    monkeypatch.setattr(backend_mod, "SCRATCH_MAX_FLOATS", 1000)
+    monkeypatch.setattr(matmul_mod, "SCRATCH_MAX_FLOATS", 1000)
     t = max(fixture_matrices, key=lambda t: t.rows)
     x = rng.standard_normal((20, t.cols)).astype(np.float32)
     _assert_close(be.matmul(x[:, :], t), x, reference.dequantize(t))
 
 
 def test_numba_backend_keeps_one_scratch_buffer(fixture_matrices):
-    be = NumbaBackend()
+    be = ExactKernels()
     x = np.ones((16, 256), np.float32)
     mats = [t for t in fixture_matrices if t.cols == 256 and t.ggml_type != GGMLType.F32]
     for t in mats:
@@ -244,7 +245,7 @@ def test_numba_backend_keeps_one_scratch_buffer(fixture_matrices):
 def test_backend_matmul_takes_strided_input(fixture_matrices):
     t = next(t for t in fixture_matrices if t.ggml_type == GGMLType.Q6_K)
     x = np.random.default_rng(8).standard_normal((t.cols, 4)).astype(np.float32).T  # (4, cols), not contiguous
-    _assert_close(get_backend("cpu").matmul(x, t), x, reference.dequantize(t))
+    _assert_close(kernels_for("cpu").matmul(x, t), x, reference.dequantize(t))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_backend_matmul_takes_strided_input(fixture_matrices):
 
 
 def test_real_tensors_matmul_matches_reference(real_tensors):
-    be = get_backend("cpu")
+    be = kernels_for("cpu")
     rng = np.random.default_rng(9)
     for label, t in real_tensors.items():
         w = reference.dequantize(t)
@@ -274,16 +275,16 @@ def test_embed_matches_reference_rows(fixture_matrices, smollm2_gguf, gemma_gguf
         ids = np.array([0, 1, t.rows - 1, 17, 17, t.rows // 2])
         want = reference.embed_rows(t, ids)
         assert want.shape == (len(ids), t.cols)
-        for be in (get_backend("cpu"), get_backend("reference")):
+        for be in (kernels_for("cpu"), kernels_for("reference")):
             np.testing.assert_array_equal(_bits(be.embed(t, ids)), _bits(want), err_msg=t.name)
     with pytest.raises(IndexError):
-        get_backend("cpu").embed(heads[0], [heads[0].rows])
+        kernels_for("cpu").embed(heads[0], [heads[0].rows])
 
 
 def test_get_backend_names():
-    assert isinstance(get_backend(), NumbaBackend) and isinstance(get_backend("reference"), ReferenceBackend)
+    assert isinstance(kernels_for(), ExactKernels) and isinstance(kernels_for("reference"), ReferenceKernels)
     with pytest.raises(ValueError, match="unknown backend"):
-        get_backend("tpu")
+        kernels_for("tpu")
 
 
 def test_block_geometry_agrees_with_gguf():

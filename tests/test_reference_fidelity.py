@@ -47,7 +47,7 @@ def _case(name: str, case_name: str) -> dict:
 
 def _teacher_forced(model: engine.Model, name: str, case: dict) -> np.ndarray:
     """logprobs (len(positions), vocab) after each position of tokens + greedy_ids, one forward pass."""
-    key = (name, model.compute_path, case["name"])
+    key = (name, model.backend.path, case["name"])
     if key not in _scores:
         ids = case["tokens"] + case["greedy_ids"][:-1]
         _scores[key] = model.logprobs(ids, start=len(case["tokens"]) - 1)
@@ -57,11 +57,11 @@ def _teacher_forced(model: engine.Model, name: str, case: dict) -> np.ndarray:
 def _teacher_forced_decode(model: engine.Model, name: str, case: dict) -> np.ndarray:
     """The same rows, but the continuation fed one token at a time: the compiled decode step (int8) on the
     default path, as generation runs it."""
-    key = (name, model.compute_path + "-decode", case["name"])
+    key = (name, model.backend.path + "-decode", case["name"])
     if key not in _scores:
         cache = model.new_cache(len(case["tokens"]) + len(case["greedy_ids"]))
-        rows = [model.eval(case["tokens"], cache)[-1]]
-        rows += [model.eval([t], cache)[0] for t in case["greedy_ids"][:-1]]
+        rows = [model.prefill(case["tokens"], cache)[-1]]
+        rows += [model.decode([t], [cache])[0] for t in case["greedy_ids"][:-1]]
         _scores[key] = engine.models.base.log_softmax(np.stack(rows))
     return _scores[key]
 
@@ -117,7 +117,7 @@ def test_default_path_within_llama_cpp_noise(request, name, case_name):
 def test_decode_step_within_llama_cpp_noise(request, name, case_name):
     case = _case(name, case_name)
     model = _model(request, name, "auto")
-    assert model.step is not None  # the fast path is what runs here
+    assert model.backend.step is not None  # the fast path is what runs here
     mean, worst, misses, _ = _vs_llama_cpp(_teacher_forced_decode(model, name, case), case)
     assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
     assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"

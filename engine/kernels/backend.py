@@ -1,150 +1,138 @@
-"""The backend interface the model code calls: matmul, embed, dequantize over QTensors kept as stored blocks.
+"""The backend interface: everything a model family's forward pass and Model's two steps ask of the hardware.
 
-ReferenceBackend is the numpy oracle (reference.py); NumbaBackend runs the numba kernels (cpu.py):
-small batches (decode) use the fused matvec that reads blocks in place, larger ones (prefill) dequantize the
-weight into a reused scratch buffer and call BLAS. No f32 copy of a whole model is ever kept.
+A family file (models/llama.py, ...) describes its computation once in these ops and its flags; it imports nothing
+from a backend package. A backend owns what is specific to its hardware:
+- the weight layout it wants (`prepare`, once at load: e.g. the CPU's row-interleaved copies of 4/5-bit blocks),
+- the KV cache and its layout (`new_cache`),
+- the compiled decode step, where it has one (`decode`; `has_decode_step`),
+- the ops: matmul over stored blocks, embedding lookup, norms, RoPE, attention, gated activations.
+Arrays in and out are float32 numpy arrays (T = tokens, H = query heads, Hkv = key/value heads, D = head dim).
+
+Backends: engine/kernels/cpu/ (numba), in two configurations: "fast" (int8 activations at decode, an f16 KV
+cache, the compiled one-token step; the default) and "exact" (f32 throughout, weights dequantized per use).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from engine.kernels import cpu, packed, reference
-from engine.kernels.quant_types import GGMLType, QTensor
+from engine.kernels.quant_types import QTensor
 
-MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize + sgemm
-SCRATCH_MAX_FLOATS = 1 << 24  # 64 MB: bigger weights (vocab heads) are dequantized in row chunks
+PATHS = ("fast", "exact")
+
+
+# What a backend reads of the model it serves. engine.models passes its ModelConfig and Weights; they are named
+# here as protocols because the kernels sit below the models and never import them.
+class ModelConfig(Protocol):
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_dim: int
+    rope_style: str  # "interleaved" (adjacent pairs) or "neox" (half split)
+    rope_scaling: Any  # .factor: positions are divided by it
+    layer_window: tuple[int, ...]  # per layer: sliding window, 0 = global
+    layer_rope_base: tuple[float, ...]  # per layer
+    attn_scale: float
+    embed_scale: float
+
+
+class Weights(Protocol):
+    """Matrices by GGUF name (`blk.3.attn_q`) as QTensors over the stored blocks, small vectors as f32."""
+
+    def has(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> QTensor: ...
+
+    def vector(self, name: str) -> np.ndarray: ...
+
+    def optional_vector(self, name: str) -> np.ndarray | None: ...
+
+    def buffer(self) -> np.ndarray | None:
+        """The one uint8 buffer every tensor views (the mapped file), or None (a split model)."""
+
+    def replace(self, name: str, tensor: QTensor) -> None:
+        """Hand out tensor for name from now on (the backend's own layout of the same weights)."""
+
+    def advise(self, raw: np.ndarray, advice: int | None) -> None:
+        """madvise the mapped pages under raw (best effort)."""
+
+
+class KVCache(Protocol):
+    """The keys and values of one sequence, kept outside the model, in the backend's layout."""
+
+    length: int  # positions every layer holds
+    max_tokens: int  # the most it may ever hold (the context window)
+
+    def reserve(self, n_new: int) -> None:
+        """Room for n_new more positions; ContextOverflow past max_tokens."""
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k, v (T, Hkv, D) at positions length..; all keys and values of the layer, (L, Hkv, D) each."""
+
+    def advance(self, n: int) -> None:
+        """Commit n positions written to every layer."""
+
+    def truncate(self, n: int) -> None:
+        """Forget positions n.. (rewinding, prefix reuse)."""
+
+    def nbytes(self) -> int: ...
 
 
 @runtime_checkable
 class Backend(Protocol):
-    name: str
+    name: str  # the hardware: "cpu"
+    path: str  # the configuration: "fast" or "exact"
+    stepped_down: frozenset[int]  # GGML type codes whose fast kernels the self-test found wrong (reference tier)
 
+    def describe(self) -> str:
+        """One line for logs: the configuration and the kernels behind it."""
+
+    # --- layouts and the decode step, set up once per model ---
+    def prepare(self, config: ModelConfig, weights: Weights, step_flags: dict | None) -> None:
+        """Lay the weights out as this backend wants them and build its decode step (step_flags: what the
+        family's step needs to know; None: no compiled step, decode runs the forward pass one token at a time)."""
+
+    def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache: ...
+
+    @property
+    def has_decode_step(self) -> bool: ...
+
+    def decode(self, ids: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray:
+        """One new token per sequence through the whole model: raw head output (M, head rows); each cache
+        grows by one."""
+
+    def end_prompt(self) -> None:
+        """A prompt is done: let go of its scratch memory."""
+
+    # --- ops of a forward pass ---
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
-        """x (T, cols) f32 -> x @ W.T, (T, rows) f32."""
+        """x (T, cols) -> x @ W.T, (T, rows)."""
 
     def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
         """[x @ W.T for W in ws]: matrices with the same cols that read one input (q|k|v, gate|up)."""
 
     def embed(self, w: QTensor, ids) -> np.ndarray:
-        """Rows ids of w as f32 (len(ids), cols): an embedding lookup."""
+        """Rows ids of w, (len(ids), cols)."""
 
-    def dequantize(self, w: QTensor) -> np.ndarray:
-        """The whole of w as a new f32 (rows, cols) array."""
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """x (..., n) * rsqrt(mean(x^2) + eps) * weight (n,)."""
 
+    def rope_tables(self, positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
+                    freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (T, rope_dim/2) for absolute positions."""
 
-def _f32_view(w: QTensor) -> np.ndarray:
-    return w.raw.view(np.float32).reshape(w.rows, w.cols)  # (rows, cols), no copy
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+        """x (T, heads, D) rotated by position (a new array); style "neox" (half split) or "interleaved"."""
 
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0,
+                  softcap: float = 0.0) -> np.ndarray:
+        """Causal (optionally sliding-window) grouped-query attention: q (T, H, D) at positions pos0.., k, v
+        (L, Hkv, D) at 0..L-1 -> (T, H, D)."""
 
-def _as_input(x: np.ndarray, w: QTensor) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != w.cols:
-        raise ValueError(f"{w.name}: input {x.shape} does not match weight (rows, cols) = {w.shape}")
-    return x
-
-
-class ReferenceBackend:
-    name = "reference"
-
-    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
-        return reference.matmul(_as_input(x, w), w)
-
-    def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
-        return [self.matmul(x, w) for w in ws]
-
-    def embed(self, w: QTensor, ids) -> np.ndarray:
-        return reference.embed_rows(w, ids)
-
-    def dequantize(self, w: QTensor) -> np.ndarray:
-        return reference.dequantize(w)
-
-
-class NumbaBackend:
-    name = "cpu"
-
-    def __init__(self) -> None:
-        self._scratch = np.empty(0, dtype=np.float32)  # grows to the largest (chunk of a) weight used
-
-    def release(self) -> None:
-        """Free the dequantization scratch (up to the largest weight group, 10 MB for Gemma's gate|up) until the
-        next prompt: a model that sits decoding or idle should not keep it resident."""
-        self._scratch = np.empty(0, dtype=np.float32)
-
-    def _scratch_for(self, rows: int, cols: int) -> np.ndarray:
-        if self._scratch.size < rows * cols:
-            self._scratch = np.empty(rows * cols, dtype=np.float32)
-        return self._scratch[: rows * cols].reshape(rows, cols)
-
-    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
-        x = _as_input(x, w)  # (T, cols)
-        T = x.shape[0]
-        if w.ggml_type == GGMLType.F32:
-            return x @ _f32_view(w).T
-        out = np.empty((T, w.rows), dtype=np.float32)
-        if T <= MATVEC_MAX_T and w.packed is None:
-            return cpu.matvec(w.raw, w.ggml_type, x, out)
-        step = max(packed.ROWS, SCRATCH_MAX_FLOATS // w.cols // packed.ROWS * packed.ROWS)
-        for r0 in range(0, w.rows, step):
-            r1 = min(w.rows, r0 + step)
-            # Serial dequantize: a parallel one leaves OpenMP workers spinning against the BLAS threads.
-            wf = _dequantize_rows(w, r0, r1, self._scratch_for(r1 - r0, w.cols))
-            if r0 == 0 and r1 == w.rows:
-                np.matmul(x, wf.T, out=out)
-            else:
-                out[:, r0:r1] = x @ wf.T
-        return out
-
-    def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
-        """Prompts: the matrices dequantized one under another into the scratch buffer and one sgemm for all
-        (one wide GEMM runs closer to BLAS peak than two or three narrow ones); column slices of its result."""
-        x = _as_input(x, ws[0])
-        rows = sum(w.rows for w in ws)
-        if (len(ws) == 1 or x.shape[0] <= MATVEC_MAX_T or rows * x.shape[1] > SCRATCH_MAX_FLOATS
-                or any(w.ggml_type == GGMLType.F32 or w.cols != x.shape[1] for w in ws)):
-            return [self.matmul(x, w) for w in ws]
-        wf = self._scratch_for(rows, x.shape[1])
-        r0, slices = 0, []
-        for w in ws:
-            _dequantize_rows(w, 0, w.rows, wf[r0 : r0 + w.rows])
-            slices.append(slice(r0, r0 + w.rows))
-            r0 += w.rows
-        out = x @ wf.T  # (T, rows)
-        return [out[:, s] for s in slices]
-
-    def embed(self, w: QTensor, ids) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        out = np.empty((ids.size, w.cols), dtype=np.float32)
-        if w.packed is not None:
-            return packed.embed_rows(w, ids, out)
-        return cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, out)
-
-    def dequantize(self, w: QTensor) -> np.ndarray:
-        return _dequantize_rows(w, 0, w.rows, np.empty(w.shape, dtype=np.float32))
-
-
-def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
-    """Rows [r0, r1) of w into out, serially (see matmul), from its packed copy where it has one."""
-    if w.packed is None:
-        return cpu.dequantize_into(w.raw[r0:r1], w.ggml_type, out, parallel=False)
-    return packed.dequantize_rows(w, r0, r1, out)
-
-
-def _q8_backend() -> Backend:
-    from engine.kernels.backend_q8 import Q8Backend  # late import: backend_q8 builds on this module
-
-    return Q8Backend()
-
-
-_BACKENDS = {"cpu": NumbaBackend, "numba": NumbaBackend, "reference": ReferenceBackend, "cpu-q8": _q8_backend}
-
-
-def get_backend(name: str = "cpu") -> Backend:
-    """"cpu" (numba kernels; alias "numba"), "cpu-q8" (int8 decode kernels) or "reference" (numpy oracle).
-    A new instance per call."""
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}; choose from {sorted(_BACKENDS)}") from None
+    def act_mul(self, gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+        """act(gate) * up, (T, F); act "silu" or "gelu_tanh"."""

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.cache.kv import KVCache
-from engine.kernels.backend import Backend
+from engine.kernels.backend import Backend, KVCache
 from engine.models.config import ModelConfig
-from engine.models.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from engine.models.weights import Weights
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -27,24 +25,24 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
     eps = cfg.rms_eps
     x = be.embed(w.tensor("token_embd"), ids) * np.float32(cfg.embed_scale)  # (T, n_embd)
     positions = np.arange(pos0, pos0 + T)
-    tables = {base: rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor)
+    tables = {base: be.rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor)
               for base in set(cfg.layer_rope_base)}
     for i in range(cfg.n_layer):
         blk = f"blk.{i}."
         cos, sin = tables[cfg.layer_rope_base[i]]
-        h = rms_norm(x, w.vector(blk + "attn_norm"), eps)
+        h = be.rms_norm(x, w.vector(blk + "attn_norm"), eps)
         q, k, v = be.matmul_many(h, [w.tensor(blk + "attn_q"), w.tensor(blk + "attn_k"), w.tensor(blk + "attn_v")])
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-        q = apply_rope(rms_norm(q, w.vector(blk + "attn_q_norm"), eps), cos, sin, cfg.rope_style)
-        k = apply_rope(rms_norm(k, w.vector(blk + "attn_k_norm"), eps), cos, sin, cfg.rope_style)
+        q = be.rope(be.rms_norm(q, w.vector(blk + "attn_q_norm"), eps), cos, sin, cfg.rope_style)
+        k = be.rope(be.rms_norm(k, w.vector(blk + "attn_k_norm"), eps), cos, sin, cfg.rope_style)
         keys, values = cache.write(i, k, v)
-        a = attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i]).reshape(T, H * D)
-        x = x + rms_norm(be.matmul(a, w.tensor(blk + "attn_output")), w.vector(blk + "post_attention_norm"), eps)
-        h = rms_norm(x, w.vector(blk + "ffn_norm"), eps)
-        g = gelu_tanh_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]))
-        x = x + rms_norm(be.matmul(g, w.tensor(blk + "ffn_down")), w.vector(blk + "post_ffw_norm"), eps)
+        a = be.attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i]).reshape(T, H * D)
+        x = x + be.rms_norm(be.matmul(a, w.tensor(blk + "attn_output")), w.vector(blk + "post_attention_norm"), eps)
+        h = be.rms_norm(x, w.vector(blk + "ffn_norm"), eps)
+        g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), "gelu_tanh")
+        x = x + be.rms_norm(be.matmul(g, w.tensor(blk + "ffn_down")), w.vector(blk + "post_ffw_norm"), eps)
     cache.advance(T)
-    return rms_norm(x, w.vector("output_norm"), eps)
+    return be.rms_norm(x, w.vector("output_norm"), eps)
 
-# What the compiled decode step (decode_step.py) needs to know about this family.
+# What a backend's compiled decode step needs to know about this family (Backend.prepare).
 STEP_FLAGS = {"qk_norm": True, "post_norms": True, "act": "gelu_tanh"}

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.cache.kv import KVCache
-from engine.kernels.backend import Backend
+from engine.kernels.backend import Backend, KVCache
 from engine.models.config import ModelConfig
-from engine.models.ops import apply_rope, attention, rms_norm, rope_tables, silu_mul
 from engine.models.weights import Weights
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -22,22 +20,22 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
     T, pos0 = len(ids), cache.length
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     x = be.embed(w.tensor("token_embd"), ids)  # (T, n_embd)
-    cos, sin = rope_tables(np.arange(pos0, pos0 + T), cfg.rope_dim, cfg.rope_base, cfg.rope_scaling.factor,
-                           w.optional_vector("rope_freqs"))
+    cos, sin = be.rope_tables(np.arange(pos0, pos0 + T), cfg.rope_dim, cfg.rope_base, cfg.rope_scaling.factor,
+                              w.optional_vector("rope_freqs"))
     for i in range(cfg.n_layer):
         blk = f"blk.{i}."
-        h = rms_norm(x, w.vector(blk + "attn_norm"), cfg.rms_eps)
+        h = be.rms_norm(x, w.vector(blk + "attn_norm"), cfg.rms_eps)
         q, k, v = be.matmul_many(h, [w.tensor(blk + "attn_q"), w.tensor(blk + "attn_k"), w.tensor(blk + "attn_v")])
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-        q, k = apply_rope(q, cos, sin, cfg.rope_style), apply_rope(k, cos, sin, cfg.rope_style)
+        q, k = be.rope(q, cos, sin, cfg.rope_style), be.rope(k, cos, sin, cfg.rope_style)
         keys, values = cache.write(i, k, v)
-        a = attention(q, keys, values, pos0, cfg.attn_scale).reshape(T, H * D)
+        a = be.attention(q, keys, values, pos0, cfg.attn_scale).reshape(T, H * D)
         x = x + be.matmul(a, w.tensor(blk + "attn_output"))
-        h = rms_norm(x, w.vector(blk + "ffn_norm"), cfg.rms_eps)
-        g = silu_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]))
+        h = be.rms_norm(x, w.vector(blk + "ffn_norm"), cfg.rms_eps)
+        g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), "silu")
         x = x + be.matmul(g, w.tensor(blk + "ffn_down"))
     cache.advance(T)
-    return rms_norm(x, w.vector("output_norm"), cfg.rms_eps)
+    return be.rms_norm(x, w.vector("output_norm"), cfg.rms_eps)
 
-# What the compiled decode step (decode_step.py) needs to know about this family.
+# What a backend's compiled decode step needs to know about this family (Backend.prepare).
 STEP_FLAGS = {"qk_norm": False, "post_norms": False, "act": "silu"}

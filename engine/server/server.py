@@ -72,7 +72,7 @@ class ServerState:
 
 
 def _selftest_report() -> dict:
-    from engine.kernels.selftest import report  # the kernel self-test run at the first model load
+    from engine.kernels.cpu.selftest import report  # the kernel self-test run at the first model load
 
     return report()
 

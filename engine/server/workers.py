@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.errors import Cancelled, GoinferError
-from engine.kernels.threads import set_threads
+from engine.kernels.cpu.threads import set_threads
 from engine.requests import Delta, Prepared, run
 from engine.server.config import ServedModel
 

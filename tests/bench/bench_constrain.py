@@ -40,7 +40,7 @@ def main() -> None:
         proc = grammar_processor(tok, g)
         ids = tok.encode(m.render_chat([{"role": "user", "content": "A person as JSON"}]))
         cache = m.new_cache(len(ids) + args.tokens + 1)
-        logits, hist = m.eval(ids, cache)[0], list(ids)
+        logits, hist = m.prefill(ids, cache)[0], list(ids)
         t_mask = t_eval = 0.0
         n = 0
         for _ in range(args.tokens):
@@ -53,7 +53,7 @@ def main() -> None:
             n += 1
             if t in tok.eog_ids:
                 break
-            logits = m.eval([t], cache)[0]
+            logits = m.decode([t], [cache])[0]
             t_eval += time.perf_counter() - t1
         print(f"{label:12s} grammar {1000 * t_mask / n:.2f} ms/token, model step {1000 * t_eval / max(1, n - 1):.1f} "
               f"ms/token ({n} tokens)")

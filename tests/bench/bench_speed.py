@@ -62,7 +62,7 @@ def measure_goinfer(path: str, quant: str, prompt_tokens: int, gen_tokens: int, 
     # Sampled as a chat client asks (llama.cpp's side stays greedy): the draw's cost on top of the step.
     sampled = [_run(engine, model, ids, gen_tokens, temperature=0.8, top_p=0.95, seed=rep)[1] for rep in range(reps)]
     return {
-        "engine": "goinfer", "quant": quant, "compute_path": model.compute_path, "load_s": round(load_s, 3),
+        "engine": "goinfer", "quant": quant, "compute_path": model.backend.path, "load_s": round(load_s, 3),
         "ttft_s": round(ttft, 4), "prefill_tok_s": round(prompt_tokens / ttft, 1),
         "decode_tok_s": round(statistics.median(d for _, d in runs), 1),
         "decode_sampled_tok_s": round(statistics.median(sampled), 1),

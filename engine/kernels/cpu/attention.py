@@ -1,6 +1,6 @@
 """Decode attention over the KV cache: one query per head against every cached key, for the compiled decode step.
 
-The two products of attention at one token are written as LLVM-IR kernels (as the matvec rows of cpu_q8), each
+The two products of attention at one token are written as LLVM-IR kernels (as legacy.py's matvec rows), each
 serving all the query heads that share one kv head (grouped-query attention) in one pass over the cache:
 
   scores   s[g, j] = scale * q_g . k_j       keys in tiles of 16 positions, each tile D rows of 16 (one
@@ -26,8 +26,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from engine.kernels import vmath
-from engine.kernels.cpu_q8 import _E, _FLT, _I8, _I16, _I32, _V
+from engine.kernels.cpu import vmath
+from engine.kernels.cpu.ir import FLT, I8, I16, I32, Emitter, V
 
 TILE = 16  # positions (scores) or head dims (values) per tile: two 8-float vectors per head
 MAX_GROUP = 4  # query heads per kernel call: 4 x 2 accumulators + 2 loads fit the 16 AVX registers
@@ -47,8 +47,8 @@ def half_bits(typingctx, x):
         return None
 
     def codegen(context, builder, signature, args):
-        v = args[0] if x.bitwidth == 32 else builder.fptrunc(args[0], _FLT)
-        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), _I16)
+        v = args[0] if x.bitwidth == 32 else builder.fptrunc(args[0], FLT)
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), I16)
 
     return types.uint16(x), codegen
 
@@ -60,7 +60,7 @@ def half_value(typingctx, bits):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _FLT)
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), FLT)
 
     return types.float32(bits), codegen
 
@@ -133,25 +133,25 @@ def from_halves(src, s0, ss, dst, d0, ds, rows, n):
 # =========================================================================================================
 
 
-def _cache_loader(e: _E, arr_ty):
+def _cache_loader(e: Emitter, arr_ty):
     """(pointer, byte offset, mask or None) -> <8 x float> from a cache array of f32 or half bits, and the bytes
     per element."""
     if arr_ty.dtype == types.uint16:
         def load(p, off, mask=None):
             if mask is None:
-                return e.halves(e.ld(p, off, _V(_I16, 8)))
-            at = e.b.gep(p, [e.i64(off)], source_etype=_I8)
-            v = e.call("llvm.masked.load.v8i16.p0", _V(_I16, 8), [at, ir.Constant(_I32, 2), mask,
-                                                                  ir.Constant(_V(_I16, 8), None)])
+                return e.halves(e.ld(p, off, V(I16, 8)))
+            at = e.b.gep(p, [e.i64(off)], source_etype=I8)
+            v = e.call("llvm.masked.load.v8i16.p0", V(I16, 8), [at, ir.Constant(I32, 2), mask,
+                                                                  ir.Constant(V(I16, 8), None)])
             return e.halves(v)
         return load, 2
 
     def load(p, off, mask=None):
         if mask is None:
-            return e.ld(p, off, _V(_FLT, 8))
-        at = e.b.gep(p, [e.i64(off)], source_etype=_I8)
-        return e.call("llvm.masked.load.v8f32.p0", _V(_FLT, 8), [at, ir.Constant(_I32, 4), mask,
-                                                                 ir.Constant(_V(_FLT, 8), None)])
+            return e.ld(p, off, V(FLT, 8))
+        at = e.b.gep(p, [e.i64(off)], source_etype=I8)
+        return e.call("llvm.masked.load.v8f32.p0", V(FLT, 8), [at, ir.Constant(I32, 4), mask,
+                                                                 ir.Constant(V(FLT, 8), None)])
     return load, 4
 
 
@@ -163,7 +163,7 @@ def _f32_ok(a) -> bool:
     return isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32
 
 
-def _lane_mask(e: _E, j0, n):
+def _lane_mask(e: Emitter, j0, n):
     """<8 x i1>: lane l is j0 + l < n."""
     lanes = e.b.add(e.splat(e.i64(j0), 8), e.vc(ir.IntType(64), range(8)))
     return e.b.icmp_signed("<", lanes, e.splat(e.i64(n), 8))
@@ -184,19 +184,19 @@ def _scores_kernel(G: int):
         sig = types.none(kf, ip, q, ip, ip, ip, types.float32, s, ip, ip, vf, ip)
 
         def codegen(context, builder, signature, args):
-            e, b = _E(context, builder, "generic"), builder
+            e, b = Emitter(context, builder, "generic"), builder
             at = signature.args
             kf_, k0_, q_, q0_, D_, n_, scale_, s_, s0_, ss_, vf_, v0_ = args
             load, es = _cache_loader(e, at[0])
-            kp = b.gep(e.base(at[0], kf_), [e.mul(k0_, es)], source_etype=_I8)
-            vp = b.gep(e.base(at[10], vf_), [e.mul(v0_, es)], source_etype=_I8)
+            kp = b.gep(e.base(at[0], kf_), [e.mul(k0_, es)], source_etype=I8)
+            vp = b.gep(e.base(at[10], vf_), [e.mul(v0_, es)], source_etype=I8)
             tile_bytes = e.mul(e.mul(D_, TILE), es)  # of keys, and of values, per tile of positions
-            qp = b.gep(e.base(at[2], q_), [e.mul(q0_, 4)], source_etype=_I8)
-            sp = b.gep(e.base(at[7], s_), [e.mul(s0_, 4)], source_etype=_I8)
+            qp = b.gep(e.base(at[2], q_), [e.mul(q0_, 4)], source_etype=I8)
+            sp = b.gep(e.base(at[7], s_), [e.mul(s0_, 4)], source_etype=I8)
             scv = e.splat(scale_, 8)
             accs = [[e.fvar(8) for _ in range(2)] for _ in range(G)]
             qoffs = [e.mul(D_, 4 * g) for g in range(G)]  # byte offset of each head's query
-            zero = ir.Constant(_V(_FLT, 8), [0.0] * 8)
+            zero = ir.Constant(V(FLT, 8), [0.0] * 8)
 
             def tile(j0, width, mask):
                 """Scores of positions j0.. (width 16, or 8 under mask) for every head of the group."""
@@ -211,7 +211,7 @@ def _scores_kernel(G: int):
                     e.prefetch(vp, e.add(tstart, e.mul(lp.index, TILE * es)))  # this tile's values, D x 32 bytes
                     ks = [load(kp, off, mask)] if width == 8 else [load(kp, off), load(kp, e.add(off, 8 * es))]
                     for g, pair in enumerate(accs):
-                        qv = e.splat(e.ld(qp, e.add(e.mul(lp.index, 4), qoffs[g]), _FLT), 8)
+                        qv = e.splat(e.ld(qp, e.add(e.mul(lp.index, 4), qoffs[g]), FLT), 8)
                         for a, kv in zip(pair, ks):
                             e.fmacc(a, qv, kv)
                 for g, pair in enumerate(accs):
@@ -221,8 +221,8 @@ def _scores_kernel(G: int):
                         if mask is None:
                             e.st(sp, e.add(base, 32 * t), v)
                         else:
-                            at_ = b.gep(sp, [base], source_etype=_I8)
-                            e.call("llvm.masked.store.v8f32.p0", ir.VoidType(), [v, at_, ir.Constant(_I32, 4), mask])
+                            at_ = b.gep(sp, [base], source_etype=I8)
+                            e.call("llvm.masked.store.v8f32.p0", ir.VoidType(), [v, at_, ir.Constant(I32, 4), mask])
 
             n16 = b.sdiv(n_, e.i64(TILE))
             with e.loop(n16) as lp:
@@ -251,16 +251,16 @@ def _values_kernel(G: int):
         sig = types.none(vf, ip, ip, ip, p, ip, ip, out, ip)
 
         def codegen(context, builder, signature, args):
-            e, b = _E(context, builder, "generic"), builder
+            e, b = Emitter(context, builder, "generic"), builder
             at = signature.args
             vf_, v0_, D_, n_, p_, p0_, ps_, out_, o0_ = args
             load, es = _cache_loader(e, at[0])
-            vp = b.gep(e.base(at[0], vf_), [e.mul(v0_, es)], source_etype=_I8)
-            pp = b.gep(e.base(at[4], p_), [e.mul(p0_, 4)], source_etype=_I8)
-            op = b.gep(e.base(at[7], out_), [e.mul(o0_, 4)], source_etype=_I8)
+            vp = b.gep(e.base(at[0], vf_), [e.mul(v0_, es)], source_etype=I8)
+            pp = b.gep(e.base(at[4], p_), [e.mul(p0_, 4)], source_etype=I8)
+            op = b.gep(e.base(at[7], out_), [e.mul(o0_, 4)], source_etype=I8)
             row = e.mul(D_, es)
             accs = [[e.fvar(8) for _ in range(2)] for _ in range(G)]
-            zero = ir.Constant(_V(_FLT, 8), [0.0] * 8)
+            zero = ir.Constant(V(FLT, 8), [0.0] * 8)
             with e.loop(b.sdiv(D_, e.i64(TILE))) as dt:
                 d0 = e.mul(dt.index, TILE)
                 for pair in accs:
@@ -270,7 +270,7 @@ def _values_kernel(G: int):
                     off = e.add(e.mul(lp.index, row), e.mul(d0, es))
                     vs = [load(vp, off), load(vp, e.add(off, 8 * es))]
                     for g, pair in enumerate(accs):
-                        pv = e.splat(e.ld(pp, e.mul(e.add(e.mul(ps_, g), lp.index), 4), _FLT), 8)
+                        pv = e.splat(e.ld(pp, e.mul(e.add(e.mul(ps_, g), lp.index), 4), FLT), 8)
                         for a, vv in zip(pair, vs):
                             e.fmacc(a, pv, vv)
                 for g, pair in enumerate(accs):

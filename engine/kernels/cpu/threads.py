@@ -1,8 +1,7 @@
 """How many threads the CPU kernels use: numba's parallel loops and the BLAS behind numpy.
 
-One setting for both, so `--threads N` means N everywhere. Numba's threading layer is pinned to OpenMP:
-its workqueue layer costs ~20-70 us per parallel launch (research/kernels.md), and TBB, when installed,
-would otherwise be preferred and is slower to launch.
+One setting for both, so `--threads N` means N everywhere. (Numba's threading layer is chosen in this
+package's __init__.py.)
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import threading
 
 import numba
 from threadpoolctl import threadpool_limits
-
-numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 _limits = None  # keeps the BLAS limit in force for the life of the process
 _local = threading.local()  # the count set_threads gave this thread (numba's own count is per thread too)

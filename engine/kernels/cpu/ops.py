@@ -1,8 +1,8 @@
-"""Shared forward-pass pieces in f32: norms, RoPE, attention, activations.
+"""The CPU backend's forward-pass ops in f32: norms, RoPE, attention, gated activations.
 
-numpy where it is fast (RoPE, the attention GEMMs), the compiled glue of kernels/glue.py where numpy makes
-several passes over big temporaries (norms, gated activations, the causal softmax). Both the exact f32 path and
-the prompts of the default path run these.
+numpy where it is fast (the RoPE tables, the attention GEMMs), the compiled row kernels of rowops.py where numpy
+makes several passes over big temporaries (norms, RoPE, gated activations, the causal softmax). Both the exact
+path and the prompts of the fast path run these.
 
 Shapes are written next to arrays: T = tokens in this chunk, L = cached keys, H = query heads,
 Hkv = key/value heads, D = head dim.
@@ -12,27 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kernels import glue
+from engine.kernels.cpu import rowops
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x (..., n) * rsqrt(mean(x^2) + eps) * weight (n,)."""
     n = x.shape[-1]
     rows = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
-    return glue.rms_norm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), eps).reshape(x.shape)
+    return rowops.rms_norm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), eps).reshape(x.shape)
 
 
-def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up, (T, F)."""
-    return _act_mul(gate, up, False)
+ACTIVATIONS = {"silu": False, "gelu_tanh": True}  # name -> the compiled kernels' gelu flag
 
 
-def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gelu(gate) * up with GELU's tanh approximation, (T, F)."""
-    return _act_mul(gate, up, True)
-
-
-def _act_mul(gate: np.ndarray, up: np.ndarray, gelu: bool) -> np.ndarray:
+def act_mul(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+    """act(gate) * up, (T, F): act "silu", or "gelu_tanh" (GELU's tanh approximation)."""
+    gelu = ACTIVATIONS[act]
     # matmul_many gives gate and up as the two column halves of one (T, 2F) result: run on that whole array,
     # whose rows are contiguous (the slices' strided rows do not vectorize).
     base = gate.base
@@ -40,8 +35,8 @@ def _act_mul(gate: np.ndarray, up: np.ndarray, gelu: bool) -> np.ndarray:
             and base.dtype == np.float32 and base.shape == (gate.shape[0], 2 * gate.shape[1])
             and gate.__array_interface__["data"][0] == base.__array_interface__["data"][0]
             and up.__array_interface__["data"][0] == base.__array_interface__["data"][0] + 4 * gate.shape[1]):
-        return glue.act_mul_halves(base, gelu)
-    return glue.act_mul(gate, up, gelu)
+        return rowops.act_mul_halves(base, gelu)
+    return rowops.act_mul(gate, up, gelu)
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
@@ -58,7 +53,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     """Rotate x (T, heads, D) by position (a new array); dims past rope_dim (= 2 * cos.shape[1]) pass through.
     style "neox": pairs (i, i + rope_dim/2); else interleaved pairs (2i, 2i+1)."""
     out = np.array(x, dtype=np.float32, order="C")  # a copy
-    glue.rope_rows(out, np.ascontiguousarray(cos), np.ascontiguousarray(sin), style == "neox")
+    rowops.rope_rows(out, np.ascontiguousarray(cos), np.ascontiguousarray(sin), style == "neox")
     return out
 
 
@@ -90,6 +85,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: flo
     if softcap:
         scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
     # Masked (causal, sliding window) softmax in place; masked keys get weight 0.
-    glue.causal_softmax(scores.reshape(Hkv * group, T, L - first), pos0, first, window)
+    rowops.causal_softmax(scores.reshape(Hkv * group, T, L - first), pos0, first, window)
     out = np.matmul(scores, v.transpose(1, 0, 2))  # (Hkv, G*T, D)
     return out.reshape(Hkv, group, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)

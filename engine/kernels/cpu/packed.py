@@ -30,8 +30,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from engine.kernels.cpu_q8 import (_E, _FLT, _I8, _I16, _I32, _V, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _is_arr,
-                                   _quant32, _tier_of)
+from engine.kernels.cpu.ir import (FLT, I8, I16, I32, Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE, Emitter,
+                                   V, is_arr, tier_of, tier_token)
+from engine.kernels.cpu.quantize import quant32
 from engine.kernels.quant_types import GGMLType
 
 PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
@@ -39,8 +40,9 @@ ROWS = 8  # rows per interleaved group
 PREFETCH = 1024  # bytes ahead in the group's stream
 
 # code -> (block bytes, d offset, m offset or -1, qh offset or -1, qs offset) in a GGUF block
-_SRC = {_Q4_0: (18, 0, -1, -1, 2), _Q4_1: (20, 0, 2, -1, 4), _Q5_0: (22, 0, -1, 2, 6), _Q5_1: (24, 0, 2, 4, 8),
-        _Q8_0: (34, 0, -1, -1, 2)}
+_SRC = {Q4_0_CODE: (18, 0, -1, -1, 2), Q4_1_CODE: (20, 0, 2, -1, 4), Q5_0_CODE: (22, 0, -1, 2, 6),
+        Q5_1_CODE: (24, 0, 2, 4, 8), Q8_0_CODE: (34, 0, -1, -1, 2)}
+_CODES = (Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE)
 
 
 def _layout(code: int) -> tuple[int, int, int, int]:
@@ -62,13 +64,13 @@ _LAYOUT = {c: _layout(c) for c in _SRC}
 
 @njit(cache=True)
 def _src_geometry(code):
-    if code == _Q8_0:
+    if code == Q8_0_CODE:
         return 34, -1, -1, 2
-    if code == _Q4_0:
+    if code == Q4_0_CODE:
         return 18, -1, -1, 2
-    if code == _Q4_1:
+    if code == Q4_1_CODE:
         return 20, 2, -1, 4
-    if code == _Q5_0:
+    if code == Q5_0_CODE:
         return 22, -1, 2, 6
     return 24, 2, 4, 8  # Q5_1
 
@@ -83,7 +85,7 @@ def repack_into(raw, code, dst):
     po_m = u(16)
     po_h = u(32 if mo >= 0 else 16)
     po_q = u(16 + (16 if mo >= 0 else 0) + (32 if qh >= 0 else 0))
-    nq = 8 if code == _Q8_0 else 4
+    nq = 8 if code == Q8_0_CODE else 4
     nb = raw.shape[1] // bb
     dst32 = dst.view(np.uint32)  # packed blocks are multiples of 16 bytes, quants at multiples of 4
     for grp in range(raw.shape[0] // 8):
@@ -118,20 +120,20 @@ def repack_into(raw, code, dst):
                         dst[o + po_h + u(4) * ur + u(i)] = np.uint8(h)
 
 
-def _quants(e: _E, p, off, hb16, j: int) -> list:
+def _quants(e: Emitter, p, off, hb16, j: int) -> list:
     """The unsigned quants of nibble group j at byte off of p: [weights 4j.. of each row (low nibbles), weights
     16+4j.. (high)], <32 x i8> each, lane 4r+i for row r; with fifth bits (hb16, the block's 32 fifth-bit bytes
     as <16 x i16>, or None), bit 2j / 2j+1 of each byte moved to bit 4 (16-bit shifts: the mask drops what
     crosses between the bytes) and or-ed in."""
     b = e.b
-    q = e.ld(p, off, _V(_I8, 32))
+    q = e.ld(p, off, V(I8, 32))
     halves = [e.nib_lo(q), e.nib_hi(q)]
     if hb16 is not None:
         for h in range(2):
             k = 2 * j + h
-            v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(_I16, 4 - k, 16)) if k < 4
-                                     else b.lshr(hb16, e.splat_c(_I16, k - 4, 16)))
-            halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, _V(_I8, 32)), e.splat_c(_I8, 16, 32)))
+            v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(I16, 4 - k, 16)) if k < 4
+                                     else b.lshr(hb16, e.splat_c(I16, k - 4, 16)))
+            halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, V(I8, 32)), e.splat_c(I8, 16, 32)))
     return halves
 
 
@@ -139,17 +141,17 @@ def _dequant_kernel(code: int):
     """Intrinsic (src, g0, g1, cols, out) -> None: row groups [g0, g1) of a packed matrix -> out (8 (g1 - g0),
     cols) f32, with the reference's f32 operations (d * (q - offset), or d * q + m unfused), so bit for bit."""
     gbb, mo, hbo, qso = _LAYOUT[code]
-    offset = {_Q4_0: 8, _Q5_0: 16}.get(code, 0)
+    offset = {Q4_0_CODE: 8, Q5_0_CODE: 16}.get(code, 0)
     five = hbo >= 0
 
     def impl(typingctx, src, g0, g1, cols, out):
-        if not (_is_arr(src, types.uint8) and _is_arr(out, types.float32)):
+        if not (is_arr(src, types.uint8) and is_arr(out, types.float32)):
             return None
         ip = types.intp
         sig = types.none(src, ip, ip, ip, out)
 
         def codegen(context, builder, signature, args):
-            e, b = _E(context, builder, "generic"), builder
+            e, b = Emitter(context, builder, "generic"), builder
             at = signature.args
             s_, g0_, g1_, cols_, o_ = args
             sp, op = e.base(at[0], s_), e.base(at[4], o_)
@@ -158,32 +160,32 @@ def _dequant_kernel(code: int):
             with e.loop(b.sub(g1_, g0_)) as gl:
                 with e.loop(nb) as bl:
                     o = e.mul(e.add(e.mul(e.add(gl.index, g0_), nb), bl.index), gbb)
-                    d8 = e.halves(e.ld(sp, o, _V(_I16, 8)))
-                    m8 = e.halves(e.ld(sp, e.add(o, mo), _V(_I16, 8))) if mo >= 0 else None
+                    d8 = e.halves(e.ld(sp, o, V(I16, 8)))
+                    m8 = e.halves(e.ld(sp, e.add(o, mo), V(I16, 8))) if mo >= 0 else None
                     # lanes 8k..8k+7 of a quant vector are rows 2k (4 lanes) and 2k+1 (4 lanes)
                     ds = [e.shuf(d8, None, [2 * k] * 4 + [2 * k + 1] * 4) for k in range(4)]
                     ms = [e.shuf(m8, None, [2 * k] * 4 + [2 * k + 1] * 4) for k in range(4)] if m8 is not None else None
-                    hb16 = b.bitcast(e.ld(sp, e.add(o, hbo), _V(_I8, 32)), _V(_I16, 16)) if five else None
+                    hb16 = b.bitcast(e.ld(sp, e.add(o, hbo), V(I8, 32)), V(I16, 16)) if five else None
                     row0 = e.mul(gl.index, 8)
                     col0 = e.mul(bl.index, 32)
-                    if code == _Q8_0:  # 8 groups of 4 signed weights: d * q
+                    if code == Q8_0_CODE:  # 8 groups of 4 signed weights: d * q
                         for j in range(8):
-                            q = e.ld(sp, e.add(o, qso + 32 * j), _V(_I8, 32))
+                            q = e.ld(sp, e.add(o, qso + 32 * j), V(I8, 32))
                             for k in range(4):
-                                qi = b.sext(e.shuf(q, None, range(8 * k, 8 * k + 8)), _V(_I32, 8))
-                                f = b.fmul(ds[k], b.sitofp(qi, _V(_FLT, 8)))
+                                qi = b.sext(e.shuf(q, None, range(8 * k, 8 * k + 8)), V(I32, 8))
+                                f = b.fmul(ds[k], b.sitofp(qi, V(FLT, 8)))
                                 for half in range(2):
                                     r = e.add(row0, 2 * k + half)
                                     at_ = e.add(e.mul(r, row_b), e.mul(e.add(col0, 4 * j), 4))
                                     e.st(op, at_, e.shuf(f, None, range(4 * half, 4 * half + 4)))
-                    for j in range(0 if code == _Q8_0 else 4):  # 4-5 bit types: 4 groups of nibble pairs
+                    for j in range(0 if code == Q8_0_CODE else 4):  # 4-5 bit types: 4 groups of nibble pairs
                         halves = _quants(e, sp, e.add(o, qso + 32 * j), hb16, j)
                         for h, qv in enumerate(halves):
                             for k in range(4):
-                                qi = b.zext(e.shuf(qv, None, range(8 * k, 8 * k + 8)), _V(_I32, 8))
+                                qi = b.zext(e.shuf(qv, None, range(8 * k, 8 * k + 8)), V(I32, 8))
                                 if offset:
-                                    qi = b.sub(qi, e.splat_c(_I32, offset, 8))
-                                f = b.fmul(ds[k], b.sitofp(qi, _V(_FLT, 8)))
+                                    qi = b.sub(qi, e.splat_c(I32, offset, 8))
+                                f = b.fmul(ds[k], b.sitofp(qi, V(FLT, 8)))
                                 if ms is not None:
                                     f = b.fadd(f, ms[k])
                                 col = e.add(col0, 16 * h + 4 * j)
@@ -199,7 +201,7 @@ def _dequant_kernel(code: int):
     return intrinsic(impl)
 
 
-_d_q4_0, _d_q4_1, _d_q5_0, _d_q5_1, _d_q8_0 = (_dequant_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
+_d_q4_0, _d_q4_1, _d_q5_0, _d_q5_1, _d_q8_0 = (_dequant_kernel(c) for c in _CODES)
 
 
 @njit(cache=True)
@@ -207,13 +209,13 @@ def dequantize_into(src, code, g0, g1, cols, out):
     """Row groups [g0, g1) of a packed matrix src (flat uint8) -> out (8 (g1 - g0), cols) f32 (C-contiguous),
     equal to dequantizing the original blocks bit for bit."""
     flat = out.reshape(-1)
-    if code == _Q8_0:
+    if code == Q8_0_CODE:
         _d_q8_0(src, g0, g1, cols, flat)
-    elif code == _Q4_0:
+    elif code == Q4_0_CODE:
         _d_q4_0(src, g0, g1, cols, flat)
-    elif code == _Q4_1:
+    elif code == Q4_1_CODE:
         _d_q4_1(src, g0, g1, cols, flat)
-    elif code == _Q5_0:
+    elif code == Q5_0_CODE:
         _d_q5_0(src, g0, g1, cols, flat)
     else:
         _d_q5_1(src, g0, g1, cols, flat)
@@ -233,14 +235,14 @@ def gather_rows_into(src, code, ids, cols, out):
 @njit(cache=True)
 def quantize_natural_into(x, xq, xs, c0, c1):
     """Columns [c0, c1) (multiples of 32; 0 and K for all) of x (M, K) f32 -> xq (M, K) int8 in natural order,
-    xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same values as cpu_q8.quantize_legacy_into, without its
+    xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same values as quantize.quantize_legacy_into, without its
     pair interleaving (the packed kernels read groups of 4 consecutive activations)."""
     M, K = x.shape
     nb = K // 32
     for m in range(M):
         for blk in range(c0 // 32, c1 // 32):
             o = m * K + blk * 32
-            _quant32(x, o, xq, o, o + 16, xs, m * 2 * nb + 2 * blk)
+            quant32(x, o, xq, o, o + 16, xs, m * 2 * nb + 2 * blk)
 
 
 # =========================================================================================================
@@ -253,44 +255,44 @@ def _group_kernel(code: int):
     row r of the packed group at byte woff of w (nb blocks) with activations xq[xoff:] (natural order), xs[soff:]
     ([dx, xsum] per block)."""
     gbb, mo, hbo, qso = _LAYOUT[code]
-    factor = {_Q4_0: -8.0, _Q5_0: -16.0}.get(code, 0.0)  # on d * xsum; Q*_1 add m * xsum instead, Q8_0 nothing
+    factor = {Q4_0_CODE: -8.0, Q5_0_CODE: -16.0}.get(code, 0.0)  # on d * xsum; Q*_1 add m * xsum instead, Q8_0 nothing
     five = hbo >= 0
 
     def impl(typingctx, w, woff, nb, xq, xoff, xs, soff, out, ooff, tier):
-        t = _tier_of(tier)
-        if not (_is_arr(w, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xs, types.float32)
-                and _is_arr(out, types.float32) and t):
+        t = tier_of(tier)
+        if not (is_arr(w, types.uint8) and is_arr(xq, types.int8) and is_arr(xs, types.float32)
+                and is_arr(out, types.float32) and t):
             return None
         ip = types.intp
         sig = types.none(w, ip, ip, xq, ip, xs, ip, out, ip, tier)
 
         def codegen(context, builder, signature, args):
-            e, b = _E(context, builder, t), builder
+            e, b = Emitter(context, builder, t), builder
             at = signature.args
             w_, wo, n, x_, xo, s_, so, o_, oo, _ = args
-            wp = b.gep(e.base(at[0], w_), [wo], source_etype=_I8)
-            xp = b.gep(e.base(at[3], x_), [xo], source_etype=_I8)
-            sp = b.gep(e.base(at[5], s_), [e.mul(so, 4)], source_etype=_I8)
+            wp = b.gep(e.base(at[0], w_), [wo], source_etype=I8)
+            xp = b.gep(e.base(at[3], x_), [xo], source_etype=I8)
+            sp = b.gep(e.base(at[5], s_), [e.mul(so, 4)], source_etype=I8)
             acc, corr = e.fvar(8), e.fvar(8)
-            ones = e.splat_c(_I16, 1, 16)
+            ones = e.splat_c(I16, 1, 16)
             with e.loop(n) as lp:
                 o = e.mul(lp.index, gbb)
                 for line in range(0, gbb, 64):
                     e.prefetch(wp, e.add(o, PREFETCH + line))
                 xb = e.mul(lp.index, 32)
-                hb16 = b.bitcast(e.ld(wp, e.add(o, hbo), _V(_I8, 32)), _V(_I16, 16)) if five else None
+                hb16 = b.bitcast(e.ld(wp, e.add(o, hbo), V(I8, 32)), V(I16, 16)) if five else None
                 sums, p16 = [], None
                 isum = None
-                if code == _Q8_0:  # signed weights: |w| against x with w's sign; pair sums need i32 at once
-                    isum = ir.Constant(_V(_I32, 8), None) if e.tier == "vnni" else None
+                if code == Q8_0_CODE:  # signed weights: |w| against x with w's sign; pair sums need i32 at once
+                    isum = ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None
                     for j in range(8):
-                        w8 = e.ld(wp, e.add(o, qso + 32 * j), _V(_I8, 32))
-                        x4 = b.bitcast(e.splat(e.ld(xp, e.add(xb, 4 * j), _I32), 8), _V(_I8, 32))
+                        w8 = e.ld(wp, e.add(o, qso + 32 * j), V(I8, 32))
+                        x4 = b.bitcast(e.splat(e.ld(xp, e.add(xb, 4 * j), I32), 8), V(I8, 32))
                         u, sx = e.abs_sign(w8, x4)
                         isum = e.dot4(isum, u, sx)
-                for j in range(0 if code == _Q8_0 else 4):
+                for j in range(0 if code == Q8_0_CODE else 4):
                     halves = _quants(e, wp, e.add(o, qso + 32 * j), hb16, j)
-                    xs_ = [b.bitcast(e.splat(e.ld(xp, e.add(xb, 16 * h + 4 * j), _I32), 8), _V(_I8, 32)) for h in range(2)]
+                    xs_ = [b.bitcast(e.splat(e.ld(xp, e.add(xb, 16 * h + 4 * j), I32), 8), V(I8, 32)) for h in range(2)]
                     p = b.add(e.madd_u8s8(halves[0], xs_[0]), e.madd_u8s8(halves[1], xs_[1]))
                     p16 = p if p16 is None else b.add(p16, p)
                     # i16 lanes hold at most 2 x 15 x 127 per product pair: 8 pairs fit for 4-bit quants,
@@ -303,16 +305,16 @@ def _group_kernel(code: int):
                 for s in sums:
                     v = e.madd_i16(s, ones)  # lane r: row r
                     isum = v if isum is None else b.add(isum, v)
-                d = e.halves(e.ld(wp, o, _V(_I16, 8)))
+                d = e.halves(e.ld(wp, o, V(I16, 8)))
                 sb = e.mul(lp.index, 8)
-                dx = e.splat(e.ld(sp, sb, _FLT), 8)
-                xsum = e.splat(e.ld(sp, e.add(sb, 4), _FLT), 8)
-                e.fmacc(acc, b.sitofp(isum, _V(_FLT, 8)), b.fmul(d, dx))
+                dx = e.splat(e.ld(sp, sb, FLT), 8)
+                xsum = e.splat(e.ld(sp, e.add(sb, 4), FLT), 8)
+                e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), b.fmul(d, dx))
                 if mo >= 0:
-                    e.fmacc(corr, e.halves(e.ld(wp, e.add(o, mo), _V(_I16, 8))), xsum)
+                    e.fmacc(corr, e.halves(e.ld(wp, e.add(o, mo), V(I16, 8))), xsum)
                 elif factor:
-                    e.fmacc(corr, d, b.fmul(xsum, e.splat_c(_FLT, factor, 8)))
-            op = b.gep(e.base(at[7], o_), [e.mul(oo, 4)], source_etype=_I8)
+                    e.fmacc(corr, d, b.fmul(xsum, e.splat_c(FLT, factor, 8)))
+            op = b.gep(e.base(at[7], o_), [e.mul(oo, 4)], source_etype=I8)
             e.st(op, 0, b.fadd(b.load(acc), b.load(corr)))
             return context.get_dummy_value()
 
@@ -322,7 +324,7 @@ def _group_kernel(code: int):
     return intrinsic(impl)
 
 
-_g_q4_0, _g_q4_1, _g_q5_0, _g_q5_1, _g_q8_0 = (_group_kernel(c) for c in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
+_g_q4_0, _g_q4_1, _g_q5_0, _g_q5_1, _g_q8_0 = (_group_kernel(c) for c in _CODES)
 
 
 @njit(cache=True)
@@ -337,13 +339,13 @@ def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
         wo = base + g * gb
         for m in range(M):
             oo = m * R + c0 + 8 * g
-            if code == _Q8_0:
+            if code == Q8_0_CODE:
                 _g_q8_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
-            elif code == _Q4_0:
+            elif code == Q4_0_CODE:
                 _g_q4_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
-            elif code == _Q4_1:
+            elif code == Q4_1_CODE:
                 _g_q4_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
-            elif code == _Q5_0:
+            elif code == Q5_0_CODE:
                 _g_q5_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
             else:
                 _g_q5_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
@@ -361,9 +363,9 @@ def _groups_parallel(code, w, nb, n_groups, xq, xs, out, n_chunks, tier):
 
 
 def matvec(w, x: np.ndarray, tier: str | None = None) -> np.ndarray:
-    """x (M, cols) f32 @ W.T for a QTensor with a packed copy, int8 activations as cpu_q8.matvec: the packed
-    groups by this module's kernel, the rows past them by cpu_q8's. (M, rows) f32."""
-    from engine.kernels import cpu_q8
+    """x (M, cols) f32 @ W.T for a QTensor with a packed copy, int8 activations as int8.matvec: the packed
+    groups by this module's kernel, the rows past them by int8's. (M, rows) f32."""
+    from engine.kernels.cpu import int8
 
     M, K = x.shape
     n = packed_rows(w.rows)
@@ -371,10 +373,10 @@ def matvec(w, x: np.ndarray, tier: str | None = None) -> np.ndarray:
     xq, xs = np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32)
     quantize_natural_into(x, xq, xs, 0, K)
     _groups_parallel(int(w.ggml_type), w.packed, K // 32, n // ROWS, xq, xs, out,
-                     max(1, min(n // ROWS, 4 * numba.config.NUMBA_NUM_THREADS)), cpu_q8.tier_token(tier))
+                     max(1, min(n // ROWS, 4 * numba.config.NUMBA_NUM_THREADS)), tier_token(tier))
     if n < w.rows:
-        p = cpu_q8.prepare([(w.raw[n:], w.ggml_type)])
-        out[:, n:] = cpu_q8.matvec(p, cpu_q8.quantize(x, p), tier=tier)
+        p = int8.prepare([(w.raw[n:], w.ggml_type)])
+        out[:, n:] = int8.matvec(p, int8.quantize(x, p), tier=tier)
     return out
 
 
@@ -387,7 +389,7 @@ def packed_rows(rows: int) -> int:
 def dequantize_rows(w, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
     """Rows [r0, r1) of QTensor w (r0 a multiple of 8) -> out (r1 - r0, cols) f32: the packed groups from
     w.packed, the rows past them from w.raw."""
-    from engine.kernels import cpu
+    from engine.kernels.cpu import exact
 
     n = packed_rows(w.rows) if w.packed is not None else 0
     split = min(max(r0, n), r1)
@@ -396,14 +398,14 @@ def dequantize_rows(w, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
             raise ValueError(f"packed rows are read in whole groups of {ROWS}, not [{r0}, {split})")
         dequantize_into(w.packed, int(w.ggml_type), r0 // ROWS, -(-split // ROWS), w.cols, out[: split - r0])
     if r1 > split:
-        cpu.dequantize_into(w.raw[split:r1], w.ggml_type, out[split - r0 :], parallel=False)
+        exact.dequantize_into(w.raw[split:r1], w.ggml_type, out[split - r0 :], parallel=False)
     return out
 
 
 def embed_rows(w, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Rows ids of QTensor w into out (len(ids), cols) f32: from the packed copy where it holds them (so a tied
     embedding/head table's mapped pages stay out of memory), else from raw."""
-    from engine.kernels import cpu
+    from engine.kernels.cpu import exact
 
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
@@ -417,7 +419,7 @@ def embed_rows(w, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         out[sel] = part
     if not inside.all():
         sel = np.flatnonzero(~inside)
-        out[sel] = cpu.dequantize_rows_into(w.raw, w.ggml_type, ids[sel], np.empty((sel.size, w.cols), np.float32))
+        out[sel] = exact.dequantize_rows_into(w.raw, w.ggml_type, ids[sel], np.empty((sel.size, w.cols), np.float32))
     return out
 
 

@@ -8,19 +8,19 @@ lets concurrent generations decode together. Both supported families run through
 their modules declare (STEP_FLAGS: per-head q/k norms, post norms, GELU or SiLU; RoPE style from the config).
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
-row ranges and attention tasks from shared counters and waiting only for the phase before (kernels/atomics.py);
+row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
 small serial phases run on whichever thread claims them. As ~150 parallel loops per token (SmolLM2) it paid a
 fork/join and a static schedule's imbalance each time: same-process A/B, SmolLM2 6.46 -> 5.96 ms per step,
 Gemma-3-270M 12.16 -> 11.70 ms, logits bit-identical.
 
-Prompts take the families' Python forward passes (dequantize per layer + BLAS sgemm); at one token the two
-agree up to float summation order (tests/test_decode_step.py).
+Prompts take the families' forward passes over the backend's ops (dequantize per layer + BLAS sgemm); at one
+token the two agree up to float summation order (tests/test_decode_step.py). The CPU backend (backend.py)
+builds the step at load (build) and runs it as its `decode`.
 
 Weights are addressed as rows [byte offset, rows, row bytes, type, packed offset] into the one buffer of the
-mapped file and the one buffer of packed copies (kernels/packed.py: the 4- and 5-bit legacy types, 8 rows
-interleaved, 2.4x faster per thread; Weights.pack at load), so no tuple of hundreds of arrays is unboxed on
-every call. A split model has no such buffer and decodes layer by
-layer in Python instead (build() returns None).
+mapped file and the one buffer of packed copies (packed.py: the 4- and 5-bit legacy types, 8 rows interleaved,
+2.4x faster per thread; layout.pack at load), so no tuple of hundreds of arrays is unboxed on every call. A split
+model has no such buffer and decodes layer by layer instead (build() returns None).
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from engine.cache.kv import KVCache
-from engine.kernels import atomics, attention, cpu, cpu_q8, glue, packed
-from engine.kernels.threads import get_threads
-from engine.models.config import ModelConfig
-from engine.models.weights import Weights
+from engine.kernels.backend import ModelConfig, Weights
+from engine.kernels.cpu import atomics, attention, dequant, int8, ir, packed, quantize, rowops
+from engine.kernels.cpu.kv_cache import KVCache
+from engine.kernels.cpu.threads import get_threads
+
 
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
 # iparams slots
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX = range(8)
-_LEGACY_CODES = tuple(int(t) for t in cpu_q8.LEGACY_TYPES)
-_K_CODES = tuple(int(t) for t in cpu_q8.K_TYPES)
+_LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
+_K_CODES = tuple(int(t) for t in int8.K_TYPES)
 _NO_PACKED = np.empty(0, np.uint8)
 
 
@@ -89,7 +89,7 @@ def _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, lo, hi, tier):
                                        tier)
                 done = max(a, n8)
             if done < z:
-                cpu_q8.rows_into(code, buf, mats[i, 0], rb, done, z, xq8, xs8, xqk, xdk, xbk, x, out, start, tier)
+                int8.rows_into(code, buf, mats[i, 0], rb, done, z, xq8, xs8, xqk, xdk, xbk, x, out, start, tier)
         start += rows
 
 
@@ -110,9 +110,9 @@ def _quantize(mats, x, qb, c0, c1):
     if natural:
         packed.quantize_natural_into(x, xqn, xs8, c0, c1)
     if legacy:
-        cpu_q8.quantize_legacy_into(x, xq8, xs8, c0, c1)
+        quantize.quantize_legacy_into(x, xq8, xs8, c0, c1)
     if kq:
-        cpu_q8.quantize_k_into(x, xqk, xdk, xbk, c0, c1)
+        quantize.quantize_k_into(x, xqk, xdk, xbk, c0, c1)
 
 
 @njit(cache=True)
@@ -154,7 +154,7 @@ def _add_normed(x, y, w, eps, post):
     t = np.empty(E, np.float32)
     for m in range(M):
         if post:
-            glue.rms_norm_into(y[m], 0, E, w, eps, t, 0)
+            rowops.rms_norm_into(y[m], 0, E, w, eps, t, 0)
             for i in range(E):
                 x[m, i] += t[i]
         else:
@@ -165,7 +165,7 @@ def _add_normed(x, y, w, eps, post):
 @njit(cache=True)
 def _norm_rows_into(x, w, eps, out):
     for m in range(x.shape[0]):
-        glue.rms_norm_into(x[m], 0, x.shape[1], w, eps, out[m], 0)
+        rowops.rms_norm_into(x[m], 0, x.shape[1], w, eps, out[m], 0)
 
 
 @njit(cache=True)
@@ -176,8 +176,8 @@ def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, cos, sin, H, Hkv, D, qk_nor
         for hd in range(H + Hkv):  # queries then keys: per-head norm, then RoPE
             o = hd * D
             if qk_norm:
-                glue.rms_norm_into(row, o, D, qk_norms[layer, 0 if hd < H else 1], eps, row, o)
-            glue.rope_into(row, o, cos[layer, m], sin[layer, m], neox)
+                rowops.rms_norm_into(row, o, D, qk_norms[layer, 0 if hd < H else 1], eps, row, o)
+            rowops.rope_into(row, o, cos[layer, m], sin[layer, m], neox)
         kc, vc = kcs[m], vcs[m]
         for kh in range(Hkv):
             for d in range(D):
@@ -193,7 +193,7 @@ def _act_into(gu, out, gelu, c0, c1):
     t, scratch = np.empty(c1 - c0, np.float32), np.empty(c1 - c0, np.int32)
     for m in range(gu.shape[0]):
         row = gu[m]
-        glue.act_mul_row(row[c0:c1], row[F + c0 : F + c1], out[m, c0:c1], t, scratch, gelu)
+        rowops.act_mul_row(row[c0:c1], row[F + c0 : F + c1], out[m, c0:c1], t, scratch, gelu)
 
 
 @njit(cache=True)
@@ -312,7 +312,7 @@ def _embed(table, pbuf, entry, ids, scale, x):
             for i in range(E):
                 x[m, i] = group[r, i] * scale
         else:
-            cpu.dequant_row(table[t], code, x[m])
+            dequant.dequant_row(table[t], code, x[m])
             for i in range(E):
                 x[m, i] *= scale
 
@@ -371,9 +371,10 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
 class DecodeStep:
     """Callable (ids (M,), caches) -> raw head logits (M, head rows); appends one token to each cache."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, flags: dict, buf: np.ndarray, tier: str | None = None):
+    def __init__(self, cfg: ModelConfig, w: Weights, flags: dict, buf: np.ndarray, pbuf: np.ndarray | None,
+                 tier: str | None = None):
         self.buf = buf
-        self.pbuf = w.packed_buffer if w.packed_buffer is not None else _NO_PACKED  # packed copies (Weights.pack)
+        self.pbuf = pbuf if pbuf is not None else _NO_PACKED  # the packed copies (layout.pack)
         E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
         self.mats = np.array([[self._entry(w, f"blk.{i}.{r}") for r in ROLES] for i in range(L)], np.int64)
         self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
@@ -398,7 +399,7 @@ class DecodeStep:
         self.table = w.tensor("token_embd").raw  # (rows, row bytes): the rows past its packed groups
         self.embd = np.array(self._entry(w, "token_embd"), np.int64)
         self.embed_scale = np.float32(cfg.embed_scale)
-        self.tier = cpu_q8.tier_token(tier)
+        self.tier = ir.tier_token(tier)
 
     def _entry(self, w: Weights, name: str) -> list[int]:
         """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
@@ -430,12 +431,20 @@ def _offset(a: np.ndarray, buf: np.ndarray, name: str) -> int:
     return off
 
 
-def build(cfg: ModelConfig, w: Weights, flags: dict | None, tier: str | None = None) -> DecodeStep | None:
-    """The compiled step for this model, or None where it cannot run: a split model (no single buffer), a
-    family without STEP_FLAGS, or a head size that is not a multiple of 16."""
+def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.ndarray | None,
+          tier: str | None = None) -> DecodeStep | None:
+    """The compiled step for this model (its packed copies in packed_buffer, from layout.pack), or None where it
+    cannot run: a split model (no single buffer), a family without STEP_FLAGS, or a head size that is not a
+    multiple of 16."""
     if not supported(cfg, w, flags):
         return None
-    return DecodeStep(cfg, w, flags, w.buffer(), tier)
+    return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
+
+
+def matrix_names(cfg: ModelConfig, w: Weights) -> list[str]:
+    """The matrices the step reads: each layer's ROLES and the head (the embedding table where it is tied)."""
+    return ([f"blk.{i}.{r}" for i in range(cfg.n_layer) for r in ROLES]
+            + ["output" if w.has("output") else "token_embd"])
 
 
 def supported(cfg: ModelConfig, w: Weights, flags: dict | None) -> bool:

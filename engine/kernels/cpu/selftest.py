@@ -3,7 +3,7 @@
 Each kernel runs once per process, in a few ms once numba's cache is warm: a model load (engine.load) checks
 the kernels its compute path runs (PATH_KERNELS), `goinfer check --hardware` all of them.
 Kernels checked, per GGML type: `matvec` (exact f32 path: fused, reads blocks in place), `matvec_q8` (the
-default path's int8 kernels, tier cpu_q8.TIER, against the float64 product of the dequantized weight and the
+default path's int8 kernels, tier ir.TIER, against the float64 product of the dequantized weight and the
 int8 activations they compute with), `dequantize` (prefill: serial and parallel decode before BLAS) and
 `embed` (row gather), `packed_q8` (the 4/5-bit types' row-interleaved decode layout: its int8 kernel and its
 dequantization). A kernel that disagrees with the
@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from engine.kernels import cpu, cpu_q8, packed, reference
+from engine.kernels import reference
+from engine.kernels.cpu import exact, int8, packed
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 
-__all__ = ["KernelResult", "PATH_KERNELS", "SelfTest", "TIERS", "TieredBackend", "disabled_types", "report",
+__all__ = ["KernelResult", "PATH_KERNELS", "SelfTest", "TIERS", "TieredKernels", "disabled_types", "report",
            "report_results", "run_selftest"]
 
 log = logging.getLogger("goinfer")
@@ -102,22 +103,22 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
     """kernel name -> fn(w, x, ids) returning (fast result, reference result)."""
 
     def matvec(w, x, ids):
-        return cpu.matvec(w.raw, w.ggml_type, x, np.empty((x.shape[0], w.rows), np.float32)), reference.matmul(x, w)
+        return exact.matvec(w.raw, w.ggml_type, x, np.empty((x.shape[0], w.rows), np.float32)), reference.matmul(x, w)
 
     def matvec_q8(w, x, ids):
-        qin = cpu_q8.quantize(x, [w.ggml_type])
-        xd = cpu_q8.dequantized_input(qin, w.ggml_type).astype(np.float64)
-        return cpu_q8.matvec([w], qin), xd @ reference.dequantize(w).astype(np.float64).T
+        qin = int8.quantize(x, [w.ggml_type])
+        xd = int8.dequantized_input(qin, w.ggml_type).astype(np.float64)
+        return int8.matvec([w], qin), xd @ reference.dequantize(w).astype(np.float64).T
 
     def dequantize(w, x, ids):
         want = reference.dequantize(w)
-        serial = cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=False)
-        par = cpu.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=True)
+        serial = exact.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=False)
+        par = exact.dequantize_into(w.raw, w.ggml_type, np.empty(w.shape, np.float32), parallel=True)
         worst = serial if _rel_err(serial, want) >= _rel_err(par, want) else par
         return worst, want
 
     def embed(w, x, ids):
-        got = cpu.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), np.float32))
+        got = exact.dequantize_rows_into(w.raw, w.ggml_type, ids, np.empty((ids.size, w.cols), np.float32))
         return got, reference.embed_rows(w, ids)
 
     def packed_q8(w, x, ids):  # the row-interleaved layout of decode: its int8 kernel, then its dequantization
@@ -138,9 +139,9 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
 
 
 KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace an entry to force a mismatch
-# What each CPU backend runs, so what a load checks: the int8 path's matvecs (plain and packed), or the exact
+# What each configuration of the CPU backend runs, so what a load checks: the fast path's matvecs (plain and packed), or the exact
 # path's f32 one; both dequantize prompt weights and look up embeddings.
-PATH_KERNELS = {"cpu-q8": ("matvec_q8", "packed_q8", "dequantize", "embed"), "cpu": ("matvec", "dequantize", "embed")}
+PATH_KERNELS = {"fast": ("matvec_q8", "packed_q8", "dequantize", "embed"), "exact": ("matvec", "dequantize", "embed")}
 
 
 def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = None,
@@ -207,8 +208,8 @@ def disabled_types() -> frozenset[int]:
     return frozenset(int(GGMLType[name]) for name in _STATE.stepped_down)
 
 
-class TieredBackend:
-    """A backend routing each weight type to the fastest tier whose self-test passed for it."""
+class TieredKernels:
+    """A kernel set (matmul.py) routing each weight type to the fastest tier whose self-test passed for it."""
 
     def __init__(self, fast, fallback, slow_types: frozenset[int]):
         self._fast, self._slow, self._slow_types = fast, fallback, slow_types
@@ -231,5 +232,5 @@ class TieredBackend:
     def dequantize(self, w):
         return self._pick(w).dequantize(w)
 
-    def __getattr__(self, name):  # anything else a backend offers comes from the fast tier
+    def __getattr__(self, name):  # anything else a kernel set offers comes from the fast tier
         return getattr(self._fast, name)

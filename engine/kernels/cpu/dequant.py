@@ -1,36 +1,19 @@
-"""Numba CPU kernels on GGUF blocks read in place: exact f32 math.
+"""Exact block decoders: one GGUF row (stored blocks, uint8) to f32, bit for bit as reference.py decodes it.
 
-The matvec decodes one weight row at a time into an L1-resident f32 buffer and dots it with every input
-row, so each block is decoded once per call whatever T is; activations stay f32 and sums accumulate in f32.
-This is the exact-math path; int8-activation kernels (VNNI) come later and are tested against it.
-
-Public entry points (Python functions: argument checks, then one compiled call):
-  dequantize_into(raw, ggml_type, out)           raw (rows, row_bytes) uint8 -> out (rows, cols) f32
-  dequantize_rows_into(raw, ggml_type, ids, out) only rows ids -> out (len(ids), cols) f32 (embeddings)
-  matvec(raw, ggml_type, x, out)                 x (T, cols) f32 -> out (T, rows) f32 = x @ W.T, small T
-
-Block layouts are documented in reference.py. Codegen notes (../shared/research/kernels.md sections 2-3):
-blocks are decoded by small LLVM-IR intrinsics (see the banner below), compiled without fast-math, so the
-decoded weights equal the reference's bit for bit; only the dot product uses fastmath (an f32 reduction
-vectorizes only with it), so matvec results differ from the reference by summation order alone.
+Blocks are decoded by small LLVM-IR intrinsics (see the banner below), compiled without fast-math, so the
+decoded weights equal the reference's bit for bit (../shared/research/kernels.md sections 2-3). `dequant_row`
+dispatches on the type code; exact.py's drivers, the packed layout's tail rows and the decode step's embedding
+lookup all call it. Block layouts are documented in reference.py.
 """
 
 from __future__ import annotations
 
-import os
-
-import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
-from engine.kernels.quant_types import GGMLType, row_bytes, type_name
-
-# Prefer OpenMP: workqueue costs 20-70 us per parallel launch and a pip tbb is slower to launch (kernels.md 5).
-# Only a preference: an explicit NUMBA_THREADING_LAYER wins, and a machine without OpenMP falls back.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+from engine.kernels.quant_types import GGMLType
 
 # Type codes as plain ints (compile-time constants inside njit).
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
@@ -222,7 +205,7 @@ def _dq_q6k16(typingctx, src, so, dst, do, ql, shift, qh, qh_shift, scale):
 
 
 @intrinsic
-def _half_bits_to_f32(typingctx, bits):
+def half_bits_to_f32(typingctx, bits):
     """Integer holding IEEE half bits in its low 16 bits -> float32 (exact)."""
     if not isinstance(bits, types.Integer):
         return None
@@ -235,7 +218,7 @@ def _half_bits_to_f32(typingctx, bits):
 
 
 @intrinsic
-def _u32_bits_to_f32(typingctx, bits):
+def u32_bits_to_f32(typingctx, bits):
     """Integer holding IEEE single bits in its low 32 bits -> float32."""
     if not isinstance(bits, types.Integer):
         return None
@@ -250,7 +233,7 @@ def _u32_bits_to_f32(typingctx, bits):
 @njit(cache=True, inline="always")
 def _f16_at(src, o):
     """The little-endian f16 at byte offset o of src, as f32."""
-    return _half_bits_to_f32(np.uint32(src[o]) | (np.uint32(src[o + 1]) << np.uint32(8)))
+    return half_bits_to_f32(np.uint32(src[o]) | (np.uint32(src[o + 1]) << np.uint32(8)))
 
 
 # =========================================================================================================
@@ -269,14 +252,14 @@ def _row_f32(src, dst):
 def _row_f16(src, dst):
     h = src.view(np.uint16)
     for c in range(dst.shape[0]):
-        dst[c] = _half_bits_to_f32(h[c])
+        dst[c] = half_bits_to_f32(h[c])
 
 
 @njit(cache=True)
 def _row_bf16(src, dst):
     h = src.view(np.uint16)
     for c in range(dst.shape[0]):  # bf16 = the high half of an f32
-        dst[c] = _u32_bits_to_f32(np.uint32(h[c]) << np.uint32(16))
+        dst[c] = u32_bits_to_f32(np.uint32(h[c]) << np.uint32(16))
 
 
 @njit(cache=True)
@@ -379,104 +362,3 @@ def dequant_row(src, code, dst):
         _row_bf16(src, dst)
     else:  # _F32; the Python wrappers reject every other code
         _row_f32(src, dst)
-
-
-# =========================================================================================================
-# Drivers (parallel over rows)
-# =========================================================================================================
-
-
-@njit(parallel=True, cache=True)
-def _dequantize_rows(raw, code, out):
-    for r in prange(raw.shape[0]):
-        dequant_row(raw[r], code, out[r])
-
-
-@njit(cache=True)
-def _dequantize_rows_serial(raw, code, out):
-    for r in range(raw.shape[0]):
-        dequant_row(raw[r], code, out[r])
-
-
-@njit(cache=True)
-def _gather_rows(raw, code, ids, out):
-    # Serial: a handful of rows per call, not worth a parallel launch.
-    for i in range(ids.shape[0]):
-        dequant_row(raw[ids[i]], code, out[i])
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _matvec(raw, code, x, out, n_chunks):
-    # raw (rows, row_bytes) u8, x (T, cols) f32, out (T, rows) f32.
-    # Rows are split into n_chunks contiguous chunks (static schedule); each chunk owns an L1-sized f32
-    # buffer that holds one dequantized row at a time, reused for all T inputs.
-    rows, T, cols = raw.shape[0], x.shape[0], x.shape[1]
-    bufs = np.empty((n_chunks, cols), dtype=np.float32)
-    for ch in prange(n_chunks):
-        buf = bufs[ch]
-        for r in range(ch * rows // n_chunks, (ch + 1) * rows // n_chunks):
-            dequant_row(raw[r], code, buf)
-            for t in range(T):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += buf[c] * xt[c]
-                out[t, r] = acc
-
-
-# =========================================================================================================
-# Public API
-# =========================================================================================================
-
-
-_CODES = frozenset(int(t) for t in GGMLType)
-
-
-def _check(raw: np.ndarray, ggml_type, n_cols: int) -> int:
-    code = int(ggml_type)
-    if code not in _CODES:
-        raise NotImplementedError(f"no CPU kernel for {type_name(code)}")
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != row_bytes(GGMLType(code), n_cols):
-        raise ValueError(f"raw {raw.dtype}{raw.shape} does not hold rows of {n_cols} {type_name(code)} weights")
-    if not raw.flags.c_contiguous:
-        raise ValueError("raw must be C-contiguous (a view of the stored tensor)")
-    return code
-
-
-def _check_out(out: np.ndarray, shape: tuple[int, int]) -> None:
-    if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous float32 {shape}, got {out.dtype}{out.shape}")
-
-
-def dequantize_into(raw: np.ndarray, ggml_type: GGMLType | int, out: np.ndarray, parallel: bool = True) -> np.ndarray:
-    """Decode all rows of raw (rows, row_bytes) uint8 into out (rows, cols) f32; returns out.
-
-    parallel=False runs on the calling thread: use it right before a BLAS call, because OpenMP workers keep
-    spinning for a while after a parallel region and starve OpenBLAS's threads (measured 5-7x slower sgemm).
-    """
-    code = _check(raw, ggml_type, out.shape[-1])
-    _check_out(out, (raw.shape[0], out.shape[-1]))
-    (_dequantize_rows if parallel else _dequantize_rows_serial)(raw, code, out)
-    return out
-
-
-def dequantize_rows_into(raw: np.ndarray, ggml_type: GGMLType | int, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Decode rows ids (e.g. token ids of an embedding lookup) into out (len(ids), cols) f32; returns out."""
-    code = _check(raw, ggml_type, out.shape[-1])
-    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    _check_out(out, (ids.shape[0], out.shape[-1]))
-    if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
-        raise IndexError(f"row ids must be in [0, {raw.shape[0]}), got {ids.min()}..{ids.max()}")
-    _gather_rows(raw, code, ids, out)
-    return out
-
-
-def matvec(raw: np.ndarray, ggml_type: GGMLType | int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out (T, rows) = x (T, cols) @ W.T, reading W's blocks in place; for small T (decode). Returns out."""
-    if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
-        raise ValueError(f"x must be C-contiguous float32 (T, cols), got {x.dtype}{x.shape}")
-    code = _check(raw, ggml_type, x.shape[1])
-    _check_out(out, (x.shape[0], raw.shape[0]))
-    # A few chunks per thread; numba.get_num_threads() is read here because inside njit it blocks caching.
-    _matvec(raw, code, x, out, max(1, min(raw.shape[0], 4 * numba.get_num_threads())))
-    return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.errors import ContextOverflow
-from engine.kernels import attention
+from engine.kernels.cpu import attention
 
 DTYPES = ("f32", "f16")
 

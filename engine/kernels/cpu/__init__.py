@@ -1,0 +1,12 @@
+"""The CPU backend: numba kernels over GGUF blocks in place, their layouts, the compiled decode step
+(backend.py is the entry point; docs/architecture.md maps the modules)."""
+
+import os
+
+import numba
+
+# Prefer OpenMP before any kernel of this package compiles or runs: workqueue costs 20-70 us per parallel launch
+# and a pip tbb is slower to launch (research/kernels.md 5). Only a preference: an explicit NUMBA_THREADING_LAYER
+# wins, and a machine without OpenMP falls back.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]

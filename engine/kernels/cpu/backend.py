@@ -1,0 +1,134 @@
+"""The CPU backend (engine/kernels/backend.py's interface) over the numba kernels of this package.
+
+Two configurations, one class:
+- "fast" (the default, `quant="auto"`): decode runs the int8-activation kernels (int8.py) over the stored blocks
+  in one compiled call per token (decode_step.py), with the 4/5-bit legacy matrices in the row-interleaved
+  layout of packed.py and an f16 KV cache (as llama.cpp's default: half the memory and half the bytes each
+  decoded token's attention reads); prompts dequantize each weight once per chunk and call BLAS.
+- "exact" (`quant="f32"`): f32 activations and an f32 KV cache throughout, weights dequantized per use (a fused
+  matvec for a few tokens, dequantize + sgemm for prompts); no compiled step. Slow; for debugging and oracles.
+The matrix kernels behind either are a kernel set of matmul.py, stepped down per type to the reference tier
+where the self-test (selftest.py) found a fast kernel wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from engine.kernels.backend import ModelConfig, Weights
+from engine.kernels.cpu import decode_step, layout, ops, packed
+from engine.kernels.cpu import selftest as self_test
+from engine.kernels.cpu.kv_cache import KVCache
+from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
+from engine.kernels.quant_types import QTensor
+
+
+HEAD_ROWS = 32768  # vocabulary rows per matmul of a prompt's head: bounds the dequantization scratch
+KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix kernels (matmul.py)
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, path: str = "fast", kernels: MatmulKernels | None = None,
+                 stepped_down: frozenset[int] = frozenset()):
+        self.path = path
+        self.kernels = kernels if kernels is not None else kernels_for(KERNEL_SET[path])
+        self.stepped_down = stepped_down  # GGML type codes the self-test sent to the reference tier
+        self.step: decode_step.DecodeStep | None = None  # the compiled one-token step (prepare), or None
+        self.packed_buffer: np.ndarray | None = None  # every packed copy of the model (prepare), one buffer
+
+    @property
+    def kv_dtype(self) -> str:
+        return "f16" if self.path == "fast" else "f32"
+
+    def describe(self) -> str:
+        """One line for logs: configuration and matrix kernels."""
+        return f"cpu {self.path} ({self.kernels.name} kernels{', compiled decode step' if self.step else ''})"
+
+    # --- layouts and the decode step ------------------------------------------------------------------------
+
+    def prepare(self, config: ModelConfig, weights: Weights, step_flags: dict | None) -> None:
+        """On the fast path, with every matrix type on its fast kernels: the layers' and the head's legacy-block
+        matrices get their row-interleaved copies (their mapped pages are let go) and the compiled step is
+        built. Not for split models (no single buffer): those decode layer by layer."""
+        if self.path != "fast" or not decode_step.supported(config, weights, step_flags):
+            return
+        self.packed_buffer = layout.pack(weights, decode_step.matrix_names(config, weights))
+        self.step = decode_step.build(config, weights, step_flags, self.packed_buffer)
+
+    def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:
+        return KVCache(config.n_layer, config.n_head_kv, config.head_dim, max_tokens, self.kv_dtype)
+
+    @property
+    def has_decode_step(self) -> bool:
+        return self.step is not None
+
+    def decode(self, ids, caches: Sequence[KVCache]) -> np.ndarray:
+        if self.step is None:
+            raise RuntimeError("this backend has no compiled decode step for the model (see has_decode_step)")
+        return self.step(ids, caches)
+
+    def end_prompt(self) -> None:
+        release = getattr(self.kernels, "release", None)
+        if release is not None:
+            release()
+
+    # --- ops --------------------------------------------------------------------------------------------------
+
+    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        # A vocabulary head over a prompt goes in row slices: the dequantization scratch stays small even for
+        # Gemma's 262k rows.
+        if x.shape[0] <= 8 or w.rows <= HEAD_ROWS:
+            return self.kernels.matmul(x, w)
+        out = np.empty((x.shape[0], w.rows), np.float32)
+        for r0 in range(0, w.rows, HEAD_ROWS):
+            part = packed.slice_rows(w, r0, min(w.rows, r0 + HEAD_ROWS))
+            out[:, r0 : r0 + part.rows] = self.kernels.matmul(x, part)
+        return out
+
+    def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
+        return self.kernels.matmul_many(x, ws)
+
+    def embed(self, w: QTensor, ids) -> np.ndarray:
+        return self.kernels.embed(w, ids)
+
+    rms_norm = staticmethod(ops.rms_norm)
+    rope_tables = staticmethod(ops.rope_tables)
+    rope = staticmethod(ops.apply_rope)
+    attention = staticmethod(ops.attention)
+
+    @staticmethod
+    def act_mul(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+        return ops.act_mul(gate, up, act)
+
+
+def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None) -> CpuBackend:
+    """The CPU backend in configuration `path`, after the kernel self-test of what that configuration runs (first
+    load of the process): a type whose fast kernel disagreed with the reference runs on the reference tier.
+    note(line): what the user should hear (the first run's compile, a kernel stepped down); default stderr."""
+    note = note or (lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
+    if kernels_uncompiled():  # say why the first run after install sits silent for a minute
+        note("compiling the CPU kernels for this machine (first run only: about a minute)")
+    kernels = kernels_for(KERNEL_SET[path])
+    if not selftest:
+        self_test.mark_skipped()
+        return CpuBackend(path, kernels)
+    self_test.run_selftest(warn=note, kernels=self_test.PATH_KERNELS[path])
+    slow = self_test.disabled_types()
+    if slow:
+        kernels = self_test.TieredKernels(kernels, kernels_for(self_test.TIERS[1]), slow)
+    return CpuBackend(path, kernels, slow)
+
+
+def kernels_uncompiled() -> bool:
+    """True when numba's on-disk cache holds no compiled decode step for this code (a fresh install, or an
+    upgrade): the kernels will compile now, which takes 40-75 s on a 2-core machine. Reads numba's cache
+    index through private attributes; anything unexpected counts as compiled (no message)."""
+    try:
+        return not decode_step.decode_step._cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - a numba version without these internals: stay silent
+        return False

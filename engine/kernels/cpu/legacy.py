@@ -1,0 +1,266 @@
+"""Integer kernels of the legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against Q8_0-style activations
+(quantize.py: xq8 int8 in pair-interleaved order, xs8 [dx, xsum] per block): LLVM-IR intrinsics for the row dot
+products and the per-block integer dots (idots_*, the same IR: int8.integer_dots, tests), and the njit row
+functions rows_q4_0 .. rows_q8_0 that int8.rows_into dispatches to.
+
+Integer algebra per block (u = stored unsigned quant, x = int8 activation, exact in int32):
+  Q4_0: d*dx*sum(u x) - 8 d*xsum      Q4_1: d*dx*sum(u x) + m*xsum     Q8_0: d*dx*sum(q x)
+  Q5_0: d*dx*sum(u x) - 16 d*xsum     Q5_1: d*dx*sum(u x) + m*xsum
+Blocks are read in pairs whose activations are stored with their halves interleaved, so one 32-byte load of two
+blocks' nibbles meets its activations in one register; each row loop prefetches PREFETCH_BYTES ahead.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from engine.kernels.cpu.ir import (FLT, I8, I16, I32, PREFETCH_BYTES, Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE,
+                                   Q8_0_CODE, Emitter, V, is_arr, tier_of)
+from engine.kernels.quant_types import type_name
+
+# =========================================================================================================
+# Legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+# =========================================================================================================
+
+# code -> (block bytes, qs offset, qh offset or None, has min, factor on sum(d or m * xsum))
+_LEGACY = {
+    Q4_0_CODE: (18, 2, None, False, -8.0),
+    Q4_1_CODE: (20, 4, None, True, 1.0),
+    Q5_0_CODE: (22, 6, 2, False, -16.0),
+    Q5_1_CODE: (24, 8, 4, True, 1.0),
+    Q8_0_CODE: (34, 2, None, False, 0.0),
+}
+_LO_SEL = [0] * 8 + [1] * 8 + [4] * 8 + [5] * 8  # fifth-bit bytes of a pair: low halves of A, then of B
+_HI_SEL = [2] * 8 + [3] * 8 + [6] * 8 + [7] * 8
+
+
+def _pair_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
+    """Blocks A (at byte o) and B (next) against a pair-interleaved activation pair at xo:
+    <8 x i32>, lanes 0-3 sum to A's integer dot, lanes 4-7 to B's."""
+    bb, qs, qh, _, _ = _LEGACY[code]
+    b = e.b
+    xlo, xhi = e.ld(xp, xo, V(I8, 32)), e.ld(xp, e.add(xo, 32), V(I8, 32))
+    if code == Q8_0_CODE:
+        wa, wb = e.ld(wp, e.add(o, qs), V(I8, 32)), e.ld(wp, e.add(o, bb + qs), V(I8, 32))
+        lo = e.shuf(wa, wb, list(range(16)) + list(range(32, 48)))
+        hi = e.shuf(wa, wb, list(range(16, 32)) + list(range(48, 64)))
+        (u1, s1), (u2, s2) = e.abs_sign(lo, xlo), e.abs_sign(hi, xhi)
+        # |q x| pair sums reach 2 * 128 * 127: no room to add two of them in i16
+        return e.dot4(e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, u1, s1), u2, s2)
+    v = e.shuf(e.ld(wp, e.add(o, qs), V(I8, 16)), e.ld(wp, e.add(o, bb + qs), V(I8, 16)), range(32))
+    lo, hi = e.nib_lo(v), e.nib_hi(v)
+    if qh is not None:
+        h = e.shuf(e.ld(wp, e.add(o, qh), V(I8, 4)), e.ld(wp, e.add(o, bb + qh), V(I8, 4)), range(8))
+        lo, hi = b.or_(lo, e.bits_to_16(h, _LO_SEL)), b.or_(hi, e.bits_to_16(h, _HI_SEL))
+    return e.dot4_small(lo, xlo, hi, xhi)
+
+
+def _single_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
+    """One block at byte o against natural-order activations at xo: <8 x i32> summing to its integer dot."""
+    _, qs, qh, _, _ = _LEGACY[code]
+    x = e.ld(xp, xo, V(I8, 32))
+    if code == Q8_0_CODE:
+        u, s = e.abs_sign(e.ld(wp, e.add(o, qs), V(I8, 32)), x)
+        return e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, u, s)
+    q = e.ld(wp, e.add(o, qs), V(I8, 16))
+    v = e.shuf(e.nib_lo(q), e.nib_hi(q), range(32))
+    if qh is not None:
+        v = e.b.or_(v, e.bits_to_16(e.ld(wp, e.add(o, qh), V(I8, 4)), [j // 8 for j in range(32)]))
+    return e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, v, x)
+
+
+def _group_scales(e: Emitter, code, wp, o, sp, i, g) -> ir.Value:
+    """<2g x float> [d_j dx_j, (m_j or d_j) xsum_j] for the g blocks from block i (byte o); sp = xs8 row."""
+    bb, _, _, has_min, _ = _LEGACY[code]
+    offs = [e.add(o, bb * j) for j in range(g)]
+    if has_min:  # f16 d and f16 m are adjacent: one 32-bit load per block
+        dm = e.halves(e.b.bitcast(e.gather(wp, offs, I32), V(I16, 2 * g)))
+    else:
+        d = e.halves(e.gather(wp, offs, I16))
+        dm = e.shuf(d, None, [j // 2 for j in range(2 * g)])
+    xs = e.ld(sp, e.mul(i, 8), V(FLT, 2 * g), align=4)
+    return e.b.fmul(dm, xs)
+
+
+def _legacy_rowdot_r(code, R):
+    """Intrinsic (raw, roff, nb, xq, xoff, xs, soff, out, ooff, tier) -> None: R consecutive rows of nb blocks
+    from byte roff of raw against activation vector xq[xoff:], xs[soff:] (flat offsets), into out[ooff:ooff+R].
+    R = 2 shares the activation loads and the loop between two rows (rows of 18-20 blocks are short enough
+    for the per-row overhead to show: -12 % for Q4_1 576 columns); Q5 types run out of registers with it."""
+    _, _, _, _, factor = _LEGACY[code]
+    bb = _LEGACY[code][0]
+
+    def impl(typingctx, raw, roff, nb, xq, xoff, xs, soff, out, ooff, tier):
+        t = tier_of(tier)
+        if not (is_arr(raw, types.uint8) and is_arr(xq, types.int8) and is_arr(xs, types.float32)
+                and is_arr(out, types.float32) and t):
+            return None
+        sig = types.none(raw, types.intp, types.intp, xq, types.intp, xs, types.intp, out, types.intp, tier)
+
+        def codegen(context, builder, signature, args):
+            e = Emitter(context, builder, t)
+            b = builder
+            at = signature.args
+            r, ro, n, x, xo, s, so, o_, oo, _ = args
+            rb = e.mul(n, bb)
+            w0 = b.gep(e.base(at[0], r), [ro], source_etype=I8)
+            wps = [b.gep(w0, [e.mul(rb, j)], source_etype=I8) for j in range(R)]
+            xp = b.gep(e.base(at[3], x), [xo], source_etype=I8)
+            sp = b.gep(e.base(at[5], s), [e.mul(so, 4)], source_etype=I8)
+            accs = [(e.fvar(8), e.fvar(8), e.fvar(8)) for _ in range(R)]
+            ng = b.sdiv(n, e.i64(4))
+            with e.loop(ng) as lp:  # groups of 4 blocks = 2 interleaved pairs
+                i = e.mul(lp.index, 4)
+                o = e.mul(i, bb)
+                for wp, (acc0, acc1, corr) in zip(wps, accs):
+                    for line in range(0, 4 * bb, 64):  # every cache line of the group, PREFETCH_BYTES ahead
+                        e.prefetch(wp, e.add(o, PREFETCH_BYTES + line))
+                    sc = _group_scales(e, code, wp, o, sp, i, 4)
+                    if factor:
+                        e.facc(corr, sc)
+                    for p, acc in enumerate((acc0, acc1)):
+                        isum = _pair_isum(e, code, wp, e.add(o, 2 * p * bb), xp, e.mul(e.add(i, 2 * p), 32))
+                        e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), e.fperm8(sc, [4 * p] * 4 + [4 * p + 2] * 4))
+            rem = b.sub(n, e.mul(ng, 4))
+            with b.if_then(b.icmp_signed(">=", rem, e.i64(2))):  # one more pair
+                i = e.mul(ng, 4)
+                o = e.mul(i, bb)
+                for wp, (acc0, acc1, corr) in zip(wps, accs):
+                    sc = _group_scales(e, code, wp, o, sp, i, 2)
+                    if factor:
+                        e.facc(corr, e.shuf(sc, ir.Constant(sc.type, None), range(8)))
+                    isum = _pair_isum(e, code, wp, o, xp, e.mul(i, 32))
+                    e.fmacc(acc0, b.sitofp(isum, V(FLT, 8)), e.shuf(sc, None, [0] * 4 + [2] * 4))
+            with b.if_then(b.icmp_signed("==", b.and_(rem, e.i64(1)), e.i64(1))):  # a last, unpaired block
+                i = b.sub(n, e.i64(1))
+                o = e.mul(i, bb)
+                for wp, (acc0, acc1, corr) in zip(wps, accs):
+                    sc = _group_scales(e, code, wp, o, sp, i, 1)
+                    if factor:
+                        e.facc(corr, e.shuf(sc, ir.Constant(sc.type, None), [0, 1] + [2] * 6))
+                    isum = _single_isum(e, code, wp, o, xp, e.mul(i, 32))
+                    e.fmacc(acc0, b.sitofp(isum, V(FLT, 8)), e.shuf(sc, None, [0] * 8))
+            op = b.gep(e.base(at[7], o_), [e.mul(oo, 4)], source_etype=I8)
+            for j, (acc0, acc1, corr) in enumerate(accs):
+                tot = b.fadd(b.load(acc0), b.load(acc1))
+                if factor:
+                    tot = e.call("llvm.fmuladd.v8f32", tot.type, [b.load(corr), e.vc(FLT, [0.0, factor] * 4), tot])
+                e.st(op, 4 * j, e.hsum_f(tot))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_rowdot{R}_{type_name(code).lower()}"
+    return intrinsic(impl)
+
+
+def _legacy_idots(code):
+    """Intrinsic (raw, roff, nb, xq, xoff, out, ooff, tier) -> None: the nb per-block integer dots of one row
+    into out[ooff:] (int32), from the same IR as the row kernels (tests check them exactly)."""
+    bb = _LEGACY[code][0]
+
+    def impl(typingctx, raw, roff, nb, xq, xoff, out, ooff, tier):
+        t = tier_of(tier)
+        if not (is_arr(raw, types.uint8) and is_arr(xq, types.int8) and is_arr(out, types.int32) and t):
+            return None
+        sig = types.none(raw, types.intp, types.intp, xq, types.intp, out, types.intp, tier)
+
+        def codegen(context, builder, signature, args):
+            e = Emitter(context, builder, t)
+            b = builder
+            at = signature.args
+            r, ro, n, x, xo, out_, oo, _ = args
+            wp = b.gep(e.base(at[0], r), [ro], source_etype=I8)
+            xp = b.gep(e.base(at[3], x), [xo], source_etype=I8)
+            op = b.gep(e.base(at[5], out_), [e.mul(oo, 4)], source_etype=I8)
+            with e.loop(b.sdiv(n, e.i64(2))) as lp:
+                i = e.mul(lp.index, 2)
+                isum = _pair_isum(e, code, wp, e.mul(i, bb), xp, e.mul(i, 32))
+                e.st(op, e.mul(i, 4), e.hsum_i(e.shuf(isum, None, [0, 1, 2, 3])))
+                e.st(op, e.mul(e.add(i, 1), 4), e.hsum_i(e.shuf(isum, None, [4, 5, 6, 7])))
+            with b.if_then(b.icmp_signed("==", b.and_(n, e.i64(1)), e.i64(1))):
+                i = b.sub(n, e.i64(1))
+                e.st(op, e.mul(i, 4), e.hsum_i(_single_isum(e, code, wp, e.mul(i, bb), xp, e.mul(i, 32))))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_idots_{type_name(code).lower()}"
+    return intrinsic(impl)
+
+
+_CODES = (Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE)
+_rd_q4_0, _rd_q4_1, _rd_q5_0, _rd_q5_1, _rd_q8_0 = (_legacy_rowdot_r(c, 1) for c in _CODES)
+_rd2_q4_0, _rd2_q4_1, _rd2_q8_0 = (_legacy_rowdot_r(c, 2) for c in (Q4_0_CODE, Q4_1_CODE, Q8_0_CODE))
+idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0 = (_legacy_idots(c) for c in _CODES)
+
+
+# =========================================================================================================
+# Row functions: rows [r0, r1) of one matrix against all M activation vectors, into out[:, c0 + r]
+# =========================================================================================================
+
+# One function per type, not a factory: numba keys a closure's cache entry on its pickled cells, and an
+# intrinsic pickles with a per-process id, so closures would never hit the cache.
+
+
+@njit(cache=True)
+def rows_q4_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
+    M, R = out.shape
+    r = r0
+    while r + 1 < r1:  # two rows per call
+        for m in range(M):  # the rows stay in L1 across the M vectors
+            _rd2_q4_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+        r += 2
+    if r < r1:
+        for m in range(M):
+            _rd_q4_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+
+
+@njit(cache=True)
+def rows_q4_1(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
+    M, R = out.shape
+    r = r0
+    while r + 1 < r1:  # two rows per call
+        for m in range(M):  # the rows stay in L1 across the M vectors
+            _rd2_q4_1(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+        r += 2
+    if r < r1:
+        for m in range(M):
+            _rd_q4_1(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+
+
+@njit(cache=True)
+def rows_q5_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
+    M, R = out.shape
+    for r in range(r0, r1):
+        for m in range(M):  # the row stays in L1 across the M vectors
+            _rd_q5_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+
+
+@njit(cache=True)
+def rows_q5_1(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
+    M, R = out.shape
+    for r in range(r0, r1):
+        for m in range(M):  # the row stays in L1 across the M vectors
+            _rd_q5_1(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+
+
+@njit(cache=True)
+def rows_q8_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
+    M, R = out.shape
+    r = r0
+    while r + 1 < r1:  # two rows per call
+        for m in range(M):  # the rows stay in L1 across the M vectors
+            _rd2_q8_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+        r += 2
+    if r < r1:
+        for m in range(M):
+            _rd_q8_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+
