@@ -18,7 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api.openai import _float, _int, _kind, _object, _str, parse_tools
+from engine.api.fields import float_field, int_field, kind_of, object_body, str_field
+from engine.api.openai import parse_tools
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
@@ -44,11 +45,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 def parse_messages_request(body: Any) -> GenerationRequest:
     """A /v1/messages body -> GenerationRequest (RequestError names what is wrong)."""
-    body = _object(body)
+    body = object_body(body)
     _known(body, _FIELDS)
     if body.get("thinking") not in (None, {"type": "disabled"}):
         raise RequestError("thinking: extended thinking is not supported", "thinking", "unsupported_parameter")
-    max_tokens = _int(body, "max_tokens", 1)
+    max_tokens = int_field(body, "max_tokens", 1)
     if max_tokens is None:
         raise RequestError("max_tokens: Field required", "max_tokens", "missing_required_parameter")
     req = _translate(body)
@@ -57,9 +58,9 @@ def parse_messages_request(body: Any) -> GenerationRequest:
         raise RequestError("stop_sequences: must be an array of strings", "stop_sequences", "invalid_value")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise RequestError(f"stream: must be true or false, not {_kind(stream)}", "stream", "invalid_type")
-    options = SamplingOptions(max_tokens=max_tokens, temperature=_float(body, "temperature", 0.0, 1.0),
-                              top_p=_float(body, "top_p", 0.0, 1.0, low_open=True), top_k=_int(body, "top_k", 0),
+        raise RequestError(f"stream: must be true or false, not {kind_of(stream)}", "stream", "invalid_type")
+    options = SamplingOptions(max_tokens=max_tokens, temperature=float_field(body, "temperature", 0.0, 1.0),
+                              top_p=float_field(body, "top_p", 0.0, 1.0, low_open=True), top_k=int_field(body, "top_k", 0),
                               stop=tuple(s for s in stops or () if s))
     return GenerationRequest(messages=req.messages, options=options, stream=stream, model=req.model,
                              grammar=req.grammar, tools=req.tools, tool_choice=req.tool_choice,
@@ -68,7 +69,7 @@ def parse_messages_request(body: Any) -> GenerationRequest:
 
 def parse_count_tokens(body: Any) -> GenerationRequest:
     """A /v1/messages/count_tokens body -> the request whose prompt is counted."""
-    body = _object(body)
+    body = object_body(body)
     _known(body, _COUNT_FIELDS)
     return _translate(body)
 
@@ -80,7 +81,7 @@ def _translate(body: dict) -> GenerationRequest:
     if chosen and choice != "none":
         grammar = tool_call_grammar(list(chosen), forced=choice != "auto", parallel=parallel)
     messages = _system(body.get("system")) + _messages(body.get("messages"))
-    return GenerationRequest(messages=tuple(messages), model=_str(body, "model"), grammar=grammar, tools=chosen,
+    return GenerationRequest(messages=tuple(messages), model=str_field(body, "model"), grammar=grammar, tools=chosen,
                              tool_choice=choice, parallel_tool_calls=parallel)
 
 
@@ -97,7 +98,7 @@ def _system(value: Any) -> list[dict]:
         return [{"role": "system", "content": value}]
     if isinstance(value, list):
         return [{"role": "system", "content": "\n".join(_text_block(b, f"system[{i}]") for i, b in enumerate(value))}]
-    raise RequestError(f"system: must be a string or an array of text blocks, not {_kind(value)}", "system",
+    raise RequestError(f"system: must be a string or an array of text blocks, not {kind_of(value)}", "system",
                        "invalid_type")
 
 
@@ -116,7 +117,7 @@ def _messages(value: Any) -> list[dict]:
     for i, m in enumerate(value):
         where = f"messages.{i}"
         if not isinstance(m, dict):
-            raise RequestError(f"{where}: must be an object, not {_kind(m)}", where, "invalid_type")
+            raise RequestError(f"{where}: must be an object, not {kind_of(m)}", where, "invalid_type")
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise RequestError(f"{where}.role: Input should be 'user' or 'assistant' (got {role!r}); a system "

@@ -22,6 +22,7 @@ import uuid
 from typing import Any, Callable
 
 from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar
+from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import ContextOverflow, GoinferError, InvalidRequest, RequestError, TemplateError
 from engine.requests import Completion, GenerationRequest, SamplingOptions, TokenLogprob, execute
@@ -66,7 +67,7 @@ def parse_request(url: str, body: Any) -> GenerationRequest:
 
 def parse_chat_request(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (RequestError names what is wrong)."""
-    body = _object(body)
+    body = object_body(body)
     for name, what in _UNSUPPORTED_CHAT.items():
         value = body.get(name)
         if value is None or value == [] or (name == "modalities" and value == ["text"]):
@@ -76,45 +77,45 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     grammar = response_format_grammar(body.get("response_format"))
     tools = parse_tools(body.get("tools"))
     choice, tools = parse_tool_choice(body.get("tool_choice"), tools)
-    parallel = _bool(body, "parallel_tool_calls", True)
+    parallel = bool_field(body, "parallel_tool_calls", True)
     if tools and choice != "none":
         # The tool grammar replaces a response_format one: a call's arguments follow their own schema.
         grammar = tool_call_grammar(list(tools), forced=choice != "auto", parallel=parallel)
     messages = _messages(body.get("messages"))
-    logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    logprobs = bool_field(body, "logprobs", False)
+    top = int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise RequestError("top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
-    max_tokens = _int(body, "max_tokens", 1)
-    max_completion = _int(body, "max_completion_tokens", 1)
+    max_tokens = int_field(body, "max_tokens", 1)
+    max_completion = int_field(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise RequestError("max_completion_tokens: disagrees with max_tokens; send one of them",
                            "max_completion_tokens", "invalid_value")
     options = _options(body, max_completion if max_completion is not None else max_tokens)
     stream, include_usage = _stream(body)
     return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
-                             n=_n(body), stream=stream, include_usage=include_usage, model=_str(body, "model"),
+                             n=_n(body), stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=grammar, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (RequestError names what is wrong)."""
-    body = _object(body)
+    body = object_body(body)
     _known(body, _COMPLETION_FIELDS)
     if body.get("suffix") not in (None, ""):
         raise RequestError("suffix: insertion (fill-in-the-middle) is not supported", "suffix",
                            "unsupported_parameter")
-    best_of = _int(body, "best_of", 1)
+    best_of = int_field(body, "best_of", 1)
     if best_of is not None and best_of > 1:
         raise RequestError(f"best_of: best_of > 1 is not supported (got {best_of})", "best_of", "unsupported_value")
-    top = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    top = int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     n = _n(body)
     if best_of is not None and best_of < n:
         raise RequestError(f"best_of: must be >= n (got best_of {best_of}, n {n})", "best_of", "invalid_value")
     stream, include_usage = _stream(body)
-    return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, _int(body, "max_tokens", 1)),
-                             logprobs=top is not None, top_logprobs=top or 0, echo=_bool(body, "echo", False),
-                             n=n, stream=stream, include_usage=include_usage, model=_str(body, "model"),
+    return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, int_field(body, "max_tokens", 1)),
+                             logprobs=top is not None, top_logprobs=top or 0, echo=bool_field(body, "echo", False),
+                             n=n, stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=response_format_grammar(body.get("response_format")))
 
 
@@ -124,7 +125,7 @@ def response_format_grammar(fmt: Any, param: str = "response_format") -> Grammar
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise RequestError(f"{param}: must be an object, not {_kind(fmt)}", param, "invalid_type")
+        raise RequestError(f"{param}: must be an object, not {kind_of(fmt)}", param, "invalid_type")
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -194,12 +195,6 @@ def parse_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> tuple[str, 
     return "function", chosen
 
 
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}", None, "invalid_type")
-    return body
-
-
 def _known(body: dict, allowed: set[str]) -> None:
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
@@ -207,7 +202,7 @@ def _known(body: dict, allowed: set[str]) -> None:
 
 
 def _n(body: dict) -> int:
-    n = _int(body, "n", 1)
+    n = int_field(body, "n", 1)
     if n is not None and n > MAX_N:
         raise RequestError(f"n: at most {MAX_N} choices per request (got {n})", "n", "unsupported_value")
     return n or 1
@@ -215,12 +210,12 @@ def _n(body: dict) -> int:
 
 def _stream(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage). stream_options without stream is refused, as OpenAI refuses it."""
-    stream = _bool(body, "stream", False)
+    stream = bool_field(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
     if not isinstance(opts, dict):
-        raise RequestError(f"stream_options: must be an object, not {_kind(opts)}", "stream_options", "invalid_type")
+        raise RequestError(f"stream_options: must be an object, not {kind_of(opts)}", "stream_options", "invalid_type")
     if not stream:
         raise RequestError("stream_options: only allowed when stream is true", "stream_options", "invalid_value")
     unknown = sorted(k for k in opts if k not in ("include_usage", "include_obfuscation"))
@@ -229,7 +224,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
                            "unsupported_parameter")
     include = opts.get("include_usage", False)
     if not isinstance(include, bool):
-        raise RequestError(f"stream_options.include_usage: must be true or false, not {_kind(include)}",
+        raise RequestError(f"stream_options.include_usage: must be true or false, not {kind_of(include)}",
                            "stream_options.include_usage", "invalid_type")
     return stream, include
 
@@ -237,21 +232,21 @@ def _stream(body: dict) -> tuple[bool, bool]:
 def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 0.0, 2.0),
-        top_p=_float(body, "top_p", 0.0, 1.0, low_open=True),
-        top_k=_int(body, "top_k", 0),
-        min_p=_float(body, "min_p", 0.0, 1.0),
+        temperature=float_field(body, "temperature", 0.0, 2.0),
+        top_p=float_field(body, "top_p", 0.0, 1.0, low_open=True),
+        top_k=int_field(body, "top_k", 0),
+        min_p=float_field(body, "min_p", 0.0, 1.0),
         seed=_seed(body),
         stop=_stop(body.get("stop")),
-        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0),
-        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0),
-        repetition_penalty=_float(body, "repetition_penalty", 0.0, None, low_open=True),
+        presence_penalty=float_field(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=float_field(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=float_field(body, "repetition_penalty", 0.0, None, low_open=True),
         logit_bias=_logit_bias(body.get("logit_bias")),
     )
 
 
 def _seed(body: dict) -> int | None:
-    seed = _int(body, "seed", None)
+    seed = int_field(body, "seed", None)
     return None if seed is None else seed % (1 << 64)  # OpenAI takes any int64; the generator wants >= 0
 
 
@@ -264,7 +259,7 @@ def _messages(value: Any) -> tuple[dict, ...]:
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise RequestError(f"{where}: must be an object, not {_kind(m)}", where, "invalid_type")
+            raise RequestError(f"{where}: must be an object, not {kind_of(m)}", where, "invalid_type")
         role = m.get("role")
         if role == "function":
             raise RequestError(f"{where}.role: function messages (legacy function calling) are not supported; "
@@ -312,7 +307,7 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(f"{where}: must be a string or an array of content parts, not {_kind(content)}",
+        raise RequestError(f"{where}: must be a string or an array of content parts, not {kind_of(content)}",
                            where, "invalid_type")
     texts = []
     for j, part in enumerate(content):
@@ -335,7 +330,7 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
         raise RequestError("prompt: required", "prompt", "missing_required_parameter")
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
+    if isinstance(value, list) and value and all(is_int(t) and t >= 0 for t in value):
         return tuple(value)  # one prompt given as token ids
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         return _prompt(value[0])
@@ -368,67 +363,11 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
             token = int(key)
         except (TypeError, ValueError):
             raise RequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias", "invalid_value") from None
-        if not _is_number(bias) or not -100 <= bias <= 100:
+        if not is_number(bias) or not -100 <= bias <= 100:
             raise RequestError(f"logit_bias: the bias of token {key} must be a number in [-100, 100]",
                                "logit_bias", "invalid_value")
         out[token] = float(bias)
     return out
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-
-
-def _kind(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(v), "a number")
-
-
-def _int(body: dict, name: str, low: int | None, high: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not _is_int(v):
-        raise RequestError(f"{name}: must be an integer, not {_kind(v)}", name, "invalid_type")
-    if (low is not None and v < low) or (high is not None and v > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise RequestError(f"{name}: must be {bounds} (got {v})", name, "invalid_value")
-    return v
-
-
-def _float(body: dict, name: str, low: float, high: float | None, low_open: bool = False) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_number(v):
-        raise RequestError(f"{name}: must be a number, not {_kind(v)}", name, "invalid_type")
-    if v < low or (low_open and v == low) or (high is not None and v > high):
-        lo = "(" if low_open else "["
-        bounds = f"> {low}" if high is None and low_open else f"in {lo}{low}, {high}]"
-        raise RequestError(f"{name}: must be {bounds} (got {v})", name, "invalid_value")
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(f"{name}: must be true or false, not {_kind(v)}", name, "invalid_type")
-    return v
-
-
-def _str(body: dict, name: str) -> str | None:
-    v = body.get(name)
-    if v is not None and not isinstance(v, str):
-        raise RequestError(f"{name}: must be a string, not {_kind(v)}", name, "invalid_type")
-    return v
 
 
 # ---------------------------------------------------------------------------------------------- responses

@@ -17,7 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.api.openai import _float, _int, _kind, _str, parse_tool_choice, parse_tools, response_format_grammar
+from engine.api.fields import float_field, int_field, kind_of, str_field
+from engine.api.openai import parse_tool_choice, parse_tools, response_format_grammar
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
@@ -65,19 +66,19 @@ class ResponsesRequest:
 def parse_responses_request(body: Any, lookup: Callable[[str], tuple[dict, tuple[dict, ...]] | None]) -> ResponsesRequest:
     """A /v1/responses body -> the engine request (with the stored conversation it continues)."""
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}", None, "invalid_type")
+        raise RequestError(f"the request body must be a JSON object, not {kind_of(body)}", None, "invalid_type")
     unknown = sorted(k for k in body if k not in _FIELDS)
     if unknown:
         raise RequestError(f"{unknown[0]}: unknown parameter", unknown[0], "unsupported_parameter")
     history: tuple[dict, ...] = ()
-    prev = _str(body, "previous_response_id")
+    prev = str_field(body, "previous_response_id")
     if prev is not None:
         found = lookup(prev)
         if found is None:
             raise RequestError(f"previous_response_id: no stored response {prev!r} (stored responses are kept in "
                                "memory, the most recent ones only)", "previous_response_id", "not_found")
         history = found[1]
-    instructions = _str(body, "instructions")
+    instructions = str_field(body, "instructions")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
         [m for m in history if m["role"] != "system"] + _input(body.get("input"))
     text = body.get("text") or {}
@@ -107,12 +108,12 @@ def parse_responses_request(body: Any, lookup: Callable[[str], tuple[dict, tuple
         grammar = tool_call_grammar(list(chosen), forced=choice != "auto", parallel=parallel)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise RequestError(f"stream: must be true or false, not {_kind(stream)}", "stream", "invalid_type")
+        raise RequestError(f"stream: must be true or false, not {kind_of(stream)}", "stream", "invalid_type")
     store = body.get("store", True) is not False
-    options = SamplingOptions(max_tokens=_int(body, "max_output_tokens", 1),
-                              temperature=_float(body, "temperature", 0.0, 2.0),
-                              top_p=_float(body, "top_p", 0.0, 1.0, low_open=True))
-    req = GenerationRequest(messages=tuple(messages), options=options, stream=stream, model=_str(body, "model"),
+    options = SamplingOptions(max_tokens=int_field(body, "max_output_tokens", 1),
+                              temperature=float_field(body, "temperature", 0.0, 2.0),
+                              top_p=float_field(body, "top_p", 0.0, 1.0, low_open=True))
+    req = GenerationRequest(messages=tuple(messages), options=options, stream=stream, model=str_field(body, "model"),
                             grammar=grammar, tools=chosen, tool_choice=choice, parallel_tool_calls=parallel)
     return ResponsesRequest(req, store, prev, instructions, fmt, raw_tools, body.get("tool_choice", "auto"),
                             body.get("metadata") or {})

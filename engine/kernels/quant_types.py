@@ -71,7 +71,7 @@ class QTensor:
     ggml_type: GGMLType
     shape: tuple[int, int]
     raw: np.ndarray  # (rows, row_bytes) uint8
-    # The leading whole groups of 8 rows in the row-interleaved layout of kernels/packed.py (fast path only):
+    # The leading whole groups of 8 rows in the row-interleaved layout of kernels/cpu/packed.py (fast path only):
     # when set, kernels read those rows from here and never from raw.
     packed: np.ndarray | None = None
 

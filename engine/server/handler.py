@@ -17,7 +17,7 @@ import time
 import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 from urllib.parse import urlsplit
 
 from engine.api import anthropic, responses, sse
@@ -25,10 +25,8 @@ from engine.api.openai import (CHAT_URL, COMPLETIONS_URL, error_body, error_obje
                                model_object, new_id, parse_request, response_object)
 from engine.errors import Cancelled, GoinferError
 from engine.requests import Collector, Delta, prepare, prompt_ids
+from engine.server.state import ServerState
 from engine.server.workers import Finished, Job, QueueFull, ShuttingDown
-
-if TYPE_CHECKING:
-    from engine.server.server import ServerState
 
 TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-body) is closed

@@ -3,7 +3,6 @@ worker per model, and an orderly stop."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import socketserver
 import ssl
@@ -11,70 +10,15 @@ import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Callable, Iterator
+from typing import Callable
 
-from engine.errors import RequestError
-from engine.server.config import ServedModel, ServerConfig, ServerConfigError, body_cap
+from engine.server.config import ServedModel, ServerConfig, ServerConfigError
 from engine.server.handler import Handler
-from engine.server.workers import ModelWorker
+from engine.server.state import ServerState
 
 
 def _stderr(line: str) -> None:
     print(f"goinfer serve: {line}", file=sys.stderr, flush=True)
-
-
-class ServerState:
-    """What every handler thread shares: the models, their workers, the limits, the counters."""
-
-    def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None]):
-        self.models = {m.name: m for m in models}
-        self.api_key = config.api_key
-        self.body_cap = body_cap(config, models)
-        self.keepalive_s = config.keepalive_s
-        self.max_queue = config.max_queue
-        self.log = log
-        self.started = time.time()
-        self.closing = False
-        self.workers = {m.name: ModelWorker(m, config.max_queue, threads=config.threads, log=log) for m in models}
-        self._active = 0
-        self._lock = threading.Lock()
-
-    def route(self, name: str | None) -> ServedModel | None:
-        """The model a request names (None if it is not served). A request that names none is served by
-        the only model, when there is one."""
-        if name is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
-            raise RequestError(f"model: required when several models are served ({', '.join(self.models)})",
-                               "model", "missing_required_parameter")
-        return self.models.get(name)
-
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[None]:
-        with self._lock:
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-
-    @property
-    def active_requests(self) -> int:
-        return self._active
-
-    def health(self) -> dict:
-        return {"status": "shutting_down" if self.closing else "ok",
-                "uptime_s": round(time.time() - self.started, 1),
-                "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue},
-                "models": [w.health() for w in self.workers.values()],
-                "selftest": _selftest_report()}
-
-
-def _selftest_report() -> dict:
-    from engine.kernels.cpu.selftest import report  # the kernel self-test run at the first model load
-
-    return report()
 
 
 class _HTTPServer(ThreadingHTTPServer):

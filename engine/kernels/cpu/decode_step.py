@@ -9,9 +9,7 @@ their modules declare (STEP_FLAGS: per-head q/k norms, post norms, GELU or SiLU;
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
 row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
-small serial phases run on whichever thread claims them. As ~150 parallel loops per token (SmolLM2) it paid a
-fork/join and a static schedule's imbalance each time: same-process A/B, SmolLM2 6.46 -> 5.96 ms per step,
-Gemma-3-270M 12.16 -> 11.70 ms, logits bit-identical.
+small serial phases run on whichever thread claims them (docs/architecture.md has the measurements).
 
 Prompts take the families' forward passes over the backend's ops (dequantize per layer + BLAS sgemm); at one
 token the two agree up to float summation order (tests/test_decode_step.py). The CPU backend (backend.py)
@@ -217,7 +215,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
-    ranges) by all, task by task. Each waits for the phase before it (kernels/atomics.py). Which thread runs
+    ranges) by all, task by task. Each waits for the phase before it (atomics.py). Which thread runs
     what never changes a result."""
     M, E = x.shape
     F = g.shape[1]

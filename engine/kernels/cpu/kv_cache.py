@@ -1,4 +1,4 @@
-"""The KV cache of one sequence, kept outside the model.
+"""The CPU backend's KV cache of one sequence, kept outside the model (kernels/backend.py's KVCache).
 
 Keys and values in f32 (the exact path) or f16 (the fast path, as llama.cpp's default cache: half the memory and
 half the bytes each decoded token's attention reads; stored as IEEE half bits in uint16 arrays, which the
