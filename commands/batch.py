@@ -15,6 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
+from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
 from commands.ui import FetchProgress, err
 from engine import load_model, set_threads
 from engine.batch import BatchPlan, LineResult, run_batch
@@ -46,16 +47,16 @@ def batch(
     output: Annotated[Path, typer.Option("--output", "-o", metavar="OUT.jsonl",
                                          help="Responses (appended; failures go to OUT.errors.jsonl).",
                                          show_default=False)],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path, a built-in name or hf:OWNER/REPO:QUANT.")] = None,
+    model: ModelOption = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt for chats that have none.")] = None,
     temp: Annotated[Optional[float], typer.Option("--temp", help="Temperature where a line sets none.")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="top_k where a line sets none (0 = off).")] = None,
     top_p: Annotated[Optional[float], typer.Option("--top-p", help="top_p where a line sets none.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed where a line sets none.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max", help="max_tokens where a line sets none.")] = None,
-    quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for the kernels and BLAS (default: all cores).")] = None,
-    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")] = False,
+    quant: QuantOption = "auto",
+    threads: ThreadsOption = None,
+    no_selftest: NoSelftestOption = False,
 ) -> None:
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")

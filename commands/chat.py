@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from commands.errors import fail, user_errors
+from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
 from commands.ui import FetchProgress, err
 from engine import generate, load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
@@ -60,7 +61,7 @@ class Session:
 
 
 def chat(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf path, a built-in name or hf:OWNER/REPO:QUANT.")] = None,
+    model: ModelOption = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.7,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
@@ -68,9 +69,9 @@ def chat(
     seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
     max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.")] = 512,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
-    quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for the kernels and BLAS (default: all cores).")] = None,
-    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")] = False,
+    quant: QuantOption = "auto",
+    threads: ThreadsOption = None,
+    no_selftest: NoSelftestOption = False,
     schema: Annotated[Optional[Path], typer.Option("--schema", help="A JSON schema file: every reply is JSON valid under it.")] = None,
 ) -> None:
     if temp < 0:

@@ -1,4 +1,8 @@
-"""`goinfer serve`: an OpenAI-compatible HTTP server over one or more local models.
+"""`goinfer serve`: an HTTP server over one or more local models, speaking the OpenAI and Anthropic APIs.
+
+Routes (engine/server/handler.py): GET /health, GET /v1/models, GET /v1/models/{id}; OpenAI Chat Completions
+(POST /v1/chat/completions), Completions (POST /v1/completions) and Responses (POST /v1/responses,
+GET /v1/responses/{id}); Anthropic Messages (POST /v1/messages, POST /v1/messages/count_tokens).
 
 The banner, warnings and the request log go to stderr; nothing is written to stdout.
 """
@@ -15,15 +19,18 @@ from typing import Annotated, List, Optional
 import typer
 
 from commands.errors import fail, user_errors
+from commands.options import NoSelftestOption, QuantOption
 from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec)
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
-HELP = """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health).
+HELP = """Serve models over HTTP with OpenAI- and Anthropic-compatible APIs.
 
-Point an OpenAI SDK at http://HOST:PORT/v1. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model runs one request at a time; up to --max-queue more wait, further ones get 429 with Retry-After.
+Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (OpenAI; GET /v1/responses/{id} returns a stored response), POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages), GET /health, /v1/models and /v1/models/{id}.
+
+Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model runs one request at a time; up to --max-queue more wait, further ones get 429 with Retry-After.
 
 With --api-key (or GOINFER_API_KEY) every route needs "Authorization: Bearer KEY" or "x-api-key: KEY". A non-loopback --addr needs a key.
 
@@ -59,9 +66,9 @@ def serve(
     = DEFAULT_MAX_QUEUE,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
-    quant: Annotated[str, typer.Option(help="Compute path: auto or f32.")] = "auto",
+    quant: QuantOption = "auto",
     threads: Annotated[Optional[int], typer.Option(help="Compute threads per model (default: all cores).")] = None,
-    no_selftest: Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")] = False,
+    no_selftest: NoSelftestOption = False,
     sse_keepalive: Annotated[float, typer.Option(
         "--sse-keepalive", help="Seconds of silence after which a stream gets a keep-alive comment.")]
     = DEFAULT_KEEPALIVE_S,

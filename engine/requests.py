@@ -1,6 +1,6 @@
 """Engine requests: what a client asks for, independent of any wire format, and running one on a model.
 
-Wire layers (engine/api/openai.py; later anthropic.py, responses.py) translate JSON into a
+Wire layers (engine/api/: openai.py, anthropic.py, responses.py) translate JSON into a
 `GenerationRequest`; `execute` runs it and returns a `Completion` they translate back. Serve and batch
 both go through here, so a request means the same thing on every route.
 

@@ -7,8 +7,9 @@ import math
 import pytest
 
 import engine
-from engine.api.openai import (error_body, parse_chat_request, parse_completion_request, parse_request,
-                               run_request)
+from engine.api.openai import parse_chat_request, parse_completion_request, parse_request
+from engine.api.openai_objects import error_body
+from engine.batch.runner import run_request
 from engine.errors import RequestError
 from engine.requests import API_DEFAULTS, SamplingOptions, apply_defaults, encode_prompt
 

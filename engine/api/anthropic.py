@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.api.fields import float_field, int_field, kind_of, object_body, str_field
 from engine.api.openai import parse_tools
+from engine.api.sse import named_event
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
@@ -250,11 +251,6 @@ def error_status(status: int) -> int:
     return 529 if status == 429 else status
 
 
-def sse(name: str, obj: dict) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
-
-
 @dataclass
 class MessageStream:
     """The named events of one streamed message: message_start, then per content block
@@ -277,19 +273,19 @@ class MessageStream:
         msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
-        return sse("message_start", {"type": "message_start", "message": msg})
+        return named_event("message_start", {"type": "message_start", "message": msg})
 
     def _text(self, text: str) -> bytes:
         out = b""
         if not self._open:
             self._block += 1
             self._open = True
-            out += sse("content_block_start", {"type": "content_block_start", "index": self._block,
+            out += named_event("content_block_start", {"type": "content_block_start", "index": self._block,
                                                 "content_block": {"type": "text", "text": ""}})
             if self._block == 0:
-                out += sse("ping", {"type": "ping"})
+                out += named_event("ping", {"type": "ping"})
         if text:
-            out += sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+            out += named_event("content_block_delta", {"type": "content_block_delta", "index": self._block,
                                                 "delta": {"type": "text_delta", "text": text}})
         return out
 
@@ -297,7 +293,7 @@ class MessageStream:
         if not self._open:
             return b""
         self._open = False
-        return sse("content_block_stop", {"type": "content_block_stop", "index": self._block})
+        return named_event("content_block_stop", {"type": "content_block_stop", "index": self._block})
 
     def events(self, d: Delta) -> bytes:
         """The events for one piece of the answer (choice 0)."""
@@ -313,11 +309,11 @@ class MessageStream:
             called = self._reader is not None and self._reader.started
             finish = "tool_calls" if called and d.finish_reason == "stop" else d.finish_reason
             out += self._close()
-            out += sse("message_delta", {"type": "message_delta",
+            out += named_event("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop_reason(finish, d.stop_sequence),
                                                    "stop_sequence": d.stop_sequence},
                                          "usage": {"output_tokens": self._output}})
-            out += sse("message_stop", {"type": "message_stop"})
+            out += named_event("message_stop", {"type": "message_stop"})
         return out
 
     def _event(self, e) -> bytes:
@@ -325,19 +321,19 @@ class MessageStream:
         if isinstance(e, Text):
             return self._text(e.text)
         if isinstance(e, CallArguments):
-            return sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+            return named_event("content_block_delta", {"type": "content_block_delta", "index": self._block,
                                                 "delta": {"type": "input_json_delta", "partial_json": e.text}})
         if isinstance(e, CallEnd):
             return self._close()
         out = self._close()
         self._block += 1
         self._open = True
-        out += sse("content_block_start", {"type": "content_block_start", "index": self._block, "content_block": {
+        out += named_event("content_block_start", {"type": "content_block_start", "index": self._block, "content_block": {
             "type": "tool_use", "id": _tool_use_id(e.id), "name": e.name, "input": {}}})
         if self._block == 0:
-            out += sse("ping", {"type": "ping"})
+            out += named_event("ping", {"type": "ping"})
         return out
 
     @staticmethod
     def error(status: int, message: str) -> bytes:
-        return sse("error", error_body(status, message))
+        return named_event("error", error_body(status, message))

@@ -1,31 +1,27 @@
-"""The OpenAI wire format: request bodies -> GenerationRequest, Completion -> response objects.
+"""The OpenAI wire format's requests: chat/completions and completions bodies -> GenerationRequest.
 
 Pure functions (no I/O), shared by `goinfer batch` and `goinfer serve`, so a body means the same thing
 in a batch file and over HTTP. Every refusal is a RequestError naming the field (`param`) and a
 machine-readable `code`; a request is never answered without something it asked for.
 
     parse_chat_request(body) / parse_completion_request(body) / parse_request(url, body)
-    chat_completion(result, ...) / text_completion(result, ...)     -> the response objects
-    run_request(model, req, ...)                                     -> execute + the right object
-    error_code(exc) / error_body(exc) / error_status(exc)            -> OpenAI-style error payloads
-    model_object(name, ...) / model_list(...)                        -> /v1/models entries
+    parse_tools / parse_tool_choice / response_format_grammar      (the Responses API reads these too)
 
-Streaming chunks (the same objects cut into SSE events) are built in engine/api/sse.py.
+The answers (response objects, errors, /v1/models entries) are built in openai_objects.py, the streaming
+chunks in sse.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
-from typing import Any, Callable
+from typing import Any
 
-from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar
 from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
+from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar
 from engine.constrain.tools import tool_call_grammar
-from engine.errors import ContextOverflow, GoinferError, InvalidRequest, RequestError, TemplateError
-from engine.requests import Completion, GenerationRequest, SamplingOptions, TokenLogprob, execute
+from engine.errors import RequestError
+from engine.requests import GenerationRequest, SamplingOptions
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -368,141 +364,3 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
                                "logit_bias", "invalid_value")
         out[token] = float(bias)
     return out
-
-
-# ---------------------------------------------------------------------------------------------- responses
-
-def chat_completion(result: Completion, *, model_name: str, request_id: str | None = None,
-                    created: int | None = None, with_logprobs: bool = False) -> dict:
-    """The chat.completion object for one result (one choice per answer)."""
-    return {
-        "id": request_id or new_id("chat"),
-        "object": "chat.completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model_name,
-        "choices": [{"index": i, "message": _message(c),
-                     "logprobs": chat_logprobs(c.logprobs or []) if with_logprobs else None,
-                     "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
-        "usage": usage(result.prompt_tokens, result.completion_tokens),
-    }
-
-
-def _message(c) -> dict:
-    msg = {"role": "assistant", "content": c.text, "refusal": None}
-    if c.tool_calls:
-        msg["content"] = c.text or None
-        msg["tool_calls"] = [tool_call_object(t) for t in c.tool_calls]
-    return msg
-
-
-def tool_call_object(t) -> dict:
-    return {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-
-
-def text_completion(result: Completion, *, model_name: str, request_id: str | None = None,
-                    created: int | None = None, with_logprobs: bool = False) -> dict:
-    """The text_completion object (legacy /v1/completions) for one result."""
-    return {
-        "id": request_id or new_id("completion"),
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model_name,
-        "choices": [{"text": c.text, "index": i,
-                     "logprobs": completion_logprobs(c.logprobs or []) if with_logprobs else None,
-                     "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
-        "usage": usage(result.prompt_tokens, result.completion_tokens),
-    }
-
-
-def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
-                should_stop: Callable[[], bool] | None = None,
-                on_token: Callable[[int], None] | None = None, window: int | None = None) -> dict:
-    """Execute `req` on `model` and return the response object the endpoint it came from returns."""
-    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window)
-    return response_object(req, result, model_name=model_name or model.name)
-
-
-def response_object(req: GenerationRequest, result: Completion, *, model_name: str,
-                    request_id: str | None = None, created: int | None = None) -> dict:
-    """The object the endpoint `req` came from answers with."""
-    build = chat_completion if req.kind == "chat" else text_completion
-    return build(result, model_name=model_name, request_id=request_id, created=created, with_logprobs=req.logprobs)
-
-
-def new_id(kind: str) -> str:
-    """A fresh response id: chatcmpl-... for chats, cmpl-... for completions."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _token_str(piece: bytes) -> str:
-    # A token that holds part of a UTF-8 character shows its bytes escaped (\xe2), as OpenAI does.
-    return piece.decode("utf-8", errors="backslashreplace")
-
-
-def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
-    """A chat choice's `logprobs` for these tokens (a whole answer, or one stream chunk's share)."""
-    return {"content": [{"token": _token_str(t.piece), "logprob": t.logprob, "bytes": list(t.piece),
-                         "top_logprobs": [{"token": _token_str(p), "logprob": lp, "bytes": list(p)}
-                                          for _, p, lp in t.top]} for t in tokens],
-            "refusal": None}
-
-
-def completion_logprobs(tokens: list[TokenLogprob]) -> dict:
-    """A completion choice's `logprobs` (the legacy parallel arrays) for these tokens."""
-    return {"tokens": [_token_str(t.piece) for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [None if t.logprob is None else {_token_str(p): lp for _, p, lp in t.top} for t in tokens],
-            "text_offset": [t.offset for t in tokens]}
-
-
-def model_object(name: str, *, created: int, context_window: int) -> dict:
-    """One /v1/models entry; `context_window` is the token limit requests to this model are held to."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "goinfer",
-            "context_window": context_window}
-
-
-def model_list(entries: list[dict]) -> dict:
-    return {"object": "list", "data": entries}
-
-
-# ---------------------------------------------------------------------------------------------- errors
-
-def error_code(exc: BaseException) -> str:
-    """The machine-readable code for an error raised while parsing or running a request."""
-    if isinstance(exc, RequestError):
-        return exc.code
-    if isinstance(exc, ContextOverflow):
-        return "context_length_exceeded"
-    if isinstance(exc, TemplateError):
-        return "template_error"
-    if isinstance(exc, InvalidRequest):
-        return "invalid_value"
-    if isinstance(exc, GoinferError):
-        return "engine_error"
-    return "internal_error"
-
-
-def _client_fault(exc: BaseException) -> bool:
-    return isinstance(exc, (InvalidRequest, ContextOverflow, TemplateError))
-
-
-def error_body(exc: BaseException) -> dict:
-    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
-    return error_object(str(exc), "invalid_request_error" if _client_fault(exc) else "server_error",
-                        getattr(exc, "param", None), error_code(exc))
-
-
-def error_status(exc: BaseException) -> int:
-    """The HTTP status an error raised while parsing or running a request is answered with."""
-    return 400 if _client_fault(exc) else 500
-
-
-def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> dict:
-    """{"error": {...}} for errors that do not come from an exception (unknown model, auth, limits)."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from engine.api.fields import float_field, int_field, kind_of, str_field
 from engine.api.openai import parse_tool_choice, parse_tools, response_format_grammar
+from engine.api.sse import named_event
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
@@ -222,11 +223,6 @@ def conversation(rr: ResponsesRequest, result: Completion) -> tuple[dict, ...]:
     return tuple(rr.request.messages) + (answer,)
 
 
-def sse(name: str, obj: dict) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
-
-
 @dataclass
 class ResponseStream:
     """The events of one streamed response: response.created, response.in_progress, then the message item
@@ -242,7 +238,7 @@ class ResponseStream:
     tool_names: frozenset[str] | None = None
     calls: list = field(default_factory=list)  # the function calls sent (ToolCall), for the final object
     _seq: int = 0
-    _msg_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    msg_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     _open: bool = False  # the message item is open
     _items: int = 0  # output items added so far
     _text: list[str] = field(default_factory=list)
@@ -255,7 +251,7 @@ class ResponseStream:
     def _ev(self, name: str, obj: dict) -> bytes:
         obj = {"type": name, "sequence_number": self._seq, **obj}
         self._seq += 1
-        return sse(name, obj)
+        return named_event(name, obj)
 
     def start(self) -> bytes:
         obj = response_object(self.rr, None, response_id=self.id, model_name=self.model, created=self.created)
@@ -266,8 +262,8 @@ class ResponseStream:
             return b""
         self._open, self._items = True, self._items + 1
         return (self._ev("response.output_item.added", {"output_index": 0, "item": {
-                    "type": "message", "id": self._msg_id, "status": "in_progress", "role": "assistant", "content": []}})
-                + self._ev("response.content_part.added", {"item_id": self._msg_id, "output_index": 0,
+                    "type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}})
+                + self._ev("response.content_part.added", {"item_id": self.msg_id, "output_index": 0,
                                                            "content_index": 0, "part": {"type": "output_text",
                                                                                         "text": "", "annotations": []}}))
 
@@ -276,18 +272,18 @@ class ResponseStream:
             return b""
         self._open = False
         full = "".join(self._text)
-        return (self._ev("response.output_text.done", {"item_id": self._msg_id, "output_index": 0,
+        return (self._ev("response.output_text.done", {"item_id": self.msg_id, "output_index": 0,
                                                        "content_index": 0, "text": full, "logprobs": []})
-                + self._ev("response.content_part.done", {"item_id": self._msg_id, "output_index": 0,
+                + self._ev("response.content_part.done", {"item_id": self.msg_id, "output_index": 0,
                                                           "content_index": 0, "part": {"type": "output_text",
                                                                                        "text": full, "annotations": []}})
                 + self._ev("response.output_item.done", {"output_index": 0,
-                                                         "item": _message_item(full, self._msg_id)}))
+                                                         "item": _message_item(full, self.msg_id)}))
 
     def _text_delta(self, text: str) -> bytes:
         self._text.append(text)
         return self._open_message() + self._ev("response.output_text.delta", {
-            "item_id": self._msg_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []})
+            "item_id": self.msg_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []})
 
     def events(self, d: Delta) -> bytes:
         if self._reader is None:

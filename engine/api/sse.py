@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engine.api.openai import chat_logprobs, completion_logprobs, usage
+from engine.api.openai_objects import chat_logprobs, completion_logprobs, usage
 from engine.requests import Delta
 from engine.templates.tool_stream import CallArguments, CallStart, Text, ToolCallStream
 
@@ -28,6 +28,12 @@ DONE = b"data: [DONE]\n\n"
 def event(obj: dict) -> bytes:
     """One SSE data event."""
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def named_event(name: str, obj: dict) -> bytes:
+    """One SSE event with a name (Anthropic's and the Responses API's streams)."""
+    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
 
 
 def comment(text: str = "keep-alive") -> bytes:

@@ -16,14 +16,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.api.openai import URLS, error_code, parse_request
+from engine.api.openai import URLS, parse_request
+from engine.api.openai_objects import error_code
 from engine.errors import BatchFileError, RequestError
+from engine.files import fsync_dir, lock_exclusive
 from engine.requests import GenerationRequest
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; two runs on one output file are then the user's lookout
-    fcntl = None
 
 
 @dataclass
@@ -141,18 +138,15 @@ class RecordLog:
             else:
                 self._recover()
             if not existed:
-                _fsync_dir(self.path.parent)  # the new file's name must survive a power cut too
+                fsync_dir(self.path.parent)  # the new file's name must survive a power cut too
         except BaseException:
             os.close(self._fd)
             raise
 
     def _lock(self) -> None:
-        if fcntl is None:
-            return
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BatchFileError(f"{self.path}: another goinfer batch is writing this file") from None
+        # Windows has no advisory locks: two runs on one output file are then the user's lookout.
+        if not lock_exclusive(self._fd, blocking=False):
+            raise BatchFileError(f"{self.path}: another goinfer batch is writing this file")
 
     def _recover(self) -> None:
         with open(self._fd, "rb", closefd=False) as f:
@@ -188,16 +182,3 @@ class RecordLog:
         if self._fd >= 0:
             os.close(self._fd)  # closing releases the lock
             self._fd = -1
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # not possible everywhere (Windows); the file's data is still fsynced
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

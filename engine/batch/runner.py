@@ -1,6 +1,6 @@
 """The resumable batch run: input lines -> output records, one fsynced line at a time.
 
-Shared by `goinfer batch` and (later) /v1/batches. A rerun of the same input and output skips the
+Run by `goinfer batch` (the `/v1/batches` route would run the same). A rerun of the same input and output skips the
 custom_ids already in the output, redoes a line a crash cut in half, and retries earlier failures; when
 nothing needs the model, the model is never loaded.
 """
@@ -13,10 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.api.openai import error_code, run_request
+from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
-from engine.requests import SamplingOptions, apply_defaults
+from engine.requests import GenerationRequest, SamplingOptions, apply_defaults, execute
+
+
+def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
+                should_stop: Callable[[], bool] | None = None,
+                on_token: Callable[[int], None] | None = None, window: int | None = None) -> dict:
+    """Execute `req` on `model` and return the response object the endpoint it came from answers with."""
+    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window)
+    return response_object(req, result, model_name=model_name or model.name)
 
 
 @dataclass

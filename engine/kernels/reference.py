@@ -1,6 +1,6 @@
 """The numpy oracle: dequantize GGUF blocks to f32 with plain vectorized numpy.
 
-Slow and simple on purpose: every fast kernel (cpu.py, later GPU) is tested against this file, and this file
+Slow and simple on purpose: every fast kernel (engine/kernels/cpu/) is tested against this file, and this file
 is tested against gguf.quants. It is written from the block layouts in llama.cpp's ggml-common.h /
 ggml-quants.c (documented next to each decoder below). The float arithmetic follows ggml's order
 (e.g. Q4_K computes (d*sc)*q - (dmin*m)), so results match gguf.quants bit for bit.

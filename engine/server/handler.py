@@ -1,12 +1,12 @@
-"""The HTTP request handler: auth, routing, body limits, JSON answers and SSE streams.
+"""The HTTP request handler: routing, JSON answers and SSE streams (auth and bodies: intake.py).
 
-Every answer, errors included, is JSON in OpenAI's error shape; the wire formats themselves (what a
-body means, what a response holds) come from engine.api, so this file only moves bytes.
+A generation route is served by its wire format's Dialect (engine/api/dialects.py: what a body means, what the
+answer and its stream hold, the shape of its errors), so this file only moves bytes and holds no per-format
+branch. Errors are JSON in the route's shape (OpenAI's where no dialect serves the route).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import queue
 import select
@@ -20,11 +20,14 @@ from http.server import BaseHTTPRequestHandler
 from typing import Iterator
 from urllib.parse import urlsplit
 
-from engine.api import anthropic, responses, sse
-from engine.api.openai import (CHAT_URL, COMPLETIONS_URL, error_body, error_object, error_status, model_list,
-                               model_object, new_id, parse_request, response_object)
+from engine.api import sse
+from engine.api.dialects import ROUTES, Dialect, OpenAIDialect, dialect_for
+from engine.api.openai_objects import error_body, error_object, error_status, model_list, model_object
+from engine.api.responses import RESPONSES_URL
 from engine.errors import Cancelled, GoinferError
 from engine.requests import Collector, Delta, prepare, prompt_ids
+from engine.server import intake
+from engine.server.intake import ClientGone, HTTPError
 from engine.server.state import ServerState
 from engine.server.workers import Finished, Job, QueueFull, ShuttingDown
 
@@ -32,29 +35,7 @@ TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-body) is closed
 _GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError, ssl.SSLError)
 
-
-_STORE_LOCK = threading.Lock()
-
-
-def _response_store(state) -> responses.ResponseStore:
-    """The server's bounded store of Responses API answers (made on first use)."""
-    with _STORE_LOCK:
-        store = getattr(state, "response_store", None)
-        if store is None:
-            store = state.response_store = responses.ResponseStore()
-        return store
-
-
-class HTTPError(Exception):
-    """An answer other than 200, decided before any response byte was sent."""
-
-    def __init__(self, status: int, body: dict, headers: dict | None = None):
-        super().__init__(body["error"]["message"])
-        self.status, self.body, self.headers = status, body, headers or {}
-
-
-class ClientGone(Exception):
-    pass
+_DEFAULT_DIALECT = OpenAIDialect("")  # the error shape of every route no dialect serves
 
 
 def _stream_error(e: GoinferError | HTTPError) -> tuple[int, dict]:
@@ -89,7 +70,7 @@ class Handler(BaseHTTPRequestHandler):
             pass  # the client went away between requests or mid-answer; nothing to answer
 
     def finish(self) -> None:
-        if self.close_connection and getattr(self, "_body_read", True) is False and self._has_body():
+        if self.close_connection and getattr(self, "_body_read", True) is False and intake.has_body(self.headers):
             self._drain()
         super().finish()
 
@@ -121,11 +102,12 @@ class Handler(BaseHTTPRequestHandler):
     def handle_expect_100(self) -> bool:
         # Refuse an over-limit or unauthenticated body before the client sends it.
         try:
-            self._check_auth()
-            self._check_declared_length()
+            intake.check_auth(self.headers, self.state.api_key)
+            intake.declared_length(self.headers, self.state.body_cap)
         except HTTPError as e:
             self._body_read = False
             self.close_connection = True
+            self._dialect = self._route_dialect()
             self._send_error(e)
             return False
         return super().handle_expect_100()
@@ -148,11 +130,9 @@ class Handler(BaseHTTPRequestHandler):
         self._model_name: str | None = None
         self._usage: tuple[int, int] | None = None
         path = urlsplit(self.path).path
-        # Errors on Anthropic's routes take Anthropic's shape (_send_error translates them).
-        self._anthropic = path in anthropic.URLS
-        self._rr = None  # a Responses API request, once parsed
+        self._dialect = self._route_dialect()
         try:
-            self._check_auth()
+            intake.check_auth(self.headers, self.state.api_key)
             if path == "/health":
                 self._only("GET")
                 self._send_json(200 if not self.state.closing else 503, self.state.health())
@@ -165,22 +145,21 @@ class Handler(BaseHTTPRequestHandler):
                 if served is None:
                     raise self._unknown_model(path[len("/v1/models/"):])
                 self._send_json(200, self._model_entry(served))
-            elif path in (CHAT_URL, COMPLETIONS_URL, responses.RESPONSES_URL) or path in anthropic.URLS:
+            elif path in ROUTES:
                 self._only("POST")
-                self._generate(path)
-            elif path.startswith(responses.RESPONSES_URL + "/"):
+                self._generate()
+            elif path.startswith(RESPONSES_URL + "/"):
                 self._only("GET")
-                found = _response_store(self.state).get(path[len(responses.RESPONSES_URL) + 1:])
+                found = self.state.response_store.get(path[len(RESPONSES_URL) + 1:])
                 if found is None:
                     raise HTTPError(404, error_object(f"no stored response {path.rsplit('/', 1)[-1]!r}",
                                                       "invalid_request_error", None, "not_found"))
                 self._send_json(200, found[0])
             else:
-                raise HTTPError(404, error_object(
-                    f"no route {self.command} {path} (routes: GET /health, GET /v1/models, "
-                    f"POST {CHAT_URL}, POST {COMPLETIONS_URL}, POST {anthropic.MESSAGES_URL}, "
-                    f"POST {anthropic.COUNT_TOKENS_URL}, POST {responses.RESPONSES_URL}, GET {responses.RESPONSES_URL}/ID)",
-                    "invalid_request_error", None, "not_found"))
+                routes = ", ".join(["GET /health", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
+                                   + [f"GET {RESPONSES_URL}/ID"])
+                raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
+                                                  "invalid_request_error", None, "not_found"))
         except HTTPError as e:
             self._send_error(e)
         except ClientGone:
@@ -193,6 +172,11 @@ class Handler(BaseHTTPRequestHandler):
                                                   None, "internal_error"))
             self.close_connection = True
         self._access(path)
+
+    def _route_dialect(self) -> Dialect:
+        """The wire format of this request's route (a new one per request), if it has one: its errors take that
+        format's shape (_send_error)."""
+        return dialect_for(urlsplit(self.path).path, self.state.response_store) or _DEFAULT_DIALECT
 
     def _only(self, method: str) -> None:
         if self.command != method:
@@ -210,122 +194,35 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ auth and bodies
 
-    def _check_auth(self) -> None:
-        key = self.state.api_key
-        if key is None:
-            return
-        given = []
-        auth = self.headers.get("Authorization", "")
-        if auth[:7].lower() == "bearer ":
-            given.append(auth[7:].strip())
-        if self.headers.get("x-api-key") is not None:
-            given.append(self.headers["x-api-key"].strip())
-        want = key.encode()
-        # compare_digest: the time taken does not depend on how much of the key a guess got right
-        if not any([hmac.compare_digest(g.encode("utf-8", "replace"), want) for g in given]):
-            what = "invalid API key" if given else "missing API key"
-            raise HTTPError(401, error_object(f"{what}: send Authorization: Bearer KEY or x-api-key: KEY",
-                                              "invalid_request_error", None, "invalid_api_key"),
-                            {"WWW-Authenticate": 'Bearer realm="goinfer"'})
-
-    def _has_body(self) -> bool:
-        return "chunked" in self.headers.get("Transfer-Encoding", "").lower() or \
-            self.headers.get("Content-Length", "0").strip() not in ("", "0")
-
-    def _too_large(self, size: str) -> HTTPError:
-        cap = self.state.body_cap
-        return HTTPError(413, error_object(f"the request body ({size}) is over the limit of {cap} bytes "
-                                           "(--max-body-bytes)", "invalid_request_error", None,
-                                           "request_too_large"))
-
-    def _check_declared_length(self) -> int | None:
-        value = self.headers.get("Content-Length")
-        if value is None:
-            return None
-        try:
-            n = int(value)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            raise HTTPError(400, error_object(f"invalid Content-Length {value!r}", "invalid_request_error", None,
-                                              "invalid_request")) from None
-        if n > self.state.body_cap:
-            raise self._too_large(f"{n} bytes")  # decided before a byte of it is read
-        return n
-
     def _read_body(self) -> bytes:
-        te = self.headers.get("Transfer-Encoding", "").lower()
-        if te and te != "identity":
-            if te.split(",")[-1].strip() != "chunked":
-                raise HTTPError(501, error_object(f"Transfer-Encoding {te!r} is not supported (chunked is)",
-                                                  "invalid_request_error", None, "invalid_request"))
-            return self._read_chunked()
-        n = self._check_declared_length()
-        data = self.rfile.read(n) if n else b""
-        if n and len(data) < n:
-            raise ClientGone()
+        data = intake.read_body(self.headers, self.rfile, self.state.body_cap)
         self._body_read = True
         return data
 
-    def _read_chunked(self) -> bytes:
-        """A chunked body, counted as it arrives and refused (413) as soon as it passes the limit."""
-        parts, total = [], 0
-        while True:
-            line = self.rfile.readline(1024)
-            if not line:
-                raise ClientGone()
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise HTTPError(400, error_object("malformed chunked request body", "invalid_request_error", None,
-                                                  "invalid_request")) from None
-            if size == 0:
-                while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
-                    pass  # trailer fields, ignored
-                break
-            total += size
-            if total > self.state.body_cap:
-                raise self._too_large(f"over {self.state.body_cap} bytes, chunked")
-            data = self.rfile.read(size)
-            if len(data) < size:
-                raise ClientGone()
-            parts.append(data)
-            self.rfile.readline(3)  # the CRLF after the chunk
-        self._body_read = True
-        return b"".join(parts)
-
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, path: str) -> None:
+    def _generate(self) -> None:
         raw = self._read_body()
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to parse
             raise HTTPError(400, error_object(f"the request body is not valid JSON: {e}", "invalid_request_error",
                                               None, "invalid_json")) from None
+        dialect = self._dialect
         cancel = threading.Event()
         try:
-            if path == anthropic.MESSAGES_URL:
-                req = anthropic.parse_messages_request(body)
-            elif path == anthropic.COUNT_TOKENS_URL:
-                req = anthropic.parse_count_tokens(body)
-            elif path == responses.RESPONSES_URL:
-                self._rr = responses.parse_responses_request(body, _response_store(self.state).get)
-                req = self._rr.request
-            else:
-                req = parse_request(path, body)
+            req = dialect.parse(body)
             served = self.state.route(req.model)
             if served is None:
                 raise self._unknown_model(req.model)
             self._model_name = served.name
-            if path == anthropic.COUNT_TOKENS_URL:
-                self._send_json(200, {"input_tokens": len(prompt_ids(served.model, req))})
+            if dialect.counts_tokens:
+                self._send_json(200, dialect.count(len(prompt_ids(served.model, req))))
                 return
             prep = prepare(served.model, req, window=served.window, should_stop=cancel.is_set)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
-        job_id = anthropic.new_id() if self._anthropic else responses.new_id() if self._rr else new_id(req.kind)
-        job = Job(prep, cancel, job_id)
+        job = Job(prep, cancel, dialect.new_id(req))
         worker = self.state.workers[served.name]
         try:
             worker.submit(job)
@@ -389,16 +286,7 @@ class Handler(BaseHTTPRequestHandler):
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         self._usage = (len(job.prep.ids), out.generated)
-        if self._anthropic:
-            obj = anthropic.message_object(out.result(), model_name=model_name, message_id=job.id)
-        elif self._rr is not None:
-            result = out.result()
-            obj = responses.response_object(self._rr, result, response_id=job.id, model_name=model_name,
-                                            created=job.created)
-            if self._rr.store:
-                _response_store(self.state).put(obj, responses.conversation(self._rr, result))
-        else:
-            obj = response_object(req, out.result(), model_name=model_name, request_id=job.id, created=job.created)
+        obj = self._dialect.answer(req, out.result(), job_id=job.id, model_name=model_name, created=job.created)
         self._send_json(200, obj, {"X-Request-Id": job.id})
 
     def _stream(self, job: Job, req, model_name: str) -> None:
@@ -416,79 +304,24 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("X-Request-Id", job.id)
         self._end_headers()
         self._status = 200
-        if self._anthropic:
-            self._stream_anthropic(job, req, model_name)
-            return
-        if self._rr is not None:
-            self._stream_responses(job, req, model_name)
-            return
-        info = sse.Stream(req.kind, job.id, job.created, model_name, req.logprobs, req.include_usage,
-                          frozenset(req.tool_names) if req.calls_tools else None)
+        enc = self._dialect.stream(req, job_id=job.id, model_name=model_name, created=job.created,
+                                   prompt_tokens=len(job.prep.ids))
+        self._send_events(enc.start())
         out = Collector(job.prep)
-        started: set[int] = set()
         try:
             for d in self._events(job, stream=True):
                 out.add(d)
-                for chunk in info.chunks(d, first=d.index not in started):
-                    self._write_chunk(sse.event(chunk))
-                started.add(d.index)
+                self._send_events(enc.piece(d))
         except (GoinferError, HTTPError) as e:
-            # Too late for a status: the error goes in the stream, as OpenAI sends it, and the stream ends.
-            _, body = _stream_error(e)
+            # Too late for a status: the error goes in the stream, as each format sends it, and the stream ends.
+            status, body = _stream_error(e)
             self._note = f"error in stream: {body['error']['message']}"
-            self._write_chunk(sse.event(body))
+            self._send_events(enc.error(status, body))
             self._write_chunk(b"")
             return
         self._usage = (len(job.prep.ids), out.generated)
-        last = info.usage_chunk(len(job.prep.ids), out.generated)
-        if last is not None:
-            self._write_chunk(sse.event(last))
-        self._write_chunk(sse.DONE)
+        self._send_events(enc.finish(out))
         self._write_chunk(b"")  # the zero-length chunk: end of the response
-
-    def _stream_anthropic(self, job: Job, req, model_name: str) -> None:
-        """Anthropic's named events (headers already sent); an error after the start is an `error` event."""
-        info = anthropic.MessageStream(job.id, model_name, len(job.prep.ids),
-                                       frozenset(req.tool_names) if req.calls_tools else None)
-        self._stream_named(job, info, lambda status, body: anthropic.MessageStream.error(
-            anthropic.error_status(status), body["error"]["message"]))
-        self._write_chunk(b"")
-
-    def _stream_responses(self, job: Job, req, model_name: str) -> None:
-        """The Responses API's named events (headers already sent)."""
-        rr = self._rr
-        info = responses.ResponseStream(rr, job.id, model_name, job.created,
-                                        frozenset(req.tool_names) if req.calls_tools else None)
-        out = self._stream_named(job, info,
-                                 lambda status, body: responses.sse("error", {"type": "error", **body["error"]}))
-        if out is not None:
-            result = info.sent(out.result())
-            obj = responses.response_object(rr, result, response_id=job.id, model_name=model_name,
-                                            created=job.created, message_id=info._msg_id)
-            if rr.store:
-                _response_store(self.state).put(obj, responses.conversation(rr, result))
-            self._write_chunk(info.end(obj))
-        self._write_chunk(b"")
-
-    def _stream_named(self, job: Job, info, error_event) -> Collector | None:
-        """The loop both named-event streams share: info's start, its events for each piece of choice 0, and
-        on an error `error_event(status, OpenAI error body)` (None returned: the stream is over)."""
-        self._write_chunk(info.start())
-        out = Collector(job.prep)
-        try:
-            for d in self._events(job, stream=True):
-                out.add(d)
-                if d.index == 0:
-                    data = info.events(d)
-                    if data:
-                        self._write_chunk(data)
-        except (GoinferError, HTTPError) as e:
-            status, body = _stream_error(e)
-            self._note = f"error in stream: {body['error']['message']}"
-            self._write_chunk(error_event(status, body))
-            return None
-        self._usage = (len(job.prep.ids), out.generated)
-        return out
 
     # ------------------------------------------------------------------ writing
 
@@ -508,9 +341,14 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone() from None
         self._last_write = time.monotonic()
 
+    def _send_events(self, data: bytes) -> None:
+        """Server-sent events, if there are any (an empty chunk would end the stream)."""
+        if data:
+            self._write_chunk(data)
+
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         data = json.dumps(obj, ensure_ascii=False).encode()
-        if getattr(self, "_body_read", True) is False and self._has_body():
+        if getattr(self, "_body_read", True) is False and intake.has_body(self.headers):
             self.close_connection = True  # the body was never read: the connection cannot be reused
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -528,11 +366,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise ClientGone() from None
 
     def _send_error(self, e: HTTPError) -> None:
-        if getattr(self, "_anthropic", False):
-            status = anthropic.error_status(e.status)
-            self._send_json(status, anthropic.error_body(status, e.body["error"]["message"]), e.headers)
-            return
-        self._send_json(e.status, e.body, e.headers)
+        status, body = self._dialect.error(e.status, e.body)
+        self._send_json(status, body, e.headers)
 
     def _client_gone(self) -> bool:
         """True when the client closed its end: the socket reads as end-of-file. Data waiting to be read

@@ -1,5 +1,5 @@
 """What every handler thread of the server shares (ServerState): the models, their workers, the limits, the
-counters of requests in flight, and the health report."""
+Responses API's store, the counters of requests in flight, and the health report."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from engine.api.responses import ResponseStore
 from engine.errors import RequestError
 from engine.server.config import ServedModel, ServerConfig, body_cap
 from engine.server.workers import ModelWorker
@@ -26,6 +27,7 @@ class ServerState:
         self.started = time.time()
         self.closing = False
         self.workers = {m.name: ModelWorker(m, config.max_queue, threads=config.threads, log=log) for m in models}
+        self.response_store = ResponseStore()  # the Responses API's stored answers (store, previous_response_id)
         self._active = 0
         self._lock = threading.Lock()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import FetchError, ModelNotFound
+from engine.files import fsync_dir, locked
 from engine.store.paths import locks_dir, models_dir, staging_dir
 
 __all__ = ["BUILTINS", "DEFAULT_MODEL", "BuiltinModel", "WheelMember", "builtin_names", "cached_path",
@@ -160,28 +161,13 @@ def _as_model(model: BuiltinModel | str) -> BuiltinModel:
 
 @contextlib.contextmanager
 def _model_lock(model: BuiltinModel, progress: Progress | None) -> Iterator[None]:
-    """An exclusive fcntl lock per model: a second process waits, then finds the file published."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no cross-process lock, the atomic publish still keeps the cache sane
+    """An exclusive lock per model: a second process waits, then finds the file published."""
+    def waiting() -> None:
+        if progress:
+            progress(f"Waiting for another process fetching {model.name}", 0, None)
+
+    with locked(locks_dir() / f"{model.name}.lock", on_wait=waiting, error=FetchError):
         yield
-        return
-    try:
-        locks_dir().mkdir(parents=True, exist_ok=True)
-        handle = open(locks_dir() / f"{model.name}.lock", "a+b")
-    except OSError as exc:
-        raise FetchError(f"cannot create a lock file under {locks_dir()}: {exc}") from None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress:
-                progress(f"Waiting for another process fetching {model.name}", 0, None)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _remove_stale_staging(model: BuiltinModel) -> None:
@@ -239,12 +225,7 @@ def _publish(model: BuiltinModel, assembled: Path) -> Path:
     final = model_path(model)
     final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(assembled, final)  # atomic: readers see no file or the whole verified file
-    with contextlib.suppress(OSError):  # make the rename durable where the platform allows it
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(final.parent)  # make the rename durable
     return final
 
 

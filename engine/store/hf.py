@@ -14,17 +14,17 @@ pull must resume across runs. HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are read 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.errors import FetchError, ModelNotFound, UnsupportedModel
+from engine.files import fsync_dir, locked
 from engine.formats.gguf import SPLIT_NAME
 from engine.store.hfref import MANIFEST, HFRef, parse_hf_ref, quant_of, read_manifest
 
@@ -353,7 +353,7 @@ def pull(ref: HFRef | str, *, progress: Progress | None = None, plan: Plan | Non
     ref = parse_hf_ref(ref) if isinstance(ref, str) else ref
     plan = plan or plan_pull(ref, progress=progress)
     ref = plan.ref
-    with _lock(ref):
+    with locked(ref.lock_path, error=FetchError):  # one pull of a reference at a time
         done = cached_entry(ref)
         if done is not None:
             return done
@@ -467,12 +467,7 @@ def _publish(plan: Plan, staging: Path) -> Path:
         os.replace(staging, final)  # one atomic rename: readers see nothing or the whole verified set
     except OSError as exc:
         raise FetchError(f"publishing {ref.name} failed: {exc}") from None
-    with contextlib.suppress(OSError):
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(final.parent)  # make the rename durable
     return final / plan.entry if plan.entry else final
 
 
@@ -482,26 +477,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _lock(ref: HFRef) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    try:
-        ref.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(ref.lock_path, "a+b")
-    except OSError as exc:
-        raise FetchError(f"cannot create a lock file {ref.lock_path}: {exc}") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class _Transient(Exception):

@@ -1,0 +1,78 @@
+"""File-system helpers shared by the model store and the batch runner: exclusive locks and directory fsync.
+
+Why they exist: two processes must not write one model (a fetch or a pull) or one batch output at once,
+so each takes an exclusive fcntl lock first; and a rename or a newly created file is durable only once its
+directory is fsynced, so each publish fsyncs the directory it renamed into.
+
+Both degrade quietly where the platform lacks them (Windows: no fcntl, no fsync of a directory): the
+atomic renames still keep the cache sane, and the files' own data is still fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process locks
+    fcntl = None
+
+__all__ = ["fsync_dir", "lock_exclusive", "locked"]
+
+
+def lock_exclusive(file: int | IO, *, blocking: bool = True) -> bool:
+    """Take an exclusive fcntl lock on an open file (a descriptor or a file object); closing it releases it.
+
+    Blocking (the default), wait for another process holding it; with blocking=False, return False at
+    once instead. True when the lock is held, and always where fcntl is missing (no lock is taken)."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def locked(path: Path, *, on_wait: Callable[[], None] | None = None,
+           error: type[Exception] = OSError) -> Iterator[None]:
+    """Hold an exclusive lock on the lock file `path` for the `with` block.
+
+    The file (and its directory) is created when missing and left in place. When another process holds
+    the lock, `on_wait()` is called once, then the lock is waited for. A lock file that cannot be created
+    raises `error("cannot create a lock file PATH: why")`. Where fcntl is missing, nothing is locked or
+    created."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+b")
+    except OSError as exc:
+        raise error(f"cannot create a lock file {path}: {exc}") from None
+    with handle:
+        if not lock_exclusive(handle, blocking=False):
+            if on_wait is not None:
+                on_wait()
+            lock_exclusive(handle)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory, so that a rename into it (or a file created in it) survives a power cut.
+
+    Failures are ignored: not every platform can open or fsync a directory (Windows)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

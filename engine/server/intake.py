@@ -1,0 +1,110 @@
+"""Taking a request in: the API key, the body's declared or chunked length against the server's limit, and the
+errors that refuse a request before any answer byte is sent (HTTPError) or that end it when the client has gone
+(ClientGone)."""
+
+from __future__ import annotations
+
+import hmac
+
+from engine.api.openai_objects import error_object
+
+
+class HTTPError(Exception):
+    """An answer other than 200, decided before any response byte was sent."""
+
+    def __init__(self, status: int, body: dict, headers: dict | None = None):
+        super().__init__(body["error"]["message"])
+        self.status, self.body, self.headers = status, body, headers or {}
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-request or mid-answer."""
+
+
+def check_auth(headers, key: str | None) -> None:
+    """Refuse (401) a request without the server's API key, when it has one."""
+    if key is None:
+        return
+    given = []
+    auth = headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        given.append(auth[7:].strip())
+    if headers.get("x-api-key") is not None:
+        given.append(headers["x-api-key"].strip())
+    want = key.encode()
+    # compare_digest: the time taken does not depend on how much of the key a guess got right
+    if not any([hmac.compare_digest(g.encode("utf-8", "replace"), want) for g in given]):
+        what = "invalid API key" if given else "missing API key"
+        raise HTTPError(401, error_object(f"{what}: send Authorization: Bearer KEY or x-api-key: KEY",
+                                          "invalid_request_error", None, "invalid_api_key"),
+                        {"WWW-Authenticate": 'Bearer realm="goinfer"'})
+
+
+def has_body(headers) -> bool:
+    return "chunked" in headers.get("Transfer-Encoding", "").lower() or \
+        headers.get("Content-Length", "0").strip() not in ("", "0")
+
+
+def _too_large(size: str, cap: int) -> HTTPError:
+    return HTTPError(413, error_object(f"the request body ({size}) is over the limit of {cap} bytes "
+                                       "(--max-body-bytes)", "invalid_request_error", None,
+                                       "request_too_large"))
+
+
+def declared_length(headers, cap: int) -> int | None:
+    """The Content-Length, refused (413) over cap before a byte of the body is read; None if not given."""
+    value = headers.get("Content-Length")
+    if value is None:
+        return None
+    try:
+        n = int(value)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise HTTPError(400, error_object(f"invalid Content-Length {value!r}", "invalid_request_error", None,
+                                          "invalid_request")) from None
+    if n > cap:
+        raise _too_large(f"{n} bytes", cap)  # decided before a byte of it is read
+    return n
+
+
+def read_body(headers, rfile, cap: int) -> bytes:
+    """The whole body (identity or chunked), refused (413) as soon as it passes cap."""
+    te = headers.get("Transfer-Encoding", "").lower()
+    if te and te != "identity":
+        if te.split(",")[-1].strip() != "chunked":
+            raise HTTPError(501, error_object(f"Transfer-Encoding {te!r} is not supported (chunked is)",
+                                              "invalid_request_error", None, "invalid_request"))
+        return _read_chunked(rfile, cap)
+    n = declared_length(headers, cap)
+    data = rfile.read(n) if n else b""
+    if n and len(data) < n:
+        raise ClientGone()
+    return data
+
+
+def _read_chunked(rfile, cap: int) -> bytes:
+    """A chunked body, counted as it arrives and refused (413) as soon as it passes the limit."""
+    parts, total = [], 0
+    while True:
+        line = rfile.readline(1024)
+        if not line:
+            raise ClientGone()
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise HTTPError(400, error_object("malformed chunked request body", "invalid_request_error", None,
+                                              "invalid_request")) from None
+        if size == 0:
+            while rfile.readline(65537) not in (b"\r\n", b"\n", b""):
+                pass  # trailer fields, ignored
+            break
+        total += size
+        if total > cap:
+            raise _too_large(f"over {cap} bytes, chunked", cap)
+        data = rfile.read(size)
+        if len(data) < size:
+            raise ClientGone()
+        parts.append(data)
+        rfile.readline(3)  # the CRLF after the chunk
+    return b"".join(parts)
