@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_info", "fit_report", "gpu_backends", "hardware_report", "memory_info"]
+__all__ = ["cpu_info", "fit_report", "gpu_backends", "hardware_report", "memory_info", "supported_models"]
 
 # /proc/cpuinfo flag -> the name people search for. x86 first, then Arm "Features".
 ISA_FLAGS = {
@@ -160,7 +160,7 @@ def gpu_backends() -> dict[str, dict[str, Any]]:
 def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[str, Any]:
     """Memory a model needs (weights + f32 KV cache at `context` + working buffers) against what is free."""
     from engine.formats.gguf import open_gguf
-    from engine.models.config import config_from_gguf
+    from engine.models.registry import config_from_gguf
     from engine.store import resolve_model_ref
 
     path = resolve_model_ref(ref, progress=progress)
@@ -183,6 +183,15 @@ def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[s
             "architecture": config.arch, "context": ctx, "weights_bytes": weights, "kv_cache_bytes": kv,
             "working_bytes_estimate": work, "total_bytes": need, "available_bytes": free,
             "fits": None if free is None else need <= free}
+
+
+def supported_models() -> dict[str, Any]:
+    """What loads: the file formats and the architectures (from the family registry)."""
+    from engine.models.registry import FAMILIES
+
+    return {"formats": ["gguf"], "architectures": [{"architecture": arch, "family": f.name,
+                                                    "paths": ["fast", "exact"], "decode_step": f.step_flags is not None}
+                                                   for arch, f in FAMILIES.items()]}
 
 
 def hardware_report(*, selftest: bool = True, fit: str | None = None, context: int | None = None,
@@ -208,6 +217,7 @@ def hardware_report(*, selftest: bool = True, fit: str | None = None, context: i
         "memory": memory_info(),
         "gpu": gpu_backends(),
         "selftest": st.report(),
+        "models": supported_models(),
     }
     if fit is not None:
         report["fit"] = fit_report(fit, context, progress=progress)

@@ -14,8 +14,7 @@ from engine.formats.gguf import open_gguf
 from engine.kernels.registry import load_backend
 from engine.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
-from engine.models.config import config_from_gguf
-from engine.models.registry import family
+from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
 from engine.templates import template_for
 from engine.tokenizer import Tokenizer
@@ -47,7 +46,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     fam = family(config.arch)
     weights = Weights(gguf)
     weights.require(["token_embd", "output_norm"]
-                    + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.LAYER_TENSORS])
+                    + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors])
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     release_free_memory()  # building a 262k-token vocabulary leaves ~80 MB of freed heap behind
     template = template_for(config.arch, meta.get("tokenizer.chat_template"),
@@ -57,14 +56,14 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     backend = load_backend("cpu", QUANT_MODES[quant], selftest=not skip)
     # The compiled decode step runs every matrix type's fast kernel: none while the self-test suspects one.
     suspect = backend.stepped_down & _matrix_types(weights, config, fam)
-    backend.prepare(config, weights, None if suspect else getattr(fam, "STEP_FLAGS", None))
+    backend.prepare(config, weights, None if suspect or fam.step_flags is None else fam.step_flags(config))
     return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=backend,
                  tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
 
 
 def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:
     names = ["token_embd"] + (["output"] if weights.has("output") else [])
-    names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.LAYER_TENSORS]
+    names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors]
     return frozenset(int(weights.tensor(n).ggml_type) for n in names)
 
 

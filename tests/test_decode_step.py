@@ -15,7 +15,7 @@ import engine
 from engine.kernels.cpu import attention, ir
 from engine.kernels.cpu import decode_step
 from engine.models.base import log_softmax
-from engine.models.registry import family
+from engine.models import dense
 from testdata import make_fixtures as mf
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
@@ -129,8 +129,8 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     model.prefill(PROMPT, cache)
     cache.reserve(1)
     pos = np.array([cache.length])
-    args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.out_norm,
-            st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos, (cache.k,), (cache.v,))
+    args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.qkv_bias,
+            st.out_norm, st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos, (cache.k,), (cache.v,))
     runs = [decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers)
             for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
     for got in runs[1:]:
@@ -145,7 +145,7 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     t not in ir.available_tiers(), reason=f"this CPU cannot run the {t} kernels")) for t in ir.TIERS])
 def test_every_tier_gives_the_same_step(fixtures, tier):
     model = engine.load_model(fixtures["llama"], selftest=False)
-    forced = decode_step.build(model.config, model.weights, family(model.config.arch).STEP_FLAGS,
+    forced = decode_step.build(model.config, model.weights, dense.step_flags(model.config),
                               model.backend.packed_buffer, tier=tier)
     a, b = model.new_cache(64), model.new_cache(64)
     model.prefill(PROMPT, a)

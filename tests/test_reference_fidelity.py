@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import engine
-import engine.models.base
 from tests.conftest import REFERENCE
+from tests.fidelity import (CASE_MEAN_DIFF, EXACT_MAX_DIFF, EXACT_TIE_MARGIN, GREEDY_MARGIN, MODEL_MEAN_KL,
+                            POSITION_MAX_DIFF, decoded_rows, vs_llama_cpp)
 
 MODELS = {
     "smollm2": ("smollm2_gguf", REFERENCE / "SmolLM2-135M-Instruct.Q4_1.json"),
@@ -21,14 +22,6 @@ MODELS = {
 }
 CASES = {name: json.loads(path.read_text())["cases"] for name, (_, path) in MODELS.items()}
 PARAMS = [(m, c["name"]) for m, cases in CASES.items() for c in cases]
-
-EXACT_MAX_DIFF = 1e-3  # (i) exact path vs exact_top, every position
-EXACT_TIE_MARGIN = 1e-3
-CASE_MEAN_DIFF = 0.4  # (ii) default path vs llama.cpp, per case
-POSITION_MAX_DIFF = 2.5
-TOP1_MARGIN = 1.0
-MODEL_MEAN_KL = 0.01
-GREEDY_MARGIN = 0.3
 
 _models: dict[tuple[str, str], engine.Model] = {}
 _scores: dict[tuple[str, str, str], np.ndarray] = {}
@@ -59,10 +52,7 @@ def _teacher_forced_decode(model: engine.Model, name: str, case: dict) -> np.nda
     default path, as generation runs it."""
     key = (name, model.backend.path + "-decode", case["name"])
     if key not in _scores:
-        cache = model.new_cache(len(case["tokens"]) + len(case["greedy_ids"]))
-        rows = [model.prefill(case["tokens"], cache)[-1]]
-        rows += [model.decode([t], [cache])[0] for t in case["greedy_ids"][:-1]]
-        _scores[key] = engine.models.base.log_softmax(np.stack(rows))
+        _scores[key] = decoded_rows(model, case)
     return _scores[key]
 
 
@@ -87,27 +77,11 @@ def test_exact_path_matches_f32_oracle(request, name, case_name):
             assert int(np.argmax(lp[j])) == ids[0], f"position {j}: top-1 differs from the oracle (margin {margin:.4f})"
 
 
-def _vs_llama_cpp(lp: np.ndarray, case: dict) -> tuple[float, float, list[int], list[float]]:
-    diffs, top1_misses, kls = [], [], []
-    for j, pos in enumerate(case["positions"]):
-        ids = np.array([i for i, _ in pos["top"]])
-        ref = np.array([v for _, v in pos["top"]], dtype=np.float64)
-        ours = lp[j, ids].astype(np.float64)
-        diffs.append(np.abs(ours - ref))
-        if pos["margin"] >= TOP1_MARGIN and int(np.argmax(lp[j])) != ids[0]:
-            top1_misses.append(j)
-        p = np.exp(ref - np.logaddexp.reduce(ref))
-        q = np.exp(ours - np.logaddexp.reduce(ours))
-        kls.append(float(np.sum(p * (np.log(p) - np.log(q)))))
-    d = np.stack(diffs)
-    return float(d.mean()), float(d.max()), top1_misses, kls
-
-
 @pytest.mark.parametrize("name,case_name", PARAMS)
 def test_default_path_within_llama_cpp_noise(request, name, case_name):
     case = _case(name, case_name)
     lp = _teacher_forced(_model(request, name, "auto"), name, case)
-    mean, worst, misses, _ = _vs_llama_cpp(lp, case)
+    mean, worst, misses, _ = vs_llama_cpp(lp, case)
     assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
     assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"
     assert not misses, f"top-1 differs from llama.cpp at confident positions {misses}"
@@ -118,7 +92,7 @@ def test_decode_step_within_llama_cpp_noise(request, name, case_name):
     case = _case(name, case_name)
     model = _model(request, name, "auto")
     assert model.backend.step is not None  # the fast path is what runs here
-    mean, worst, misses, _ = _vs_llama_cpp(_teacher_forced_decode(model, name, case), case)
+    mean, worst, misses, _ = vs_llama_cpp(_teacher_forced_decode(model, name, case), case)
     assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
     assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"
     assert not misses, f"top-1 differs from llama.cpp at confident positions {misses}"
@@ -131,7 +105,7 @@ def test_default_path_mean_kl_per_model(request, name, how):
     scores = _teacher_forced if how == "prompt" else _teacher_forced_decode
     kls = []
     for case in CASES[name]:
-        kls += _vs_llama_cpp(scores(model, name, case), case)[3]
+        kls += vs_llama_cpp(scores(model, name, case), case)[3]
     assert np.mean(kls) <= MODEL_MEAN_KL, f"mean KL(llama.cpp || ours) {np.mean(kls):.4f} > {MODEL_MEAN_KL}"
 
 

@@ -13,11 +13,10 @@ import numpy as np
 from engine import memory
 from engine.kernels.backend import Backend, KVCache
 from engine.models.config import ModelConfig
+from engine.models.family import ForwardFn
 from engine.models.weights import Weights
 
 PREFILL_CHUNK = 512  # tokens per forward call: bounds attention scores and activations
-
-ForwardFn = Callable[[ModelConfig, Weights, Backend, np.ndarray, KVCache], np.ndarray]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

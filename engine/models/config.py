@@ -1,8 +1,9 @@
-"""Model configuration read from GGUF metadata, with the facts llama.cpp hard-codes per architecture.
+"""ModelConfig: what a model's forward pass needs to know, read from GGUF metadata.
 
-Variations between families (norm placement, QK-norm, sliding windows, RoPE style and scaling) are
-fields here, read from the file where it states them and defaulted per architecture where it does not
-(see ../shared/MODELS.md: "facts the GGUF files do not state").
+Variations between families (norm placement, QK-norm, q/k/v biases, sliding windows, RoPE style and scaling,
+the activation) are fields here, read from the file where it states them and defaulted per family where it
+does not (../shared/MODELS.md: "facts the GGUF files do not state"). Each family's file reads its own
+(`read_config`) from the fields every family shares (`common_fields`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ModelLoadError, UnsupportedModel
-
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,15 @@ class ModelConfig:
     attn_scale: float = 1.0
     embed_scale: float = 1.0
     final_logit_softcap: float = 0.0
+    # Block shape: per-head RMSNorm on q and k before RoPE; biases on q, k, v; a norm after attention and after
+    # the MLP (Gemma); the gate's activation ("silu" or "gelu_tanh").
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    post_norms: bool = False
+    act: str = "silu"
 
 
-def _get(meta: dict[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:
+def get(meta: dict[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:
     if key in meta:
         return meta[key]
     if required:
@@ -55,62 +60,38 @@ def _get(meta: dict[str, Any], key: str, default: Any = None, *, required: bool 
     return default
 
 
-def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
+def common_fields(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The fields every family reads the same way (`{arch}.` keys), as ModelConfig keyword arguments; a family
+    adds its own (rms_eps, rope_style, windows, ...)."""
     arch = str(meta.get("general.architecture", ""))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModel(
-            f"architecture {arch or '(none)'!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
     p = arch + "."
-    n_embd = int(_get(meta, p + "embedding_length", required=True))
-    n_layer = int(_get(meta, p + "block_count", required=True))
-    n_head = int(_get(meta, p + "attention.head_count", required=True))
-    n_head_kv = int(_get(meta, p + "attention.head_count_kv", n_head))
-    head_dim = int(_get(meta, p + "attention.key_length", n_embd // n_head))
-    rope_base = float(_get(meta, p + "rope.freq_base", 10000.0))
-    scaling_kind = str(_get(meta, p + "rope.scaling.type", "none"))
+    n_embd = int(get(meta, p + "embedding_length", required=True))
+    n_layer = int(get(meta, p + "block_count", required=True))
+    n_head = int(get(meta, p + "attention.head_count", required=True))
+    head_dim = int(get(meta, p + "attention.key_length", n_embd // n_head))
+    rope_base = float(get(meta, p + "rope.freq_base", 10000.0))
+    scaling_kind = str(get(meta, p + "rope.scaling.type", "none"))
     if scaling_kind not in ("none", "linear"):
         raise UnsupportedModel(f"RoPE scaling type {scaling_kind!r} is not supported yet (supported: none, linear)")
     scaling = RopeScaling(
         kind=scaling_kind,
-        factor=float(_get(meta, p + "rope.scaling.factor", 1.0) or 1.0),
-        original_context=int(_get(meta, p + "rope.scaling.original_context_length", 0)),
+        factor=float(get(meta, p + "rope.scaling.factor", 1.0) or 1.0),
+        original_context=int(get(meta, p + "rope.scaling.original_context_length", 0)),
     )
-    common = dict(
+    return dict(
         arch=arch,
         n_layer=n_layer,
         n_embd=n_embd,
-        n_ff=int(_get(meta, p + "feed_forward_length", required=True)),
+        n_ff=int(get(meta, p + "feed_forward_length", required=True)),
         n_head=n_head,
-        n_head_kv=n_head_kv,
+        n_head_kv=int(get(meta, p + "attention.head_count_kv", n_head)),
         head_dim=head_dim,
-        context_length=int(_get(meta, p + "context_length", 2048)),
+        context_length=int(get(meta, p + "context_length", 2048)),
         vocab_size=vocab_size,
         rope_base=rope_base,
-        rope_dim=int(_get(meta, p + "rope.dimension_count", head_dim)),
+        rope_dim=int(get(meta, p + "rope.dimension_count", head_dim)),
         rope_scaling=scaling,
-    )
-    if arch == "llama":
-        return ModelConfig(
-            **common,
-            rms_eps=float(_get(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            # llama.cpp's converter permutes Q/K rows for adjacent-pair ("normal") RoPE.
-            rope_style="interleaved",
-            layer_window=(0,) * n_layer,
-            layer_rope_base=(rope_base,) * n_layer,
-            attn_scale=1.0 / math.sqrt(head_dim),
-        )
-    # gemma3: every 6th layer is global (full attention, the file's rope base); the others use a
-    # sliding window and RoPE base 10000 (llama.cpp hard-codes both; MODELS.md).
-    window = int(_get(meta, p + "attention.sliding_window", 512))
-    is_global = [(i + 1) % 6 == 0 for i in range(n_layer)]
-    return ModelConfig(
-        **common,
-        rms_eps=float(_get(meta, p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_style="neox",
-        layer_window=tuple(0 if g else window for g in is_global),
-        layer_rope_base=tuple(rope_base if g else 10000.0 for g in is_global),
-        attn_scale=1.0 / math.sqrt(head_dim),  # query_pre_attn_scalar = head_dim
-        embed_scale=math.sqrt(n_embd),
-        final_logit_softcap=float(_get(meta, p + "final_logit_softcapping", 0.0) or 0.0),
+        layer_window=(0,) * n_layer,
+        layer_rope_base=(rope_base,) * n_layer,
+        attn_scale=1.0 / math.sqrt(head_dim),
     )

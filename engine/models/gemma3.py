@@ -1,48 +1,33 @@
-"""The `gemma3` family forward pass.
-
-Four norms per block (pre/post attention, pre/post FFN), per-head RMSNorm on q and k, GELU (tanh)
-gated MLP, embeddings scaled by sqrt(n_embd), NeoX RoPE, and interleaved sliding-window layers:
-local layers attend to the last `window` positions with RoPE base 10000, every 6th layer is global.
-The GGUF's norm weights already include Gemma's +1.
+"""The `gemma3` family (Gemma 3 text): four norms per block (pre/post attention, pre/post MLP), per-head RMSNorm
+on q and k, a GELU (tanh) gate, embeddings scaled by sqrt(n_embd), NeoX RoPE, and interleaved sliding-window
+layers: every 6th layer is global (the file's RoPE base), the others attend to the last `window` positions with
+RoPE base 10000 (llama.cpp hard-codes both; ../shared/MODELS.md). The GGUF's norm weights already hold Gemma's +1.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import math
+from typing import Any
 
-from engine.kernels.backend import Backend, KVCache
-from engine.models.config import ModelConfig
-from engine.models.weights import Weights
-
-LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+from engine.models import dense
+from engine.models.config import ModelConfig, common_fields, get
+from engine.models.family import Family
 
 
-def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: KVCache) -> np.ndarray:
-    """Run ids (T,) at positions cache.length.. ; append their K/V; return final-normed hidden (T, n_embd)."""
-    T, pos0 = len(ids), cache.length
-    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    eps = cfg.rms_eps
-    x = be.embed(w.tensor("token_embd"), ids) * np.float32(cfg.embed_scale)  # (T, n_embd)
-    positions = np.arange(pos0, pos0 + T)
-    tables = {base: be.rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor)
-              for base in set(cfg.layer_rope_base)}
-    for i in range(cfg.n_layer):
-        blk = f"blk.{i}."
-        cos, sin = tables[cfg.layer_rope_base[i]]
-        h = be.rms_norm(x, w.vector(blk + "attn_norm"), eps)
-        q, k, v = be.matmul_many(h, [w.tensor(blk + "attn_q"), w.tensor(blk + "attn_k"), w.tensor(blk + "attn_v")])
-        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-        q = be.rope(be.rms_norm(q, w.vector(blk + "attn_q_norm"), eps), cos, sin, cfg.rope_style)
-        k = be.rope(be.rms_norm(k, w.vector(blk + "attn_k_norm"), eps), cos, sin, cfg.rope_style)
-        keys, values = cache.write(i, k, v)
-        a = be.attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i]).reshape(T, H * D)
-        x = x + be.rms_norm(be.matmul(a, w.tensor(blk + "attn_output")), w.vector(blk + "post_attention_norm"), eps)
-        h = be.rms_norm(x, w.vector(blk + "ffn_norm"), eps)
-        g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), "gelu_tanh")
-        x = x + be.rms_norm(be.matmul(g, w.tensor(blk + "ffn_down")), w.vector(blk + "post_ffw_norm"), eps)
-    cache.advance(T)
-    return be.rms_norm(x, w.vector("output_norm"), eps)
+def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
+    f = common_fields(meta, vocab_size)
+    window = int(get(meta, "gemma3.attention.sliding_window", 512))
+    is_global = [(i + 1) % 6 == 0 for i in range(f["n_layer"])]
+    f.update(layer_window=tuple(0 if g else window for g in is_global),
+             layer_rope_base=tuple(f["rope_base"] if g else 10000.0 for g in is_global))
+    return ModelConfig(**f, rms_eps=float(get(meta, "gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+                       rope_style="neox", embed_scale=math.sqrt(f["n_embd"]),  # attn_scale: 1/sqrt(head_dim)
+                       final_logit_softcap=float(get(meta, "gemma3.final_logit_softcapping", 0.0) or 0.0),
+                       qk_norm=True, post_norms=True, act="gelu_tanh")
 
-# What a backend's compiled decode step needs to know about this family (Backend.prepare).
-STEP_FLAGS = {"qk_norm": True, "post_norms": True, "act": "gelu_tanh"}
+
+FAMILY = Family(name="gemma3", gguf_archs=("gemma3",), hf_model_types=("gemma3", "gemma3_text"),
+                read_config=read_config,
+                layer_tensors=dense.BLOCK_TENSORS + ("attn_q_norm", "attn_k_norm", "post_attention_norm",
+                                                     "post_ffw_norm"),
+                forward=dense.forward, step_flags=dense.step_flags)

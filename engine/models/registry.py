@@ -1,11 +1,30 @@
-"""Architecture name -> family module (forward pass + the tensors each block needs)."""
+"""The supported families: one record each (`Family`, declared in the family's own file; adding a family is its
+file and one entry in _ALL), and what is derived from them: architecture -> family, the supported-architecture list, Hugging Face model_type -> architecture,
+and the configuration of a GGUF's metadata."""
 
-from types import ModuleType
+from __future__ import annotations
 
-from engine.models import gemma3, llama
+from typing import Any
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3}
+from engine.errors import UnsupportedModel
+from engine.models import gemma3, llama, qwen2, qwen3
+from engine.models.config import ModelConfig
+from engine.models.family import Family
+
+_ALL = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)
+FAMILIES: dict[str, Family] = {arch: f for f in _ALL for arch in f.gguf_archs}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+HF_MODEL_TYPES = {t: f.gguf_archs[0] for f in _ALL for t in f.hf_model_types}
 
 
-def family(arch: str) -> ModuleType:
-    return FAMILIES[arch]
+def family(arch: str) -> Family:
+    try:
+        return FAMILIES[arch]
+    except KeyError:
+        raise UnsupportedModel(f"architecture {arch or '(none)'!r} is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})") from None
+
+
+def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
+    """The configuration of a GGUF's metadata, read by its family (UnsupportedModel for any other)."""
+    return family(str(meta.get("general.architecture", ""))).read_config(meta, vocab_size)

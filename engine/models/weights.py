@@ -29,10 +29,18 @@ class Weights:
         return t
 
     def vector(self, name: str) -> np.ndarray:
-        # Norm weights are tiny and read every layer: dequantize once, keep as f32.
-        v = self._vectors.get(name)
+        """A norm's weights (`blk.0.attn_norm`), f32."""
+        return self._small(name + ".weight")
+
+    def bias(self, name: str) -> np.ndarray:
+        """The bias vector of a matrix (`blk.0.attn_q` -> `blk.0.attn_q.bias`), f32."""
+        return self._small(name + ".bias")
+
+    def _small(self, full_name: str) -> np.ndarray:
+        # Norm weights and biases are tiny and read every layer: dequantize once, keep as f32.
+        v = self._vectors.get(full_name)
         if v is None:
-            v = self._vectors[name] = self._file.vector(name + ".weight")
+            v = self._vectors[full_name] = self._file.vector(full_name)
         return v
 
     def buffer(self) -> np.ndarray | None:

@@ -35,8 +35,6 @@ Progress = Callable[[str, int, "int | None"], None]
 CHUNK = 1 << 20
 RETRY_DELAYS = (0.5, 2.0)  # in-run retries of a dropped download (each resumes with Range)
 HEADER_PROBE = 1 << 16  # first read of a GGUF header; doubled until general.architecture is in it
-# Hugging Face config.json model_type -> our architecture name.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "gemma3": "gemma3", "gemma3_text": "gemma3"}
 _SAFETENSORS_EXTRA = ("tokenizer.model", "merges.txt", "vocab.txt", "vocab.json")
 
 
@@ -333,6 +331,8 @@ def _remote_config_architecture(ref: HFRef, plan: Plan, endpoint: str, token: st
             config = r.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise FetchError(f"{ref.repo}/config.json: {exc}") from None
+    from engine.models.registry import HF_MODEL_TYPES
+
     model_type = str(config.get("model_type", ""))
     return HF_MODEL_TYPES.get(model_type, model_type)
 

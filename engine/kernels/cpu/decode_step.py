@@ -5,7 +5,8 @@ decode step — norms, the int8 matvecs over the GGUF blocks in place, RoPE, the
 activations, residuals, the final norm and the output head — is one compiled function. Every weight is read
 once per step whatever M is (the matvec reuses each row from L1 for the M activation vectors), which is what
 lets concurrent generations decode together. Both supported families run through it, told apart by the flags
-their modules declare (STEP_FLAGS: per-head q/k norms, post norms, GELU or SiLU; RoPE style from the config).
+their step flags tell (models/dense.step_flags: q/k/v biases, per-head q/k norms, post norms, GELU or SiLU; RoPE
+style from the config).
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
 row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
@@ -23,13 +24,11 @@ model has no such buffer and decodes layer by layer instead (build() returns Non
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import atomics, attention, dequant, int8, ir, packed, quantize, rowops
+from engine.kernels.cpu import atomics, attention, dequant, int8, ir, ops, packed, quantize, rowops
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.threads import get_threads
 
@@ -37,7 +36,7 @@ from engine.kernels.cpu.threads import get_threads
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
 # iparams slots
-_H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX = range(8)
+_H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS = range(9)
 _LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
 _K_CODES = tuple(int(t) for t in int8.K_TYPES)
 _NO_PACKED = np.empty(0, np.uint8)
@@ -130,22 +129,6 @@ def _matvec_phase(ctr, phase, buf, pbuf, mats, qb, x, out, n_chunks, tier):
 
 
 @njit(cache=True)
-def _rope_tables(inv_freq, pos, rope_scale):
-    """cos, sin (n_layer, M, rope_dim/2) f32 for each layer's frequencies at each sequence's position (angles in
-    f64, as ops.rope_tables): once per step, not per head."""
-    L, half = inv_freq.shape
-    M = pos.shape[0]
-    cos, sin = np.empty((L, M, half), np.float32), np.empty((L, M, half), np.float32)
-    for layer in range(L):
-        for m in range(M):
-            p = np.float64(pos[m]) / rope_scale
-            for i in range(half):
-                ang = p * inv_freq[layer, i]
-                cos[layer, m, i], sin[layer, m, i] = math.cos(ang), math.sin(ang)
-    return cos, sin
-
-
-@njit(cache=True)
 def _add_normed(x, y, w, eps, post):
     """x += y, or x += rms_norm(y) * w with post norms (Gemma); row by row."""
     M, E = x.shape
@@ -167,10 +150,14 @@ def _norm_rows_into(x, w, eps, out):
 
 
 @njit(cache=True)
-def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, cos, sin, H, Hkv, D, qk_norm, neox, eps):
-    """Per-head q/k norms (Gemma), RoPE on queries and keys, then the keys and values into each cache at pos."""
+def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, qkv_bias, cos, sin, H, Hkv, D, qk_norm, bias, neox, eps):
+    """The q/k/v biases (Qwen2), per-head q/k norms (Gemma, Qwen3), RoPE on queries and keys, then the keys and
+    values into each cache at pos."""
     for m in range(qkv.shape[0]):
         row = qkv[m]
+        if bias:
+            for j in range(row.shape[0]):
+                row[j] += qkv_bias[layer, j]
         for hd in range(H + Hkv):  # queries then keys: per-head norm, then RoPE
             o = hd * D
             if qk_norm:
@@ -209,9 +196,9 @@ PHASES_PER_LAYER = 10  # serial and parallel phases per layer in _worker (the co
 
 
 @njit(cache=True)
-def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams, pos, kcs,
-            vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks, n_split,
-            tier, n_workers):
+def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
+            pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
+            n_split, tier, n_workers):
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
@@ -223,7 +210,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
     n_act = _act_tasks(F, n_workers)
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
-    gelu, neox = iparams[_GELU] != 0, iparams[_NEOX] != 0
+    gelu, neox, bias = iparams[_GELU] != 0, iparams[_NEOX] != 0, iparams[_QKV_BIAS] != 0
     eps, scale = fparams[0], np.float32(fparams[1])
     n_layer = mats.shape[0]
     n_tasks = M * Hkv * n_split
@@ -244,7 +231,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, win
             break
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
         if atomics.claim(ctr, p) == 0:
-            _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, cos, sin, H, Hkv, D, qk_norm, neox, eps)
+            _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, qkv_bias, cos, sin, H, Hkv, D, qk_norm, bias, neox, eps)
             part_sum[:] = 0.0  # a key range left empty keeps 0: the merge skips it
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
@@ -316,19 +303,14 @@ def _embed(table, pbuf, entry, ids, scale, x):
 
 
 @njit(parallel=True, cache=True)
-def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, out_norm, inv_freq, windows, fparams,
-                iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers):
+def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, qkv_bias, out_norm, inv_freq,
+                windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers):
     """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
     cache arrays (keys (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D); capacity > pos),
     written at pos. Returns the head's logits (M, head rows).
     n_chunks: row ranges per matvec; n_split: key ranges per attention head (0: about two tasks per thread);
-    n_workers: threads of the parallel region.
-
-    Everything from the embedding lookup on is compiled, because between two steps the Python interpreter's
-    own data has left the caches (a step streams the weights through them) and every Python line costs ~10x
-    its warm time (the lookup and the split in Python: ~0.25 ms a token, 4% of SmolLM2's step). And it is one
-    function, not a chain of calls: numba optimizes each caller again with its callees' code linked in, so
-    every level cost ~5 s of the first run's compile."""
+    n_workers: threads of the parallel region. Everything from the embedding lookup on is compiled, in one
+    function, not a chain of calls (docs/design-log.md: the cold interpreter between steps; compile time)."""
     M = ids.shape[0]
     E = norms.shape[2]
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
@@ -340,7 +322,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
             longest = max(longest, pos[m] + 1)
         n_split = attention.n_split(M, Hkv, longest, n_workers)
     F = _rows(mats[0, 4:6]) // 2  # gate and up side by side
-    cos, sin = _rope_tables(inv_freq, pos, fparams[2])
+    cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2])
     h = np.empty((M, E), np.float32)
     qkv = np.empty((M, _rows(mats[0, 0:3])), np.float32)
     a = np.empty((M, H * D), np.float32)
@@ -355,7 +337,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     part_acc = np.empty((M, H, n_split, D), np.float32)
     ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 2)  # the last layer's serial phase, the head
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
-        _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, out_norm, cos, sin, windows, fparams, iparams, pos,
+        _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams, pos,
                 kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
                 n_split, tier, n_workers)
     return logits
@@ -384,16 +366,19 @@ class DecodeStep:
                     self.norms[i, j] = w.vector(f"blk.{i}.{n}")
             if flags["qk_norm"]:
                 self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
+        rows_qkv = sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])
+        self.qkv_bias = np.zeros((L, rows_qkv if flags.get("qkv_bias") else 1), np.float32)  # q|k|v biases
+        if flags.get("qkv_bias"):
+            for i in range(L):
+                self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
         self.out_norm = w.vector("output_norm")
         factors = w.optional_vector("rope_freqs")
-        self.inv_freq = np.empty((L, cfg.rope_dim // 2), np.float64)
-        for i in range(L):  # as ops.rope_tables
-            inv = 1.0 / (cfg.layer_rope_base[i] ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim))
-            self.inv_freq[i] = inv / factors.astype(np.float64) if factors is not None else inv
+        self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, base, factors) for base in cfg.layer_rope_base])
         self.windows = np.array(cfg.layer_window, np.int64)
         self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor], np.float64)
         self.iparams = np.array([cfg.n_head, cfg.n_head_kv, D, cfg.rope_dim, flags["qk_norm"], flags["post_norms"],
-                                 flags["act"] == "gelu_tanh", cfg.rope_style == "neox"], np.int64)
+                                 flags["act"] == "gelu_tanh", cfg.rope_style == "neox", bool(flags.get("qkv_bias"))],
+                                np.int64)
         self.table = w.tensor("token_embd").raw  # (rows, row bytes): the rows past its packed groups
         self.embd = np.array(self._entry(w, "token_embd"), np.int64)
         self.embed_scale = np.float32(cfg.embed_scale)
@@ -414,8 +399,8 @@ class DecodeStep:
         pos = np.array([c.length for c in caches], np.int64)
         threads = get_threads()
         logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
-                             self.norms, self.qk_norms, self.out_norm, self.inv_freq, self.windows, self.fparams,
-                             self.iparams, ids, pos, tuple(c.k for c in caches), tuple(c.v for c in caches),
+                             self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
+                             self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches), tuple(c.v for c in caches),
                              ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads)
         for c in caches:
             c.advance(1)
@@ -432,7 +417,7 @@ def _offset(a: np.ndarray, buf: np.ndarray, name: str) -> int:
 def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.ndarray | None,
           tier: str | None = None) -> DecodeStep | None:
     """The compiled step for this model (its packed copies in packed_buffer, from layout.pack), or None where it
-    cannot run: a split model (no single buffer), a family without STEP_FLAGS, or a head size that is not a
+    cannot run: a split model (no single buffer), a family without step flags, or a head size that is not a
     multiple of 16."""
     if not supported(cfg, w, flags):
         return None

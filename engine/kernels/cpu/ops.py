@@ -39,13 +39,16 @@ def act_mul(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
     return rowops.act_mul(gate, up, gelu)
 
 
+def inv_freq(rope_dim: int, base: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """The rotary frequencies (rope_dim/2,) f64, divided by freq_factors where given (llama3 scaling)."""
+    inv = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    return inv / freq_factors.astype(np.float64) if freq_factors is not None else inv
+
+
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
                 freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (T, rope_dim/2) for the given absolute positions; computed in f64, returned in f32."""
-    inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))  # (rope_dim/2,)
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.astype(np.float64)
-    angles = np.outer(positions.astype(np.float64) / scale, inv_freq)  # (T, rope_dim/2)
+    angles = np.outer(positions.astype(np.float64) / scale, inv_freq(rope_dim, base, freq_factors))  # (T, rope_dim/2)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

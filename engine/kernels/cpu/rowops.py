@@ -61,6 +61,22 @@ def rope_into(v, o, cos, sin, neox):
 
 
 @njit(cache=True)
+def rope_tables_at(inv_freq, pos, rope_scale):
+    """cos, sin (n_layer, M, rope_dim/2) f32 for each layer's frequencies at each sequence's position (angles in
+    f64, as ops.rope_tables): the decode step's, once per step, not per head."""
+    L, half = inv_freq.shape
+    M = pos.shape[0]
+    cos, sin = np.empty((L, M, half), np.float32), np.empty((L, M, half), np.float32)
+    for layer in range(L):
+        for m in range(M):
+            p = np.float64(pos[m]) / rope_scale
+            for i in range(half):
+                ang = p * inv_freq[layer, i]
+                cos[layer, m, i], sin[layer, m, i] = math.cos(ang), math.sin(ang)
+    return cos, sin
+
+
+@njit(cache=True)
 def rope_rows(x, cos, sin, neox):
     """x (T, heads, D) C-contiguous, in place: row t rotated by cos[t], sin[t] (T, rope_dim/2)."""
     T, nh, D = x.shape

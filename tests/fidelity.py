@@ -1,0 +1,58 @@
+"""What the fidelity tests share: the thresholds of ../shared/research/fidelity_noise.md (also the families kit's
+README) and the comparison of our log-probabilities with llama.cpp's top-20 rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import engine
+from engine.models.base import log_softmax
+
+EXACT_MAX_DIFF = 1e-3  # (i) exact path vs exact_top, every position
+EXACT_TIE_MARGIN = 1e-3
+CASE_MEAN_DIFF = 0.4  # (ii) default path vs llama.cpp, per case
+POSITION_MAX_DIFF = 2.5
+TOP1_MARGIN = 1.0
+MODEL_MEAN_KL = 0.01
+GREEDY_MARGIN = 0.3
+
+
+def vs_llama_cpp(lp: np.ndarray, case: dict) -> tuple[float, float, list[int], list[float]]:
+    diffs, top1_misses, kls = [], [], []
+    for j, pos in enumerate(case["positions"]):
+        ids = np.array([i for i, _ in pos["top"]])
+        ref = np.array([v for _, v in pos["top"]], dtype=np.float64)
+        ours = lp[j, ids].astype(np.float64)
+        diffs.append(np.abs(ours - ref))
+        if pos["margin"] >= TOP1_MARGIN and int(np.argmax(lp[j])) != ids[0]:
+            top1_misses.append(j)
+        p = np.exp(ref - np.logaddexp.reduce(ref))
+        q = np.exp(ours - np.logaddexp.reduce(ours))
+        kls.append(float(np.sum(p * (np.log(p) - np.log(q)))))
+    d = np.stack(diffs)
+    return float(d.mean()), float(d.max()), top1_misses, kls
+
+
+
+def exact_violations(lp: np.ndarray, case: dict) -> list[str]:
+    """Where the exact path leaves the f32 oracle (`exact_top`): |logprob diff| over its top-20 ids above
+    EXACT_MAX_DIFF, or another top-1 where the oracle's own top-1/top-2 gap is at least EXACT_TIE_MARGIN."""
+    bad = []
+    for j, pos in enumerate(case["positions"]):
+        ids = np.array([i for i, _ in pos["exact_top"]])
+        ref = np.array([v for _, v in pos["exact_top"]])
+        worst = np.abs(lp[j, ids] - ref).max()
+        if worst > EXACT_MAX_DIFF:
+            bad.append(f"position {j}: max |logprob diff| {worst:.2e} > {EXACT_MAX_DIFF}")
+        if ref[0] - ref[1] >= EXACT_TIE_MARGIN and int(np.argmax(lp[j])) != ids[0]:
+            bad.append(f"position {j}: top-1 differs from the oracle (margin {ref[0] - ref[1]:.4f})")
+    return bad
+
+
+def decoded_rows(model: engine.Model, case: dict) -> np.ndarray:
+    """The case's rows with the continuation fed one token at a time (the compiled decode step on the default
+    path, as generation runs it): log-softmax (len(positions), vocab)."""
+    cache = model.new_cache(len(case["tokens"]) + len(case["greedy_ids"]))
+    rows = [model.prefill(case["tokens"], cache)[-1]]
+    rows += [model.decode([t], [cache])[0] for t in case["greedy_ids"][:-1]]
+    return log_softmax(np.stack(rows))

@@ -1,0 +1,100 @@
+"""Each dense family against ../shared/families: tiny random-weight models of the family (GGUF files made by
+llama.cpp's converter), with llama.cpp's logits (`top`) and exact f32 logits on each file's own weights
+(`exact_top`). Tolerances from the kit's README (the same as ../shared/reference's): the exact path within 1e-3
+of the oracle; the default path, prompt and decode step, inside llama.cpp's noise band; tokens as llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from tests.conftest import SHARED
+from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, decoded_rows, exact_violations, \
+    vs_llama_cpp
+
+KIT = SHARED / "families"
+FAMILIES = ("llama", "qwen2", "qwen3")  # the dense families the engine loads from GGUF
+REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json") if not p.name.endswith(".hf.json"))
+PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
+          for c in json.loads(r.read_text())["cases"]]
+
+_refs: dict = {}
+_models: dict = {}
+_rows: dict = {}
+
+
+def _ref(path) -> dict:
+    if path not in _refs:
+        _refs[path] = json.loads(path.read_text())
+    return _refs[path]
+
+
+def _model(path, quant: str) -> engine.Model:
+    key = (path, quant)
+    if key not in _models:
+        _models[key] = engine.load_model(path.parent / _ref(path)["model_file"], quant=quant, selftest=False)
+    return _models[key]
+
+
+def _case(path, name: str) -> dict:
+    return next(c for c in _ref(path)["cases"] if c["name"] == name)
+
+
+def _rows_of(path, quant: str, case: dict, how: str) -> np.ndarray:
+    key = (path, quant, case["name"], how)
+    if key not in _rows:
+        model = _model(path, quant)
+        if how == "prompt":
+            _rows[key] = model.logprobs(case["tokens"] + case["greedy_ids"][:-1], start=len(case["tokens"]) - 1)
+        else:
+            _rows[key] = decoded_rows(model, case)
+    return _rows[key]
+
+
+def test_the_kit_is_there():
+    assert len(REFS) == 2 * len(FAMILIES), [r.name for r in REFS]  # a Q8_0 and a Q4_K_M file per family
+
+
+@pytest.mark.parametrize("ref,case_name", PARAMS)
+def test_tokens_equal_llama_cpp(ref, case_name):
+    case = _case(ref, case_name)
+    assert _model(ref, "auto").tokenizer.encode(case["prompt"], add_bos=case["add_bos"]) == case["tokens"]
+
+
+@pytest.mark.parametrize("ref,case_name", PARAMS)
+def test_exact_path_matches_the_f32_oracle(ref, case_name):
+    bad = exact_violations(_rows_of(ref, "f32", _case(ref, case_name), "prompt"), _case(ref, case_name))
+    assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("how", ["prompt", "decode"])
+@pytest.mark.parametrize("ref,case_name", PARAMS)
+def test_default_path_within_llama_cpp_noise(ref, case_name, how):
+    case = _case(ref, case_name)
+    if how == "decode":
+        assert _model(ref, "auto").backend.step is not None  # the compiled step is what runs
+    mean, worst, misses, _ = vs_llama_cpp(_rows_of(ref, "auto", case, how), case)
+    assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
+    assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"
+    assert not misses, f"top-1 differs from llama.cpp at confident positions {misses}"
+
+
+@pytest.mark.parametrize("how", ["prompt", "decode"])
+@pytest.mark.parametrize("ref", REFS, ids=[r.stem for r in REFS])
+def test_default_path_mean_kl_per_file(ref, how):
+    kls = []
+    for case in _ref(ref)["cases"]:
+        kls += vs_llama_cpp(_rows_of(ref, "auto", case, how), case)[3]
+    assert np.mean(kls) <= MODEL_MEAN_KL, f"mean KL(llama.cpp || ours) {np.mean(kls):.4f} > {MODEL_MEAN_KL}"
+
+
+def test_check_hardware_lists_every_family_that_loads():
+    from engine.hardware import supported_models
+
+    listed = {a["architecture"]: a for a in supported_models()["architectures"]}
+    assert set(FAMILIES) | {"gemma3"} <= set(listed)
+    assert all(listed[f]["decode_step"] for f in FAMILIES)
