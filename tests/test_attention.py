@@ -92,7 +92,8 @@ def test_an_f16_cache_stores_what_numpy_rounds_and_grows_keeping_it():
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("H,Hkv,D,window", [(9, 3, 64, 0), (4, 1, 256, 40), (4, 4, 32, 0), (8, 2, 16, 7)])
-def test_decode_attention_equals_the_prompt_path(dtype, H, Hkv, D, window):
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_decode_attention_equals_the_prompt_path(dtype, H, Hkv, D, window, softcap):
     """attend() (flash-decoding split over key ranges, any batch) equals ops.attention for the last position."""
     L, layer, lengths = 2, 1, [1, 70, 129]
     caches, qs, want = [], [], []
@@ -104,14 +105,14 @@ def test_decode_attention_equals_the_prompt_path(dtype, H, Hkv, D, window):
             keys, values = c.write(i, k, v)
         c.advance(n)
         q = RNG.standard_normal((1, H, D)).astype(np.float32)
-        want.append(ops.attention(q, keys, values, n - 1, 0.1, window)[0].reshape(-1))
+        want.append(ops.attention(q, keys, values, n - 1, 0.1, window, softcap)[0].reshape(-1))
         caches.append(c)
         qs.append(np.concatenate([q.reshape(-1), np.zeros(2 * Hkv * D, np.float32)]))
     qkv, pos = np.stack(qs), np.array([n - 1 for n in lengths], np.int64)
     for n_split in (1, 3, 8):
         out = np.empty((len(lengths), H * D), np.float32)
         A.attend(qkv, tuple(c.k for c in caches), tuple(c.v for c in caches), layer, pos, H, Hkv, D, window,
-                 np.float32(0.1), out, n_split)
+                 np.float32(0.1), np.float32(softcap), out, n_split)
         np.testing.assert_allclose(out, np.stack(want), rtol=1e-4, atol=1e-5)
 
 

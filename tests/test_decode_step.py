@@ -8,6 +8,8 @@ steps bit for bit, every code tier the CPU can run agrees, and split models (no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,8 @@ import engine
 from engine.kernels.cpu import attention, ir
 from engine.kernels.cpu import decode_step
 from engine.models.base import log_softmax
-from engine.models import dense
+from engine.models import dense, registry
+from tests.conftest import SHARED
 from testdata import make_fixtures as mf
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
@@ -168,3 +171,24 @@ def test_a_split_model_decodes_layer_by_layer(tmp_path):
 def test_the_exact_path_has_no_step(fixtures):
     model = engine.load_model(fixtures["llama"], quant="f32", selftest=False)
     assert model.backend.path == "exact" and model.backend.step is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2"])
+def test_step_agrees_with_the_layerwise_pass_on_the_kit(family):
+    # The kit's tiny models of the families that only the kit holds (q/k/v biases, QK-norm with a head dim
+    # apart from n_embd / n_head, fused matrices and LongRoPE, attention soft-capping): the step against the
+    # family's forward pass.
+    model = engine.load_model(SHARED / "families" / family / f"tiny-{family}-a.Q8_0.gguf", selftest=False)
+    _compare(model, PROMPT)
+
+
+def test_step_caps_attention_scores_as_the_prompt_path_does(monkeypatch):
+    # The kit's cap (10) barely bends its small scores; a cap of 0.5 bends every one, so a step that skipped
+    # it would leave the layer-by-layer pass far behind.
+    fam = registry.FAMILIES["gemma2"]
+    capped = dataclasses.replace(fam, read_config=lambda meta, vocab: dataclasses.replace(
+        fam.read_config(meta, vocab), attn_softcap=0.5))
+    monkeypatch.setitem(registry.FAMILIES, "gemma2", capped)
+    model = engine.load_model(SHARED / "families" / "gemma2" / "tiny-gemma2-a.Q8_0.gguf", selftest=False)
+    assert model.config.attn_softcap == 0.5
+    _compare(model, PROMPT)

@@ -17,7 +17,7 @@ from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, dec
     vs_llama_cpp
 
 KIT = SHARED / "families"
-FAMILIES = ("llama", "qwen2", "qwen3")  # the dense families the engine loads from GGUF
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")  # the dense families the engine loads from GGUF
 REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json") if not p.name.endswith(".hf.json"))
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]
@@ -98,3 +98,18 @@ def test_check_hardware_lists_every_family_that_loads():
     listed = {a["architecture"]: a for a in supported_models()["architectures"]}
     assert set(FAMILIES) | {"gemma3"} <= set(listed)
     assert all(listed[f]["decode_step"] for f in FAMILIES)
+
+
+def test_only_a_phi3_model_drops_the_whitespace_after_its_special_tokens():
+    # llama.cpp decides by general.name (llama-vocab.cpp): "<|user|>\nhi" loses its newline in a Phi-3 model
+    # (and SentencePiece then prefixes the word with a space), keeps it in any other.
+    from engine.formats.gguf import GGUFFile
+    from engine.tokenizer import Tokenizer
+
+    meta = dict(GGUFFile(KIT / "phi3" / "tiny-phi3-a.Q8_0.gguf").metadata)
+    phi3 = Tokenizer.from_gguf_metadata(meta)
+    other = Tokenizer.from_gguf_metadata({**meta, "general.name": "tiny-llama-like"})
+    newline = other.token_to_id("<0x0A>")
+    assert newline in other.encode("<|user|>\nhi", add_bos=False)
+    assert newline not in phi3.encode("<|user|>\nhi", add_bos=False)
+    assert phi3.encode("<s>\nhi", add_bos=False) == other.encode("<s>\nhi", add_bos=False)  # <s> is exempt

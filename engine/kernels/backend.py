@@ -35,9 +35,12 @@ class ModelConfig(Protocol):
     rope_dim: int
     rope_style: str  # "interleaved" (adjacent pairs) or "neox" (half split)
     rope_scaling: Any  # .factor: positions are divided by it
+    rope_factors: str  # the tensor of frequency divisors, where the file has it
+    rope_attn_factor: float  # cos and sin are multiplied by it (LongRoPE)
     layer_window: tuple[int, ...]  # per layer: sliding window, 0 = global
     layer_rope_base: tuple[float, ...]  # per layer
     attn_scale: float
+    attn_softcap: float
     embed_scale: float
 
 
@@ -123,8 +126,9 @@ class Backend(Protocol):
         """x (..., n) * rsqrt(mean(x^2) + eps) * weight (n,)."""
 
     def rope_tables(self, positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
-                    freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin (T, rope_dim/2) for absolute positions."""
+                    freq_factors: np.ndarray | None = None, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (T, rope_dim/2) for absolute positions (frequencies divided by freq_factors, both tables
+        times attn_factor)."""
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
         """x (T, heads, D) rotated by position (a new array); style "neox" (half split) or "interleaved"."""

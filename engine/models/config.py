@@ -44,10 +44,15 @@ class ModelConfig:
     attn_scale: float = 1.0
     embed_scale: float = 1.0
     final_logit_softcap: float = 0.0
+    attn_softcap: float = 0.0  # attention scores capped to c tanh(s / c) (Gemma 2); 0: none
+    rope_factors: str = "rope_freqs"  # the tensor of RoPE frequency divisors, where the file has one
+    rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
     # Block shape: per-head RMSNorm on q and k before RoPE; biases on q, k, v; a norm after attention and after
     # the MLP (Gemma); the gate's activation ("silu" or "gelu_tanh").
     qk_norm: bool = False
     qkv_bias: bool = False
+    fused_qkv: bool = False  # one attn_qkv matrix (q rows, then k, then v) instead of three
+    fused_gate_up: bool = False  # ffn_up holds the gate's rows, then the up's (no ffn_gate)
     post_norms: bool = False
     act: str = "silu"
 

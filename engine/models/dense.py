@@ -1,11 +1,12 @@
-"""The forward pass of the dense decoder-only transformer every supported family is (llama, qwen2, qwen3,
-gemma3), written once in the backend's ops; what differs between families is ModelConfig fields.
+"""The forward pass of the dense decoder-only transformer every supported family is (llama, qwen2, qwen3, phi3,
+gemma2, gemma3), written once in the backend's ops; what differs between families is ModelConfig fields.
 
 Pre-norm blocks: x += attn(rms_norm(x)); x += gated_mlp(rms_norm(x)), with, per the config: biases on q, k, v
 (qwen2), per-head RMSNorm on q and k before RoPE (qwen3, gemma3), a norm after attention and after the MLP
-(gemma3), embeddings scaled (gemma3), GQA, RoPE interleaved or NeoX on rope_dim dims with optional frequency
-divisors (`rope_freqs`: llama3 scaling), per-layer sliding windows and RoPE bases. Shapes: T tokens, H query
-heads, Hkv key/value heads, D head dim.
+(gemma2, gemma3), embeddings scaled (gemma2, gemma3), attention scores soft-capped (gemma2), fused q|k|v and
+gate|up matrices (phi3); GQA, RoPE interleaved or NeoX on rope_dim dims with optional frequency divisors (llama3's
+`rope_freqs`, LongRoPE's) and attention factor, per-layer sliding windows and RoPE bases. Shapes: T tokens,
+H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engine.models.weights import Weights
 # Tensors every block of a dense model has; a family adds its own (q/k norms, post norms).
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                  "ffn_down")
+FUSED_BLOCK_TENSORS = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")  # phi3
 
 
 def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: KVCache) -> np.ndarray:
@@ -30,26 +32,36 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
     if cfg.embed_scale != 1.0:
         x *= np.float32(cfg.embed_scale)
     positions = np.arange(pos0, pos0 + T)
-    freq_factors = w.optional_vector("rope_freqs")
-    tables = {base: be.rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor, freq_factors)
-              for base in set(cfg.layer_rope_base)}
+    freq_factors = w.optional_vector(cfg.rope_factors)
+    tables = {base: be.rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor, freq_factors,
+                                   cfg.rope_attn_factor) for base in set(cfg.layer_rope_base)}
     for i in range(cfg.n_layer):
         blk = f"blk.{i}."
         cos, sin = tables[cfg.layer_rope_base[i]]
         h = be.rms_norm(x, w.vector(blk + "attn_norm"), eps)
-        q, k, v = be.matmul_many(h, [w.tensor(blk + "attn_q"), w.tensor(blk + "attn_k"), w.tensor(blk + "attn_v")])
+        if cfg.fused_qkv:  # one matrix: q rows, then k, then v
+            qkv = be.matmul(h, w.tensor(blk + "attn_qkv"))
+            q, k, v = qkv[:, : H * D], qkv[:, H * D : (H + Hkv) * D], qkv[:, (H + Hkv) * D :]
+        else:
+            q, k, v = be.matmul_many(h, [w.tensor(blk + "attn_q"), w.tensor(blk + "attn_k"), w.tensor(blk + "attn_v")])
         if cfg.qkv_bias:
             q, k, v = q + w.bias(blk + "attn_q"), k + w.bias(blk + "attn_k"), v + w.bias(blk + "attn_v")
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         if cfg.qk_norm:
-            q, k = be.rms_norm(q, w.vector(blk + "attn_q_norm"), eps), be.rms_norm(k, w.vector(blk + "attn_k_norm"), eps)
+            q = be.rms_norm(q, w.vector(blk + "attn_q_norm"), eps)
+            k = be.rms_norm(k, w.vector(blk + "attn_k_norm"), eps)
         q, k = be.rope(q, cos, sin, cfg.rope_style), be.rope(k, cos, sin, cfg.rope_style)
         keys, values = cache.write(i, k, v)
-        a = be.attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i]).reshape(T, H * D)
+        a = be.attention(q, keys, values, pos0, cfg.attn_scale, window=cfg.layer_window[i],
+                         softcap=cfg.attn_softcap).reshape(T, H * D)
         o = be.matmul(a, w.tensor(blk + "attn_output"))
         x = x + (be.rms_norm(o, w.vector(blk + "post_attention_norm"), eps) if cfg.post_norms else o)
         h = be.rms_norm(x, w.vector(blk + "ffn_norm"), eps)
-        g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), cfg.act)
+        if cfg.fused_gate_up:  # ffn_up: the gate's rows, then the up's
+            gu = be.matmul(h, w.tensor(blk + "ffn_up"))
+            g = be.act_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :], cfg.act)
+        else:
+            g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), cfg.act)
         d = be.matmul(g, w.tensor(blk + "ffn_down"))
         x = x + (be.rms_norm(d, w.vector(blk + "post_ffw_norm"), eps) if cfg.post_norms else d)
     cache.advance(T)
@@ -58,4 +70,5 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
 
 def step_flags(cfg: ModelConfig) -> dict:
     """What a backend's compiled decode step needs to know of a dense model's blocks (Backend.prepare)."""
-    return {"qk_norm": cfg.qk_norm, "post_norms": cfg.post_norms, "act": cfg.act, "qkv_bias": cfg.qkv_bias}
+    return {"qk_norm": cfg.qk_norm, "post_norms": cfg.post_norms, "act": cfg.act, "qkv_bias": cfg.qkv_bias,
+            "fused_qkv": cfg.fused_qkv, "fused_gate_up": cfg.fused_gate_up}

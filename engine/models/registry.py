@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import UnsupportedModel
-from engine.models import gemma3, llama, qwen2, qwen3
+from engine.models import gemma2, gemma3, llama, phi3, qwen2, qwen3
 from engine.models.config import ModelConfig
 from engine.models.family import Family
 
-_ALL = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)
+_ALL = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY)
 FAMILIES: dict[str, Family] = {arch: f for f in _ALL for arch in f.gguf_archs}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 HF_MODEL_TYPES = {t: f.gguf_archs[0] for f in _ALL for t in f.hf_model_types}

@@ -63,7 +63,7 @@ class Tokenizer:
 
     def __init__(self, *, kind: str, tokens: list[str], vocab: dict[str, int], attrs: np.ndarray, hf,
                  bos_id: int | None, eos_id: int | None, eog_ids: frozenset[int], add_bos: bool,
-                 add_eos: bool, add_space_prefix: bool):
+                 add_eos: bool, add_space_prefix: bool, rstrip_ids: frozenset[int] = frozenset()):
         self.kind = kind  # "gpt2" | "llama"
         self._tokens = tokens
         self._attrs = attrs  # (n_vocab,) int32, GGUF token types after llama.cpp's fix-ups
@@ -73,6 +73,7 @@ class Tokenizer:
         self._pieces: list[bytes | None] = [None] * len(tokens)  # rendered lazily
         specials = np.flatnonzero(np.isin(attrs, (CONTROL, USER_DEFINED, UNKNOWN))).tolist()
         self._special_matcher = _SpecialMatcher([(tokens[i], i) for i in specials])
+        self._rstrip = rstrip_ids  # special tokens that swallow the whitespace after them (llama.cpp's RSTRIP)
 
     # ------------------------------------------------------------------ construction
 
@@ -115,6 +116,7 @@ class Tokenizer:
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", space_prefix))
         eog = _end_of_generation(vocab, attrs, eos, key_id)
+        rstrip = _rstrip_ids(meta, vocab, attrs)
 
         if kind == "gpt2":
             merges = meta.get("tokenizer.ggml.merges")
@@ -127,7 +129,8 @@ class Tokenizer:
             unk = key_id("tokenizer.ggml.unknown_token_id", 0)
             hf = hf_build.build_spm(tokens, vocab, scores, attrs, tokens[unk] if unk is not None else None)
         return cls(kind=kind, tokens=tokens, vocab=vocab, attrs=attrs, hf=hf, bos_id=bos, eos_id=eos,
-                   eog_ids=frozenset(eog), add_bos=add_bos, add_eos=add_eos, add_space_prefix=space_prefix)
+                   eog_ids=frozenset(eog), add_bos=add_bos, add_eos=add_eos, add_space_prefix=space_prefix,
+                   rstrip_ids=rstrip)
 
     # ------------------------------------------------------------------ properties
 
@@ -168,19 +171,23 @@ class Tokenizer:
         add_bos = self._add_bos if add_bos is None else add_bos
         add_eos = self._add_eos if add_eos is None else add_eos
         out: list[int] = [self._bos] if add_bos and self._bos is not None else []
-        parts = self._special_matcher.split(text) if text else []
-        frags: list[str] = []
+        parts: list[str | int] = []
         prev_special = True  # SentencePiece prefixes a space to the first fragment and after special tokens
-        for p in parts:
+        for p in self._special_matcher.split(text) if text else []:
             if isinstance(p, int):
                 prev_special = True
+                parts.append(p)
                 continue
+            if parts and parts[-1] in self._rstrip:
+                p = p.lstrip(_C_SPACE)
+                if not p:
+                    continue  # nothing left of the fragment
             if self.kind == "llama":
                 p = ((" " + p) if self._add_space_prefix and prev_special else p).replace(" ", SPACE)
-            frags.append(p)
+            parts.append(p)
             prev_special = False
         # one call per fragment: encode_batch would start tokenizers' thread pool (and its fork warnings)
-        encoded = iter([self._hf.encode(f, add_special_tokens=False) for f in frags])
+        encoded = iter([self._hf.encode(p, add_special_tokens=False) for p in parts if isinstance(p, str)])
         for p in parts:
             out.extend([p] if isinstance(p, int) else next(encoded).ids)
         if add_eos and self._eos is not None:
@@ -230,6 +237,21 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self._bos}, eos={self._eos})"
+
+
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace calls whitespace (llama.cpp strips with it)
+
+
+def _rstrip_ids(meta: dict, vocab: dict[str, int], attrs: np.ndarray) -> frozenset[int]:
+    """The special tokens after which llama.cpp drops whitespace. It decides by the model's name, not by anything
+    in the vocabulary (llama-vocab.cpp): in a Phi-3 model every special token but <unk>, <s> and <|endoftext|>,
+    and </s>. Nothing for any other model."""
+    name = str(meta.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    ids = set(np.flatnonzero(np.isin(attrs, (CONTROL, USER_DEFINED, UNKNOWN))).tolist())
+    ids |= {vocab["</s>"]} if "</s>" in vocab else set()
+    return frozenset(ids - {vocab.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")})
 
 
 def _end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None, key_id) -> set[int]:

@@ -333,16 +333,19 @@ def weighted_values(group, vf, v0, D, n, p, p0, ps, out, o0):
 
 
 @njit(cache=True, fastmath=True)
-def _part(q, q0, group, D, kf, k0, vf, v0, lead, n, scale, s, acc, iscratch, mx, total):
+def _part(q, q0, group, D, kf, k0, vf, v0, lead, n, scale, softcap, s, acc, iscratch, mx, total):
     """The group's query heads (q[q0:]) over n cached positions (keys in tiles from k0 of kf, the first `lead`
     positions of its first tile before the range; values at v0 of vf, the range's first):
     acc (group, D) = sum_j exp(s_j - max) v_j, mx/total (group,) the max and the sum of exp per head;
-    s (group, lead + n) and iscratch (n,) are scratch."""
+    s (group, lead + n) and iscratch (n,) are scratch. softcap > 0: scores capped to softcap tanh(s / softcap)."""
     sf = s.reshape(-1)
     w = lead + n  # scores from the tile's start: the lead ones are computed and ignored
     scores(group, kf, k0, q, q0, D, w, scale, sf, 0, w, vf, v0 - lead * D)
     for g in range(group):
         row = s[g, lead:]
+        if softcap > 0:  # Gemma 2
+            for j in range(n):
+                row[j] = softcap * np.tanh(row[j] / softcap)
         m = row[0]
         for j in range(1, n):
             m = max(m, row[j])
@@ -357,7 +360,7 @@ def _part(q, q0, group, D, kf, k0, vf, v0, lead, n, scale, s, acc, iscratch, mx,
 
 
 @njit(cache=True)
-def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max, part_sum, part_acc):
     """Work item t of attend: one sequence, one kv head (its group of query heads), one key range. Ranges
     split the positions at whole key tiles, so only the first starts inside one."""
     m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
@@ -377,7 +380,7 @@ def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_m
     lead, n = j0 % TILE, j1 - j0
     acc = np.empty((group, D), np.float32)
     gmax, gsum = np.empty(group, np.float32), np.empty(group, np.float32)
-    _part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, vc.reshape(-1), v0, lead, n, scale,
+    _part(qkv[m], kvh * group * D, group, D, kc.reshape(-1), k0, vc.reshape(-1), v0, lead, n, scale, softcap,
           np.empty((group, lead + n), np.float32), acc, np.empty(n, np.int32), gmax, gsum)
     for g in range(group):
         h = kvh * group + g
@@ -388,15 +391,16 @@ def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_m
 
 
 @njit(parallel=True, cache=True)
-def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc):
+def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max, part_sum,
+           part_acc):
     # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
     # launched once per iteration (that cost 45 us per layer).
     for t in prange(n_tasks):
-        task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max, part_sum, part_acc)
+        task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max, part_sum, part_acc)
 
 
 @njit(cache=True)
-def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
+def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, out, n_split):
     """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
     cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; kcs/vcs each sequence's cache arrays (keys
     (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D)); out (M, H D).
@@ -408,7 +412,7 @@ def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, out, n_split):
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.zeros((M, H, n_split), np.float32)
     part_acc = np.empty((M, H, n_split, D), np.float32)
-    _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, n_split, part_max,
+    _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max,
            part_sum, part_acc)
     merge(part_max, part_sum, part_acc, out)
 

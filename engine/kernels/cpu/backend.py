@@ -57,7 +57,7 @@ class CpuBackend:
         built. Not for split models (no single buffer): those decode layer by layer."""
         if self.path != "fast" or not decode_step.supported(config, weights, step_flags):
             return
-        self.packed_buffer = layout.pack(weights, decode_step.matrix_names(config, weights))
+        self.packed_buffer = layout.pack(weights, decode_step.matrix_names(config, weights, step_flags))
         self.step = decode_step.build(config, weights, step_flags, self.packed_buffer)
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:

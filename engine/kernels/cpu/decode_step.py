@@ -34,6 +34,7 @@ from engine.kernels.cpu.threads import get_threads
 
 
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
+_EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
 # iparams slots
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS = range(9)
@@ -211,7 +212,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
     gelu, neox, bias = iparams[_GELU] != 0, iparams[_NEOX] != 0, iparams[_QKV_BIAS] != 0
-    eps, scale = fparams[0], np.float32(fparams[1])
+    eps, scale, softcap = fparams[0], np.float32(fparams[1]), np.float32(fparams[3])
     n_layer = mats.shape[0]
     n_tasks = M * Hkv * n_split
     p = 0
@@ -239,7 +240,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             t = atomics.claim(ctr, p)
             if t >= n_tasks:
                 break
-            attention.task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, n_split, part_max,
+            attention.task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, softcap, n_split, part_max,
                            part_sum, part_acc)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, n_tasks)
@@ -322,7 +323,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
             longest = max(longest, pos[m] + 1)
         n_split = attention.n_split(M, Hkv, longest, n_workers)
     F = _rows(mats[0, 4:6]) // 2  # gate and up side by side
-    cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2])
+    cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2], fparams[4])
     h = np.empty((M, E), np.float32)
     qkv = np.empty((M, _rows(mats[0, 0:3])), np.float32)
     a = np.empty((M, H * D), np.float32)
@@ -337,8 +338,8 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     part_acc = np.empty((M, H, n_split, D), np.float32)
     ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 2)  # the last layer's serial phase, the head
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
-        _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams, pos,
-                kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
+        _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
+                pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
                 n_split, tier, n_workers)
     return logits
 
@@ -356,7 +357,8 @@ class DecodeStep:
         self.buf = buf
         self.pbuf = pbuf if pbuf is not None else _NO_PACKED  # the packed copies (layout.pack)
         E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
-        self.mats = np.array([[self._entry(w, f"blk.{i}.{r}") for r in ROLES] for i in range(L)], np.int64)
+        self.mats = np.array([[self._entry(w, n) if n else _EMPTY for n in role_tensors(i, flags)] for i in range(L)],
+                             np.int64)
         self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
         self.norms = np.zeros((L, len(_NORMS), E), np.float32)
         self.qk_norms = np.zeros((L, 2, D), np.float32)
@@ -366,16 +368,17 @@ class DecodeStep:
                     self.norms[i, j] = w.vector(f"blk.{i}.{n}")
             if flags["qk_norm"]:
                 self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
-        rows_qkv = sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])
-        self.qkv_bias = np.zeros((L, rows_qkv if flags.get("qkv_bias") else 1), np.float32)  # q|k|v biases
+        self.qkv_bias = np.zeros((L, 1), np.float32)  # q|k|v biases, where the family has them
         if flags.get("qkv_bias"):
+            self.qkv_bias = np.zeros((L, sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])), np.float32)
             for i in range(L):
                 self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
         self.out_norm = w.vector("output_norm")
-        factors = w.optional_vector("rope_freqs")
+        factors = w.optional_vector(cfg.rope_factors)
         self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, base, factors) for base in cfg.layer_rope_base])
         self.windows = np.array(cfg.layer_window, np.int64)
-        self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor], np.float64)
+        self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor, cfg.attn_softcap,
+                                 cfg.rope_attn_factor], np.float64)
         self.iparams = np.array([cfg.n_head, cfg.n_head_kv, D, cfg.rope_dim, flags["qk_norm"], flags["post_norms"],
                                  flags["act"] == "gelu_tanh", cfg.rope_style == "neox", bool(flags.get("qkv_bias"))],
                                 np.int64)
@@ -388,7 +391,8 @@ class DecodeStep:
         """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
         t = w.tensor(name)
         off = _offset(t.raw, self.buf, name)
-        return [off, t.rows, t.raw.shape[1], int(t.ggml_type), -1 if t.packed is None else _offset(t.packed, self.pbuf, name)]
+        packed_off = -1 if t.packed is None else _offset(t.packed, self.pbuf, name)
+        return [off, t.rows, t.raw.shape[1], int(t.ggml_type), packed_off]
 
     def __call__(self, ids, caches: list[KVCache]) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -400,7 +404,8 @@ class DecodeStep:
         threads = get_threads()
         logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
                              self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
-                             self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches), tuple(c.v for c in caches),
+                             self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches),
+                             tuple(c.v for c in caches),
                              ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads)
         for c in caches:
             c.advance(1)
@@ -424,9 +429,20 @@ def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.nd
     return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
 
 
-def matrix_names(cfg: ModelConfig, w: Weights) -> list[str]:
-    """The matrices the step reads: each layer's ROLES and the head (the embedding table where it is tied)."""
-    return ([f"blk.{i}.{r}" for i in range(cfg.n_layer) for r in ROLES]
+def role_tensors(layer: int, flags: dict) -> list[str | None]:
+    """The tensor each of ROLES reads in a layer. A fused tensor (phi3: attn_qkv = q|k|v rows, ffn_up = gate|up
+    rows) stands in for the roles it holds side by side: the first role reads it whole, the others are empty."""
+    names: list[str | None] = [f"blk.{layer}.{r}" for r in ROLES]
+    if flags.get("fused_qkv"):
+        names[0:3] = [f"blk.{layer}.attn_qkv", None, None]
+    if flags.get("fused_gate_up"):
+        names[4:6] = [f"blk.{layer}.ffn_up", None]
+    return names
+
+
+def matrix_names(cfg: ModelConfig, w: Weights, flags: dict) -> list[str]:
+    """The matrices the step reads: each layer's and the head (the embedding table where it is tied)."""
+    return ([n for i in range(cfg.n_layer) for n in role_tensors(i, flags) if n]
             + ["output" if w.has("output") else "token_embd"])
 
 

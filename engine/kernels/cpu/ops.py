@@ -46,10 +46,11 @@ def inv_freq(rope_dim: int, base: float, freq_factors: np.ndarray | None = None)
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
-                freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (T, rope_dim/2) for the given absolute positions; computed in f64, returned in f32."""
+                freq_factors: np.ndarray | None = None, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (T, rope_dim/2) for the given absolute positions, both times attn_factor (LongRoPE); computed in
+    f64, returned in f32."""
     angles = np.outer(positions.astype(np.float64) / scale, inv_freq(rope_dim, base, freq_factors))  # (T, rope_dim/2)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return (np.cos(angles) * attn_factor).astype(np.float32), (np.sin(angles) * attn_factor).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:

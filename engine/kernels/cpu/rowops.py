@@ -61,9 +61,9 @@ def rope_into(v, o, cos, sin, neox):
 
 
 @njit(cache=True)
-def rope_tables_at(inv_freq, pos, rope_scale):
+def rope_tables_at(inv_freq, pos, rope_scale, attn_factor):
     """cos, sin (n_layer, M, rope_dim/2) f32 for each layer's frequencies at each sequence's position (angles in
-    f64, as ops.rope_tables): the decode step's, once per step, not per head."""
+    f64, as ops.rope_tables, both times attn_factor): the decode step's, once per step, not per head."""
     L, half = inv_freq.shape
     M = pos.shape[0]
     cos, sin = np.empty((L, M, half), np.float32), np.empty((L, M, half), np.float32)
@@ -72,7 +72,8 @@ def rope_tables_at(inv_freq, pos, rope_scale):
             p = np.float64(pos[m]) / rope_scale
             for i in range(half):
                 ang = p * inv_freq[layer, i]
-                cos[layer, m, i], sin[layer, m, i] = math.cos(ang), math.sin(ang)
+                cos[layer, m, i] = math.cos(ang) * attn_factor
+                sin[layer, m, i] = math.sin(ang) * attn_factor
     return cos, sin
 
 
