@@ -1,4 +1,4 @@
-"""The compiled glue (engine/kernels/glue.py, vmath.py) against plain numpy formulas in float64."""
+"""The compiled row kernels (engine/kernels/cpu/rowops.py, vmath.py) against plain numpy formulas in float64."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ style from the config).
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
 row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
-small serial phases run on whichever thread claims them (docs/architecture.md has the measurements).
+small serial phases run on whichever thread claims them (docs/design-log.md has the measurements).
 
 Prompts take the families' forward passes over the backend's ops (dequantize per layer + BLAS sgemm); at one
 token the two agree up to float summation order (tests/test_decode_step.py). The CPU backend (backend.py)

@@ -1,4 +1,4 @@
-"""Compiled forward-pass glue shared by the prompt pass (models/ops.py) and the decode step: RMSNorm rows,
+"""Compiled row kernels shared by the prompt ops (ops.py) and the decode step: RMSNorm rows,
 RoPE, gated activations, masked softmax.
 
 In numpy these cost as much as the GEMMs of a prompt (SmolLM2, 512 tokens: SiLU 0.35 s, attention softmax
