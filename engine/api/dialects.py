@@ -58,12 +58,23 @@ def _tool_names(req: GenerationRequest) -> frozenset[str] | None:
     return frozenset(req.tool_names) if req.calls_tools else None
 
 
-# ---------------------------------------------------------------------------------------------- OpenAI
-
-class OpenAIDialect:
-    """/v1/chat/completions and /v1/completions."""
+class _Generating:
+    """What the generating dialects share: they generate (no token count) and, unless they say otherwise, answer
+    errors in OpenAI's shape."""
 
     counts_tokens = False
+
+    def error(self, status: int, body: dict) -> tuple[int, dict]:
+        return status, body
+
+    def count(self, n: int) -> dict:
+        raise NotImplementedError("this route generates; it does not count tokens")
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+
+class OpenAIDialect(_Generating):
+    """/v1/chat/completions and /v1/completions."""
 
     def __init__(self, url: str):
         self.url = url
@@ -80,12 +91,6 @@ class OpenAIDialect:
     def stream(self, req, *, job_id, model_name, created, prompt_tokens) -> StreamEncoder:
         return _OpenAIStream(sse.Stream(req.kind, job_id, created, model_name, req.logprobs, req.include_usage,
                                         _tool_names(req)), prompt_tokens)
-
-    def error(self, status: int, body: dict) -> tuple[int, dict]:
-        return status, body
-
-    def count(self, n: int) -> dict:
-        raise NotImplementedError
 
 
 class _OpenAIStream:
@@ -113,10 +118,8 @@ class _OpenAIStream:
 
 # ---------------------------------------------------------------------------------------------- Anthropic
 
-class AnthropicMessages:
+class AnthropicMessages(_Generating):
     """/v1/messages: the Messages API (one choice, named events, errors in Anthropic's shape)."""
-
-    counts_tokens = False
 
     def parse(self, body: Any) -> GenerationRequest:
         return anthropic.parse_messages_request(body)
@@ -135,9 +138,6 @@ class AnthropicMessages:
     def error(self, status: int, body: dict) -> tuple[int, dict]:
         status = anthropic.error_status(status)
         return status, anthropic.error_body(status, body["error"]["message"])
-
-    def count(self, n: int) -> dict:
-        raise NotImplementedError
 
 
 class AnthropicCountTokens(AnthropicMessages):
@@ -174,10 +174,8 @@ class _NamedStream:
 
 # ---------------------------------------------------------------------------------------------- Responses
 
-class ResponsesDialect:
+class ResponsesDialect(_Generating):
     """/v1/responses: the Responses API, with the server's store behind `store` and `previous_response_id`."""
-
-    counts_tokens = False
 
     def __init__(self, store: responses.ResponseStore):
         self.store = store
@@ -200,12 +198,6 @@ class ResponsesDialect:
     def stream(self, req, *, job_id, model_name, created, prompt_tokens) -> StreamEncoder:
         return _ResponsesStream(self, responses.ResponseStream(self.rr, job_id, model_name, created,
                                                                _tool_names(req)))
-
-    def error(self, status: int, body: dict) -> tuple[int, dict]:
-        return status, body
-
-    def count(self, n: int) -> dict:
-        raise NotImplementedError
 
 
 class _ResponsesStream(_NamedStream):

@@ -100,10 +100,7 @@ class CpuBackend:
     rope_tables = staticmethod(ops.rope_tables)
     rope = staticmethod(ops.apply_rope)
     attention = staticmethod(ops.attention)
-
-    @staticmethod
-    def act_mul(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
-        return ops.act_mul(gate, up, act)
+    act_mul = staticmethod(ops.act_mul)
 
 
 def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None) -> CpuBackend:
