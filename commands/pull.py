@@ -18,7 +18,7 @@ REF is a built-in name (smollm2-135m, gemma3-270m) or a Hugging Face reference:
 
   hf:OWNER/REPO:FILE.gguf    that file
 
-  hf:OWNER/REPO:safetensors  the whole safetensors checkpoint (loading it comes later)
+  hf:OWNER/REPO:safetensors  the whole safetensors checkpoint (config, tokenizer, every shard)
 
   hf:OWNER/REPO              the repo's only GGUF; with several quants, they are listed
 

@@ -14,10 +14,12 @@ from engine.formats.gguf import open_gguf
 from engine.kernels.registry import load_backend
 from engine.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
+from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
 from engine.templates import template_for
 from engine.tokenizer import Tokenizer
+from engine.tokenizer.hf_json import chat_template, from_hf_directory
 
 # quant mode (what a user asks for) -> the backend's configuration (engine/kernels/backend.py):
 # auto: the fast path over the stored blocks: int8 activations at decode, in one compiled call per token; prompts
@@ -28,7 +30,8 @@ QUANT_MODES = {"auto": "fast", "f32": "exact"}
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
                selftest: bool = True) -> Model:
-    """Load a model from a .gguf path, a built-in name or an hf: reference (None: the default built-in model).
+    """Load a model from a .gguf path, a Hugging Face checkpoint directory, a built-in name or an hf: reference
+    (None: the default built-in model).
 
     selftest=False (or GOINFER_NO_SELFTEST=1) skips the once-per-process kernel self-test.
     """
@@ -37,17 +40,25 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
         raise InvalidRequest(f"unknown quant mode {quant!r} (choose from: {', '.join(QUANT_MODES)})")
     path = _resolve(ref, progress)
     tune_allocator()
-    gguf = open_gguf(path)  # one file, or every shard of a split model read as one
-    meta = gguf.metadata
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = len(tokens) if tokens is not None else int(meta.get(f"{gguf.architecture}.vocab_size", 0))
+    if is_hf_checkpoint(path):  # converted at load into the GGUF image llama.cpp's converter would write
+        source = HFCheckpoint(path, quantize=QUANT_MODES[quant] == "fast")
+        meta = source.metadata
+        vocab = int(meta[f"{source.architecture}.vocab_size"])
+        tokenizer = from_hf_directory(path, vocab)
+        meta["tokenizer.chat_template"] = chat_template(path)
+    else:
+        source = open_gguf(path)  # one file, or every shard of a split model read as one
+        meta = source.metadata
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else int(meta.get(f"{source.architecture}.vocab_size", 0))
+        tokenizer = None
     config = config_from_gguf(meta, vocab)
-    gguf.check_tensor_types()
+    source.check_tensor_types()
     fam = family(config.arch)
-    weights = Weights(gguf)
+    weights = Weights(source)
     weights.require(["token_embd", "output_norm"]
                     + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors])
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tokenizer = tokenizer or Tokenizer.from_gguf_metadata(meta)
     release_free_memory()  # building a 262k-token vocabulary leaves ~80 MB of freed heap behind
     template = template_for(config.arch, meta.get("tokenizer.chat_template"),
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",

@@ -1,7 +1,8 @@
 """Each dense family against ../shared/families: tiny random-weight models of the family (GGUF files made by
-llama.cpp's converter), with llama.cpp's logits (`top`) and exact f32 logits on each file's own weights
-(`exact_top`). Tolerances from the kit's README (the same as ../shared/reference's): the exact path within 1e-3
-of the oracle; the default path, prompt and decode step, inside llama.cpp's noise band; tokens as llama.cpp's.
+llama.cpp's converter, and the Hugging Face safetensors directory they were made from), with llama.cpp's logits
+(`top`) and exact f32 logits on each file's own weights (`exact_top`). Tolerances from the kit's README (the same
+as ../shared/reference's): the exact path within 1e-3 of the oracle; the default path, prompt and decode step,
+inside llama.cpp's noise band; tokens as llama.cpp's on a GGUF, as tokenizer.json's on the directory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, dec
 
 KIT = SHARED / "families"
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")  # the dense families the engine loads from GGUF
-REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json") if not p.name.endswith(".hf.json"))
+REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # per family: Q8_0, Q4_K_M, hf/
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]
 
@@ -56,13 +57,39 @@ def _rows_of(path, quant: str, case: dict, how: str) -> np.ndarray:
 
 
 def test_the_kit_is_there():
-    assert len(REFS) == 2 * len(FAMILIES), [r.name for r in REFS]  # a Q8_0 and a Q4_K_M file per family
+    assert len(REFS) == 3 * len(FAMILIES), [r.name for r in REFS]  # Q8_0, Q4_K_M and hf/ per family
 
 
 @pytest.mark.parametrize("ref,case_name", PARAMS)
-def test_tokens_equal_llama_cpp(ref, case_name):
+def test_tokens_equal_llama_cpp_or_tokenizer_json(ref, case_name):
     case = _case(ref, case_name)
-    assert _model(ref, "auto").tokenizer.encode(case["prompt"], add_bos=case["add_bos"]) == case["tokens"]
+    ours = _model(ref, "auto").tokenizer.encode(case["prompt"], add_bos=case["add_bos"])
+    if _ref(ref)["model_file"] != "hf":
+        assert ours == case["tokens"]
+        return
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(ref.parent / "hf" / "tokenizer.json"))
+    bos = [_ref(ref)["bos_id"]] if case["add_bos"] else []
+    assert ours == bos + hf.encode(case["prompt"], add_special_tokens=False).ids
+    if case["name"] != "chat":  # phi3's and gemma2's tokenizer.json split text after a special token otherwise
+        assert ours == case["tokens"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_directory_is_configured_as_its_gguf(family):
+    # models/hf_config.py + the family's hf_keys make of config.json what llama.cpp's converter wrote
+    from dataclasses import replace
+
+    from engine.formats.gguf import GGUFFile
+    from engine.models.hf_checkpoint import HFCheckpoint
+    from engine.models.registry import config_from_gguf
+
+    converted = config_from_gguf(HFCheckpoint(KIT / family / "hf", quantize=False).metadata, 2048)
+    stored = config_from_gguf(GGUFFile(KIT / family / f"tiny-{family}-a.Q8_0.gguf").metadata, 2048)
+    for f32_field in ("rms_eps", "rope_attn_factor"):  # the GGUF stores them as f32
+        assert getattr(converted, f32_field) == pytest.approx(getattr(stored, f32_field), rel=1e-6)
+    assert replace(converted, rms_eps=0, rope_attn_factor=0) == replace(stored, rms_eps=0, rope_attn_factor=0)
 
 
 @pytest.mark.parametrize("ref,case_name", PARAMS)

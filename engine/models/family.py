@@ -1,6 +1,6 @@
 """`Family`: the record a family's file declares: what it loads (GGUF architectures, Hugging Face model types),
-how it reads its configuration, the tensors its blocks need, its forward pass, and what a compiled decode step
-needs of it. models/registry.py collects them."""
+how it reads its configuration, the tensors its blocks need, its forward pass, what a compiled decode step
+needs of it, and how its Hugging Face checkpoints differ from its GGUFs. models/registry.py collects them."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ class Family:
     layer_tensors: tuple[str, ...]  # the matrices and norms every block must have
     forward: ForwardFn  # the prompt pass over the backend's ops
     step_flags: Callable[[ModelConfig], dict] | None  # what a compiled decode step needs; None: no step
+    # Hugging Face checkpoints (models/hf_checkpoint.py): the GGUF keys of the family's own config.json fields
+    # (models/hf_config.py maps the shared ones); None: safetensors directories of this family are refused.
+    hf_keys: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    hf_norm_offset: float = 0.0  # added to RMSNorm weights (Gemma stores w where GGUF holds 1 + w)
+
+
+def no_hf_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """A family whose config.json holds nothing beyond the shared fields."""
+    return {}

@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.models import dense
 from engine.models.config import ModelConfig, common_fields, get
-from engine.models.family import Family
+from engine.models.family import Family, no_hf_keys
 
 
 def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
@@ -18,4 +18,4 @@ def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
 
 
 FAMILY = Family(name="llama", gguf_archs=("llama",), hf_model_types=("llama", "mistral"), read_config=read_config,
-                layer_tensors=dense.BLOCK_TENSORS, forward=dense.forward, step_flags=dense.step_flags)
+                layer_tensors=dense.BLOCK_TENSORS, forward=dense.forward, step_flags=dense.step_flags, hf_keys=no_hf_keys)

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.models import dense
 from engine.models.config import ModelConfig, common_fields, get
-from engine.models.family import Family
+from engine.models.family import Family, no_hf_keys
 
 
 def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
@@ -18,4 +18,4 @@ def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
 
 FAMILY = Family(name="qwen3", gguf_archs=("qwen3",), hf_model_types=("qwen3",), read_config=read_config,
                 layer_tensors=dense.BLOCK_TENSORS + ("attn_q_norm", "attn_k_norm"), forward=dense.forward,
-                step_flags=dense.step_flags)
+                step_flags=dense.step_flags, hf_keys=no_hf_keys)

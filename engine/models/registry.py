@@ -14,7 +14,8 @@ from engine.models.family import Family
 _ALL = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY)
 FAMILIES: dict[str, Family] = {arch: f for f in _ALL for arch in f.gguf_archs}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-HF_MODEL_TYPES = {t: f.gguf_archs[0] for f in _ALL for t in f.hf_model_types}
+# config.json model_type -> architecture, for the families whose safetensors checkpoints load (Family.hf_keys)
+HF_MODEL_TYPES = {t: f.gguf_archs[0] for f in _ALL if f.hf_keys is not None for t in f.hf_model_types}
 
 
 def family(arch: str) -> Family:

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from engine.errors import ModelLoadError
-from engine.formats.gguf import GGUFFile
 from engine.kernels.quant_types import QTensor
+
+
+class TensorSource(Protocol):
+    """Where a model's tensors come from, by GGUF name: a GGUF file, a split GGUF, a converted Hugging Face
+    checkpoint (models/hf_checkpoint.py)."""
+
+    path: Path
+    data: np.ndarray | None  # the one buffer every tensor views, None where there is none (split GGUF)
+
+    def has(self, name: str) -> bool: ...
+    def tensor(self, name: str) -> QTensor: ...
+    def vector(self, name: str) -> np.ndarray: ...
 
 
 class Weights:
     """GGUF tensor names without the `.weight` suffix are our internal names (`blk.3.attn_q`)."""
 
-    def __init__(self, gguf: GGUFFile):
+    def __init__(self, gguf: TensorSource):
         self._file = gguf
         self._tensors: dict[str, QTensor] = {}
         self._vectors: dict[str, np.ndarray] = {}

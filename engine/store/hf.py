@@ -125,9 +125,6 @@ def _published_selectors(ref: HFRef) -> list[HFRef]:
 def resolve_hf(ref_text: str, *, progress: Progress | None = None, offline: bool = False) -> Path:
     """The local file a `hf:` reference loads from, pulling it first when it is not cached."""
     ref = parse_hf_ref(ref_text)
-    if ref.kind == "safetensors":
-        raise UnsupportedModel(f"{ref.name}: loading safetensors checkpoints is not supported yet; "
-                               f"`goinfer pull {ref.name}` fetches it, or name a GGUF quant (hf:{ref.repo}:Q4_K_M)")
     path = cached_entry(ref)
     if path is not None:
         return path

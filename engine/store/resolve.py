@@ -5,7 +5,7 @@
     smollm2-135m    a built-in name or alias (fetched on first use, offline afterwards)
     hf:OWNER/REPO[:QUANT | :FILE.gguf | :safetensors]   pulled from a Hugging Face hub on first use
                                                           (engine/store/hf.py), offline afterwards
-    a directory     a safetensors checkpoint: refused until safetensors loading lands
+    a directory     a Hugging Face safetensors checkpoint (config.json, *.safetensors, tokenizer.json)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.errors import ModelNotFound, UnsupportedModel
+from engine.errors import ModelNotFound
 from engine.store import builtin
 
 __all__ = ["resolve_model_ref"]
@@ -47,8 +47,7 @@ def resolve_model_ref(ref: str | None = None, *, progress: Progress | None = Non
         return path
     if path.is_dir():
         if any(path.glob("*.safetensors")):
-            raise UnsupportedModel(f"{ref!r} is a safetensors checkpoint: loading safetensors is not supported "
-                                   f"yet; use a GGUF file")
+            return path  # models/hf_checkpoint.py reads it (and says what is missing)
         raise ModelNotFound(f"{ref!r} is a directory, not a model file")
     model = builtin.lookup(ref)
     if model is not None:

@@ -63,7 +63,8 @@ class Tokenizer:
 
     def __init__(self, *, kind: str, tokens: list[str], vocab: dict[str, int], attrs: np.ndarray, hf,
                  bos_id: int | None, eos_id: int | None, eog_ids: frozenset[int], add_bos: bool,
-                 add_eos: bool, add_space_prefix: bool, rstrip_ids: frozenset[int] = frozenset()):
+                 add_eos: bool, add_space_prefix: bool, rstrip_ids: frozenset[int] = frozenset(),
+                 parses_specials: bool = False):
         self.kind = kind  # "gpt2" | "llama"
         self._tokens = tokens
         self._attrs = attrs  # (n_vocab,) int32, GGUF token types after llama.cpp's fix-ups
@@ -74,6 +75,8 @@ class Tokenizer:
         specials = np.flatnonzero(np.isin(attrs, (CONTROL, USER_DEFINED, UNKNOWN))).tolist()
         self._special_matcher = _SpecialMatcher([(tokens[i], i) for i in specials])
         self._rstrip = rstrip_ids  # special tokens that swallow the whitespace after them (llama.cpp's RSTRIP)
+        # A tokenizer.json's own tokenizer (hf_json.py) finds its added tokens itself: encode hands it the text whole.
+        self._parses_specials = parses_specials
 
     # ------------------------------------------------------------------ construction
 
@@ -115,7 +118,7 @@ class Tokenizer:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", space_prefix))
-        eog = _end_of_generation(vocab, attrs, eos, key_id)
+        eog = end_of_generation(vocab, attrs, eos, key_id)
         rstrip = _rstrip_ids(meta, vocab, attrs)
 
         if kind == "gpt2":
@@ -171,6 +174,9 @@ class Tokenizer:
         add_bos = self._add_bos if add_bos is None else add_bos
         add_eos = self._add_eos if add_eos is None else add_eos
         out: list[int] = [self._bos] if add_bos and self._bos is not None else []
+        if self._parses_specials:
+            out.extend(self._hf.encode(text, add_special_tokens=False).ids if text else [])
+            return out + ([self._eos] if add_eos and self._eos is not None else [])
         parts: list[str | int] = []
         prev_special = True  # SentencePiece prefixes a space to the first fragment and after special tokens
         for p in self._special_matcher.split(text) if text else []:
@@ -254,7 +260,7 @@ def _rstrip_ids(meta: dict, vocab: dict[str, int], attrs: np.ndarray) -> frozens
     return frozenset(ids - {vocab.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")})
 
 
-def _end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None, key_id) -> set[int]:
+def end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None, key_id) -> set[int]:
     """llama.cpp's end-of-generation set: eos, eot, eom, FIM pad/repo/sep and tokens with EOG-looking text.
     Tokens it finds by their text it also retypes as control (`attrs` is updated in place)."""
     eog: set[int] = set()

@@ -1,0 +1,168 @@
+"""A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) read as the GGUF that
+llama.cpp's converter would make of it, built in memory at load: the same metadata keys (models/hf_config.py
+plus the family's `hf_keys`), the same tensor names (gguf's TensorNameMap), the same layouts. Everything
+downstream (family configuration, forward pass, backend, compiled decode step) is the GGUF path, unchanged.
+
+What the conversion does, once, here:
+- names: Hugging Face tensor names -> GGUF names; a tied head's copy is dropped;
+- RoPE layout: Hugging Face rotates the two halves of each head (NeoX); a family whose GGUF rotates adjacent
+  pairs (llama) gets its q/k rows permuted, as the converter does;
+- Gemma's RMSNorm weights get their +1 (`Family.hf_norm_offset`);
+- the RoPE factors a config describes become the tensors the converter writes (`rope_freqs`, LongRoPE's);
+- storage: the exact path keeps every matrix's stored numbers (bf16/f16/f32, widened to f32 as they are used);
+  the default path quantizes matrices to Q8_0 blocks so they run on the int8 kernels. Vectors are f32.
+All tensors lie in one anonymous buffer, as a GGUF's lie in its mapping, so the compiled decode step runs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from engine.errors import ModelLoadError, UnsupportedModel
+from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
+from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
+from engine.models import hf_config
+from engine.models.registry import HF_MODEL_TYPES, family
+
+_ALIGN = 64
+_STORED = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
+_WORDS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "BF16"}  # stored words
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path.parent}: no {path.name}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return value
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+class HFCheckpoint:
+    """The GGUFFile interface (metadata, has, tensor, vector, data) over a converted checkpoint directory."""
+
+    def __init__(self, directory: str | Path, *, quantize: bool):
+        self.path = Path(directory)
+        config = hf_config.text_config(read_json(self.path / "config.json"))
+        model_type = str(config.get("model_type", ""))
+        arch = HF_MODEL_TYPES.get(model_type)
+        if arch is None:
+            raise UnsupportedModel(f"{self.path.name}: Hugging Face model_type {model_type or '(none)'!r} is not "
+                                   f"supported (supported: {', '.join(sorted(HF_MODEL_TYPES))})")
+        fam = family(arch)
+        if fam.hf_keys is None:
+            raise UnsupportedModel(f"{self.path.name}: {fam.name} safetensors checkpoints are not supported yet; "
+                                   f"use a GGUF of it")
+        try:
+            meta, generated = hf_config.gguf_metadata(config, arch, self.path.name)
+            meta.update(fam.hf_keys(config))
+        except (TypeError, ValueError) as e:  # a field of the wrong type: a number that is not one
+            raise ModelLoadError(f"{self.path.name}/config.json: {e}") from None
+        except ModelLoadError as e:
+            raise type(e)(f"{self.path.name}/{e}") from None
+        self.metadata = meta
+        cfg = fam.read_config(meta, int(config["vocab_size"]))
+        source = SafetensorsCheckpoint(self.path)
+        plan = _plan(source, arch, cfg.n_layer, tied=bool(config.get("tie_word_embeddings", True)))
+        permute = {"attn_q": cfg.n_head, "attn_k": cfg.n_head_kv} if cfg.rope_style == "interleaved" else {}
+        items: list[tuple[str, np.ndarray, GGMLType]] = []
+        for name, src in plan.items():
+            words, dtype = source.array(src), source.dtype(src)
+            stem = name.split(".")[-2] if name.startswith("blk.") else ""
+            if stem in permute:  # rows of each head: halves -> adjacent pairs (the converter's permute)
+                words = _interleave(words, permute[stem])
+            if words.ndim == 1 or (words.ndim == 2 and words.shape[1] % 32 and quantize):
+                values = to_f32(words, dtype)
+                if fam.hf_norm_offset and name.endswith("norm.weight"):
+                    values = values + np.float32(fam.hf_norm_offset)
+                items.append((name, values.reshape(1, -1) if words.ndim == 1 else values, GGMLType.F32))
+            elif words.ndim == 2:
+                items.append((name, words, GGMLType.Q8_0 if quantize else _STORED[dtype]))
+            else:
+                raise UnsupportedModel(f"{self.path.name}: tensor {src!r} has {words.ndim} dimensions")
+        items += [(n + ".weight", v.reshape(1, -1), GGMLType.F32) for n, v in generated.items()]
+        self._buffer, self._tensors = _lay_out(items)
+        self.file_size = sum(t.raw.nbytes for t in self._tensors.values())
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata["general.architecture"])
+
+    @property
+    def data(self) -> np.ndarray:
+        """The one buffer every tensor views (the compiled decode step addresses weights inside it)."""
+        return self._buffer
+
+    def check_tensor_types(self) -> None:
+        """Every type here was chosen at conversion: nothing to refuse."""
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> QTensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path.name}: missing tensor {name!r}")
+        return t
+
+    def vector(self, name: str) -> np.ndarray:
+        from engine.kernels.reference import dequantize
+
+        return dequantize(self.tensor(name)).reshape(-1).astype(np.float32, copy=False)
+
+
+def _plan(source: SafetensorsCheckpoint, arch: str, n_layer: int, *, tied: bool) -> dict[str, str]:
+    """GGUF name -> safetensors name, for every tensor the converter would keep."""
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, n_layer)
+    plan: dict[str, str] = {}
+    for src in source.names:
+        name = names.get_name(src, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            continue  # buffers a checkpoint may carry (rotary inv_freq, ...): the converter drops them too
+        plan[name] = src
+    if tied and "output.weight" in plan and "token_embd.weight" in plan:
+        del plan["output.weight"]
+    return plan
+
+
+def _interleave(words: np.ndarray, n_head: int) -> np.ndarray:
+    rows = words.shape[0]
+    return (words.reshape(n_head, 2, rows // n_head // 2, *words.shape[1:]).swapaxes(1, 2)
+            .reshape(words.shape))
+
+
+def _lay_out(items: list[tuple[str, np.ndarray, GGMLType]]) -> tuple[np.ndarray, dict[str, QTensor]]:
+    """Write every tensor, converted to its type, into one page-aligned anonymous buffer; QTensor views."""
+    sizes = []
+    for _, values, gtype in items:
+        block, nbytes = BLOCK_GEOMETRY[gtype]
+        sizes.append(values.shape[0] * (values.shape[1] // block) * nbytes)
+    offsets = np.concatenate([[0], np.cumsum([-(-s // _ALIGN) * _ALIGN for s in sizes])]).astype(int)
+    mem = mmap.mmap(-1, max(int(offsets[-1]), 1))
+    buf = np.frombuffer(mem, np.uint8)
+    out = {}
+    for (name, values, gtype), off, size in zip(items, offsets, sizes):
+        rows = values.shape[0]
+        raw = buf[off : off + size].reshape(rows, size // rows)
+        if gtype == GGMLType.Q8_0:
+            for r0 in range(0, rows, 4096):  # a slab at a time: the f32 copy of a large matrix stays small
+                f32 = to_f32(values[r0 : r0 + 4096], _WORDS[values.dtype])
+                raw[r0 : r0 + 4096] = gguf.quants.quantize(f32, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            raw[:] = np.ascontiguousarray(values).view(np.uint8).reshape(rows, -1)
+        out[name] = QTensor(name, gtype, (rows, values.shape[1]), raw)
+    return buf, out
