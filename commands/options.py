@@ -14,7 +14,8 @@ import typer
 __all__ = ["ModelOption", "NoSelftestOption", "QuantOption", "ThreadsOption"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="A .gguf path, a built-in name or hf:OWNER/REPO:QUANT.")]
+    "--model", "-m", help="A .gguf path, a safetensors checkpoint directory, a built-in name or "
+                          "hf:OWNER/REPO[:QUANT|:safetensors].")]
 
 QuantOption = Annotated[str, typer.Option(help="Compute path: auto or f32.")]
 

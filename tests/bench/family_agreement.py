@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The agreement figures docs/models.md quotes per family (not a test; tests/test_families.py holds the limits):
-for every GGUF reference of ../shared/families/<family>, the exact path's worst |logprob diff| against the f32
+for every reference of ../shared/families/<family> (each GGUF and the hf/ safetensors directory), the exact path's worst |logprob diff| against the f32
 oracle, and the default path's mean / worst |logprob diff| and mean KL against llama.cpp's top-20, over a prompt
 (teacher-forced) and token by token through the compiled decode step.
 
@@ -30,8 +30,6 @@ def main(families: list[str]) -> None:
     print("|---|---|---|---|")
     for fam in families:
         for ref_path in sorted((KIT / fam).glob("tiny-*.json")):
-            if ref_path.name.endswith(".hf.json"):
-                continue
             ref = json.loads(ref_path.read_text())
             path = ref_path.parent / ref["model_file"]
             exact = engine.load_model(path, quant="f32", selftest=False)
