@@ -84,8 +84,9 @@ def _print_plain(r: dict[str, Any]) -> None:
         summary = st["status"]
     lines.append(f"self-test    {summary}")
     models = r["models"]
-    lines.append(f"models       {', '.join(models['formats'])}: "
-                 f"{', '.join(a['architecture'] for a in models['architectures'])}")
+    archs = [a["architecture"] + ("" if "safetensors" in a["formats"] else " (gguf only)")
+             for a in models["architectures"]]
+    lines.append(f"models       {', '.join(models['formats'])}: {', '.join(archs)}")
     if "fit" in r:
         f = r["fit"]
         verdict = "unknown" if f["fits"] is None else ("fits" if f["fits"] else "does NOT fit")

@@ -189,9 +189,12 @@ def supported_models() -> dict[str, Any]:
     """What loads: the file formats and the architectures (from the family registry)."""
     from engine.models.registry import FAMILIES
 
-    return {"formats": ["gguf"], "architectures": [{"architecture": arch, "family": f.name,
-                                                    "paths": ["fast", "exact"], "decode_step": f.step_flags is not None}
-                                                   for arch, f in FAMILIES.items()]}
+    return {"formats": ["gguf", "safetensors"],
+            "architectures": [{"architecture": arch, "family": f.name, "paths": ["fast", "exact"],
+                               "decode_step": f.step_flags is not None,
+                               "formats": ["gguf"] + (["safetensors"] if f.hf_keys is not None else []),
+                               "hf_model_types": list(f.hf_model_types) if f.hf_keys is not None else []}
+                              for arch, f in FAMILIES.items()]}
 
 
 def hardware_report(*, selftest: bool = True, fit: str | None = None, context: int | None = None,

@@ -125,6 +125,8 @@ def test_check_hardware_lists_every_family_that_loads():
     listed = {a["architecture"]: a for a in supported_models()["architectures"]}
     assert set(FAMILIES) | {"gemma3"} <= set(listed)
     assert all(listed[f]["decode_step"] for f in FAMILIES)
+    assert all("safetensors" in listed[f]["formats"] for f in FAMILIES)  # each proven on its hf/ directory
+    assert listed["gemma3"]["formats"] == ["gguf"]
 
 
 def test_only_a_phi3_model_drops_the_whitespace_after_its_special_tokens():
