@@ -231,7 +231,7 @@ def u32_bits_to_f32(typingctx, bits):
 
 
 @njit(cache=True, inline="always")
-def _f16_at(src, o):
+def f16_at(src, o):
     """The little-endian f16 at byte offset o of src, as f32."""
     return half_bits_to_f32(np.uint32(src[o]) | (np.uint32(src[o + 1]) << np.uint32(8)))
 
@@ -293,7 +293,7 @@ def _row_q8_0(src, dst):
 
 
 @njit(cache=True, inline="always")
-def _k_scale_min(src, s, j):
+def k_scale_min(src, s, j):
     """6-bit (scale, min) of sub-block j from the 12 packed bytes at src[s:] (Q4_K/Q5_K; see reference)."""
     if j < 4:
         return np.int32(src[s + j]) & 63, np.int32(src[s + j + 4]) & 63
@@ -306,9 +306,9 @@ def _k_scale_min(src, s, j):
 def _row_q4_k(src, dst):
     for b in range(dst.shape[0] // 256):
         o, y = b * 144, b * 256  # f16 d | f16 dmin | scales[12] | qs[128]
-        d, dmin = _f16_at(src, o), _f16_at(src, o + 2)
+        d, dmin = f16_at(src, o), f16_at(src, o + 2)
         for s in range(8):  # sub-block s: nibble s % 2 of the 32 bytes qs[32 * (s // 2):]
-            sc, m = _k_scale_min(src, o + 4, s)
+            sc, m = k_scale_min(src, o + 4, s)
             _dq_k32(src, o, dst, y + 32 * s, 16 + 32 * (s // 2), 4 * (s % 2),
                     d * np.float32(sc), dmin * np.float32(m))
 
@@ -317,9 +317,9 @@ def _row_q4_k(src, dst):
 def _row_q5_k(src, dst):
     for b in range(dst.shape[0] // 256):
         o, y = b * 176, b * 256  # f16 d | f16 dmin | scales[12] | qh[32] | qs[128]
-        d, dmin = _f16_at(src, o), _f16_at(src, o + 2)
+        d, dmin = f16_at(src, o), f16_at(src, o + 2)
         for s in range(8):  # as Q4_K; the 5th bit of weight l is bit s of qh[l]
-            sc, m = _k_scale_min(src, o + 4, s)
+            sc, m = k_scale_min(src, o + 4, s)
             _dq_k32_h(src, o, dst, y + 32 * s, 48 + 32 * (s // 2), 4 * (s % 2), 16, s,
                       d * np.float32(sc), dmin * np.float32(m))
 
@@ -328,7 +328,7 @@ def _row_q5_k(src, dst):
 def _row_q6_k(src, dst):
     for b in range(dst.shape[0] // 256):
         o, y = b * 210, b * 256  # ql[128] | qh[64] | i8 scales[16] | f16 d
-        d = _f16_at(src, o + 208)
+        d = f16_at(src, o + 208)
         for g in range(16):  # 16-weight group g has scale g; half h, quarter qt of it, 16-lane part i
             h, qt, i = g // 8, (g // 2) % 4, g % 2
             # quarters 0..3 = low nibbles of ql[0:32], ql[32:64], then their high nibbles; qh bits 2*qt

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from engine.kernels import reference
-from engine.kernels.cpu import exact, int8, ir, packed
+from engine.kernels.cpu import exact, gemm8, int8, ir, packed
 from engine.kernels.quant_types import GGMLType, QTensor
 
 MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize + sgemm
@@ -157,6 +157,8 @@ class Int8Kernels(ExactKernels):
         ir.tier_token(tier)  # refuses an unknown tier, or one this CPU cannot run (also from GOINFER_CPU_TIER)
         self.tier = tier or ir.TIER
         self._groups: dict[tuple[int, ...], tuple] = {}
+        # Prompts over K-quant matrices: the int8 GEMM (gemm8.py) where the CPU has 512-bit VNNI, else sgemm.
+        self._gemm8 = self.tier == "vnni" and gemm8.available()
 
     def _group(self, ws: Sequence[QTensor]) -> tuple[int8.PreparedWeights | None, list[slice]]:
         """Checked once per weight group: (Prepared, column slice of each matrix), or (None, ...) when a float
@@ -170,8 +172,13 @@ class Int8Kernels(ExactKernels):
             hit = self._groups[key] = (int8.prepare(ws) if quantized else None, slices, list(ws))
         return hit[0], hit[1]
 
+    def _prompt_gemm8(self, x: np.ndarray, ws: Sequence[QTensor]) -> bool:
+        return self._gemm8 and x.shape[0] > Q8_MATVEC_MAX_T and all(gemm8.usable(w) for w in ws)
+
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         x = as_input(x, w)  # (T, cols)
+        if self._prompt_gemm8(x, (w,)):
+            return gemm8.matmul(gemm8.QuantizedInput(x), w)
         if w.packed is not None and x.shape[0] <= Q8_MATVEC_MAX_T:
             return packed.matvec(w, x, self.tier)
         p = self._group((w,))[0] if x.shape[0] <= Q8_MATVEC_MAX_T else None
@@ -185,6 +192,9 @@ class Int8Kernels(ExactKernels):
         if not ws:
             return []
         x = as_input(x, ws[0])
+        if self._prompt_gemm8(x, ws):
+            qin = gemm8.QuantizedInput(x)  # quantized once for all of them
+            return [gemm8.matmul(qin, w) for w in ws]
         if any(w.packed is not None for w in ws) and x.shape[0] <= Q8_MATVEC_MAX_T:
             return [self.matmul(x, w) for w in ws]
         p, slices = self._group(ws) if x.shape[0] <= Q8_MATVEC_MAX_T else (None, None)

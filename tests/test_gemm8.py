@@ -1,0 +1,58 @@
+"""The prompt GEMM of the fast path (engine/kernels/cpu/gemm8.py): the decode matvec's integer math (Q8_K
+activations against the stored Q4_K/Q5_K quants), so equal to the matvec on the same input; close to the f32
+product of the dequantized weights; the fast backend sends prompts over Q4_K/Q5_K matrices to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.kernels import reference
+from engine.kernels.cpu import gemm8, int8
+from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels
+from engine.kernels.quant_types import GGMLType, QTensor
+from testdata import make_fixtures
+
+pytestmark = pytest.mark.skipif(not gemm8.available(), reason="this CPU has no 512-bit VNNI (the GEMM is not used)")
+G = GGMLType
+
+
+@pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K])
+@pytest.mark.parametrize("T,rows,K", [(13, 40, 512), (8, 16, 256), (30, 7, 768)])
+def test_a_prompt_sees_the_numbers_a_decoded_token_sees(t, T, rows, K):
+    # the decode matvec (int8.py) on the same input: the same integer math, summed in another order
+    rng = np.random.default_rng(T * rows + K)
+    w = QTensor("w", t, (rows, K), make_fixtures.random_weight(rng, rows, K, t))
+    x = rng.standard_normal((T, K)).astype(np.float32) * rng.choice([0.01, 1.0, 20.0], size=(T, 1)).astype(np.float32)
+    x[0, :256] = 0.0  # an all-zero super-block: scale 0
+    got = gemm8.matmul(gemm8.QuantizedInput(x), w)
+    want = int8.matvec(int8.prepare([w]), int8.quantize(x, [t]))
+    assert got.shape == (T, rows) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_gemm_is_close_to_the_f32_product():
+    rng = np.random.default_rng(1)
+    w = QTensor("w", G.Q4_K, (64, 1024), make_fixtures.random_weight(rng, 64, 1024, G.Q4_K))
+    x = rng.standard_normal((50, 1024)).astype(np.float32)
+    exact = x @ reference.dequantize(w).reshape(w.shape).T
+    got = gemm8.matmul(gemm8.QuantizedInput(x), w)
+    assert np.abs(got - exact).mean() <= 0.02 * np.abs(exact).mean()  # int8 activations: ~1 % here
+
+
+def test_the_fast_backend_runs_prompts_over_k_quants_through_it(monkeypatch):
+    rng = np.random.default_rng(2)
+    kq = QTensor("kq", G.Q4_K, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q4_K))
+    legacy = QTensor("l", G.Q4_0, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q4_0))
+    calls = []
+    monkeypatch.setattr(gemm8, "matmul", lambda qin, w: calls.append(w.name) or np.zeros((qin.T, w.rows), np.float32))
+    k = Int8Kernels()
+    prompt, token = np.ones((Q8_MATVEC_MAX_T + 1, 512), np.float32), np.ones((1, 512), np.float32)
+    k.matmul(prompt, kq)
+    k.matmul_many(prompt, [kq, kq])
+    k.matmul(token, kq)  # decode: the matvec
+    k.matmul(prompt, legacy)  # legacy blocks: dequantize + sgemm
+    k.matmul(prompt, QTensor("q6", G.Q6_K, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q6_K)))
+    k.matmul_many(prompt, [kq, legacy])  # a mixed group: sgemm for all
+    assert calls == ["kq", "kq", "kq"]
