@@ -56,3 +56,23 @@ def test_the_fast_backend_runs_prompts_over_k_quants_through_it(monkeypatch):
     k.matmul(prompt, QTensor("q6", G.Q6_K, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q6_K)))
     k.matmul_many(prompt, [kq, legacy])  # a mixed group: sgemm for all
     assert calls == ["kq", "kq", "kq"]
+
+
+def test_a_model_takes_it_only_where_it_carries_most_of_the_prompt_work(monkeypatch):
+    rng = np.random.default_rng(3)
+    q4k, q40 = (QTensor(t.name, t, (64, 512), make_fixtures.random_weight(rng, 64, 512, t)) for t in (G.Q4_K, G.Q4_0))
+    assert gemm8.carries_most([q4k, q4k, q40]) and not gemm8.carries_most([q4k, q40, q40])
+
+    import engine
+    from tests.conftest import SHARED
+
+    calls = []
+    real = gemm8.matmul
+    monkeypatch.setattr(gemm8, "matmul", lambda qin, w: calls.append(w.name) or real(qin, w))
+    kit = SHARED / "families" / "qwen2"
+    prompt = list(range(10, 60))
+    for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", True), ("tiny-qwen2-a.Q8_0.gguf", False)):
+        calls.clear()
+        model = engine.load_model(kit / name, selftest=False)
+        model.prefill(prompt, model.new_cache(64))
+        assert bool(calls) == expected, name
