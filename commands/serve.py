@@ -53,14 +53,16 @@ Ctrl-C (or SIGTERM) stops the server: requests in flight are cancelled. See docs
 def serve(
     model: Annotated[Optional[List[str]], typer.Option(
         "--model", "-m", metavar="[NAME=]REF",
-        help="A .gguf path, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME; repeatable.")] = None,
+        help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME; "
+             "repeatable.")] = None,
     addr: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
         help="Require this key on every route (Bearer or x-api-key).")] = None,
     tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="PEM certificate: serve HTTPS.")] = None,
     tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key for --tls-cert.")] = None,
-    ctx: Annotated[int, typer.Option(help="Context window per request, in tokens (capped at the model's own).")]
+    ctx: Annotated[int, typer.Option(help="Context window per request, in tokens (capped at the model's own; "
+                                          "past a Phi-3 model's original window, its long RoPE factors).")]
     = DEFAULT_CTX,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait per model.")]
     = DEFAULT_MAX_QUEUE,
@@ -89,7 +91,7 @@ def serve(
             raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
         served = []
         for (name, ref), default in zip(specs, names):
-            llm = _load(ref, quant, not no_selftest)
+            llm = _load(ref, quant, not no_selftest, ctx)
             served.append(ServedModel.of(default or llm.name, llm, ctx))
         names = [s.name for s in served]
         if len(set(names)) < len(names):
@@ -107,10 +109,10 @@ def _default_name(ref: str | None) -> str | None:
     return builtin.name if builtin is not None else None
 
 
-def _load(ref: str | None, quant: str, selftest: bool = True):
+def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = None):
     progress = FetchProgress()
-    try:
-        return load_model(ref, quant=quant, progress=progress, selftest=selftest)
+    try:  # ctx past a model's default window switches one with long-context RoPE factors to them (Phi-3)
+        return load_model(ref, quant=quant, progress=progress, selftest=selftest, context=ctx)
     finally:
         progress.close()
 

@@ -14,6 +14,7 @@ from engine.formats.gguf import open_gguf
 from engine.kernels.registry import load_backend
 from engine.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
+from engine.models.config import with_context
 from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
@@ -29,11 +30,13 @@ QUANT_MODES = {"auto": "fast", "f32": "exact"}
 
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
-               selftest: bool = True) -> Model:
+               selftest: bool = True, context: int | None = None) -> Model:
     """Load a model from a .gguf path, a Hugging Face checkpoint directory, a built-in name or an hf: reference
     (None: the default built-in model).
 
-    selftest=False (or GOINFER_NO_SELFTEST=1) skips the once-per-process kernel self-test.
+    selftest=False (or GOINFER_NO_SELFTEST=1) skips the once-per-process kernel self-test. context: the window
+    the caller means to use; past the model's default one, a model with long-context RoPE factors (Phi-3's
+    LongRoPE) switches to them for good (models/config.py: with_context).
     """
     quant = quant or "auto"
     if quant not in QUANT_MODES:
@@ -56,6 +59,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     source.check_tensor_types()
     fam = family(config.arch)
     weights = Weights(source)
+    config = with_context(config, context, weights.has)
     weights.require(["token_embd", "output_norm"]
                     + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors])
     tokenizer = tokenizer or Tokenizer.from_gguf_metadata(meta)

@@ -9,7 +9,7 @@ does not (../shared/MODELS.md: "facts the GGUF files do not state"). Each family
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.errors import ModelLoadError, UnsupportedModel
@@ -47,6 +47,10 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores capped to c tanh(s / c) (Gemma 2); 0: none
     rope_factors: str = "rope_freqs"  # the tensor of RoPE frequency divisors, where the file has one
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    # A longer window the model reaches with other RoPE divisors (LongRoPE's long factors), chosen at load for
+    # the whole model as llama.cpp does when the context asked for exceeds context_length (with_context).
+    long_context: int = 0
+    long_rope_factors: str = ""
     # Block shape: per-head RMSNorm on q and k before RoPE; biases on q, k, v; a norm after attention and after
     # the MLP (Gemma); the gate's activation ("silu" or "gelu_tanh").
     qk_norm: bool = False
@@ -100,3 +104,12 @@ def common_fields(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         layer_rope_base=(rope_base,) * n_layer,
         attn_scale=1.0 / math.sqrt(head_dim),
     )
+
+
+def with_context(cfg: ModelConfig, context: int | None, has_tensor) -> ModelConfig:
+    """The configuration for a context window of `context` tokens: past context_length, the long RoPE divisors
+    where the model has them (has_tensor(name)), and the window grown up to long_context; else unchanged
+    (callers cap their windows at context_length)."""
+    if not context or context <= cfg.context_length or not cfg.long_context or not has_tensor(cfg.long_rope_factors):
+        return cfg
+    return replace(cfg, context_length=min(int(context), cfg.long_context), rope_factors=cfg.long_rope_factors)

@@ -3,9 +3,10 @@ gate and up projections fused in `ffn_up` (gate rows first; SwiGLU), NeoX RoPE o
 (Phi-4-mini rotates 3/4 of each head), and LongRoPE: frequency divisors per rotary pair and an attention factor
 that multiplies cos and sin. llama.cpp ignores Phi-3's sliding window, and so does this.
 
-LongRoPE has short factors (up to `rope.scaling.original_context_length`) and long ones (beyond). Only the
-short ones are implemented, so the context window is held to the original length: a longer prompt is refused
-(ContextOverflow) instead of answered with the wrong frequencies.
+LongRoPE has short factors (up to `rope.scaling.original_context_length`) and long ones (beyond). As llama.cpp,
+the choice is made once for the model, by the context window asked for at load (load_model(context=N),
+`serve --ctx N`): up to the original length, the short factors and that window; past it, the long factors and
+a window up to the trained context length.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from engine.models.family import Family, no_hf_keys
 
 def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
     f = common_fields(meta, vocab_size)
-    original = int(get(meta, "phi3.rope.scaling.original_context_length", 0))
-    if original:
-        f["context_length"] = min(f["context_length"], original)
+    original, trained = int(get(meta, "phi3.rope.scaling.original_context_length", 0)), f["context_length"]
+    if original and original < trained:
+        f.update(context_length=original, long_context=trained, long_rope_factors="rope_factors_long")
     return ModelConfig(**f, rms_eps=float(get(meta, "phi3.attention.layer_norm_rms_epsilon", 1e-5)),
                        rope_style="neox", rope_factors="rope_factors_short",
                        rope_attn_factor=float(get(meta, "phi3.rope.scaling.attn_factor", 1.0) or 1.0),
