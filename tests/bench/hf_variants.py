@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Hugging Face checkpoints of the dense families with other shapes than ../shared/families' (not a test: it needs
+torch and transformers, which the project does not depend on). Two steps, two pythons:
+
+  SCRATCH_PY tests/bench/hf_variants.py make DIR    # a venv with torch (CPU) + transformers: writes DIR/<family>/
+                                                    # (bf16 safetensors, the kit's tokenizer files) and the
+                                                    # float64 log-probabilities of a 64-token prompt
+  .venv/bin/python tests/bench/hf_variants.py check DIR   # goinfer, exact and default path, against them
+
+Variants: llama with llama3 RoPE scaling, 8 heads / 2 KV heads of width 32, an untied head, 3 layers; qwen2 with
+8/4 heads and a vocabulary (2112) larger than its tokenizer; qwen3 with head width 128 != hidden / heads and one KV
+head; phi3 rotating 3/4 of each head with LongRoPE past an original window of 32 (its long factors); gemma2 with a
+window of 16, query_pre_attn_scalar 128 != head width, other soft-caps, 3 layers. docs/models.md gives the result.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+KIT = ROOT.parent / "shared" / "families"
+
+
+def _variants(T) -> dict:
+    """family -> (the kit directory whose tokenizer it borrows, config class, config)."""
+    small = dict(hidden_size=256, max_position_embeddings=4096)
+    return {
+        "llama": ("llama", T.LlamaConfig, dict(
+            small, intermediate_size=384, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=32, vocab_size=2048, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=2043,
+            eos_token_id=2047, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64})),
+        "qwen2": ("qwen2", T.Qwen2Config, dict(
+            small, intermediate_size=320, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
+            vocab_size=2112, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=1992,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+        "qwen3": ("qwen3", T.Qwen3Config, dict(
+            small, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=128, vocab_size=2048, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=1992,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        "phi3": ("phi3", T.Phi3Config, dict(
+            small, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            vocab_size=2048, original_max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=1982, pad_token_id=1979, partial_rotary_factor=0.75,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                             "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.05 * i for i in range(24)],
+                             "long_factor": [1.0 + 0.7 * i for i in range(24)]})),
+        "gemma2": ("gemma2", T.Gemma2Config, dict(
+            small, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, vocab_size=2048, rms_norm_eps=1e-6, query_pre_attn_scalar=128, sliding_window=16,
+            attn_logit_softcapping=15.0, final_logit_softcapping=25.0, hidden_activation="gelu_pytorch_tanh",
+            bos_token_id=2, eos_token_id=1, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    }
+
+
+def make(out: Path) -> None:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    for fam, (kit_fam, cls, kw) in _variants(T).items():
+        model = T.AutoModelForCausalLM.from_config(cls(**kw), attn_implementation="eager")
+        with torch.no_grad():  # peaked distributions: every weight moves the logits
+            for name, p in model.named_parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                else:
+                    p.normal_(0.0, 0.3 if "norm" in name else 0.5)
+        d = out / fam
+        shutil.rmtree(d, ignore_errors=True)
+        model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+        for f in (KIT / kit_fam / "hf").iterdir():
+            if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+                shutil.copy(f, d / f.name)
+        # the oracle: the saved (bf16) weights in float64
+        model = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager").eval()
+        ids = np.random.default_rng(1).integers(5, 1900, 64).tolist()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1).numpy()
+        np.save(d / "oracle_ids.npy", np.array(ids))
+        np.save(d / "oracle_logprobs_f64.npy", lp)
+        print(fam, "written", d)
+
+
+def check(out: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    import engine
+
+    print("| variant | exact: max / mean |Δ| over the oracle's top-20 | default path: max / mean "
+          "| default top-1 agreement |")
+    print("|---|---|---|---|")
+    for d in sorted(p for p in out.iterdir() if (p / "oracle_ids.npy").is_file()):
+        ids = np.load(d / "oracle_ids.npy").tolist()
+        ref = np.load(d / "oracle_logprobs_f64.npy")
+        top = np.argsort(-ref, axis=1)[:, :20]
+        cells = []
+        for quant in ("f32", "auto"):
+            # context 4096: past phi3's original window of 32, as the oracle's 64 tokens are (its long factors)
+            lp = engine.load_model(d, quant=quant, selftest=False, context=4096).logprobs(ids, start=0)
+            n = min(lp.shape[1], ref.shape[1])
+            dtop = np.take_along_axis(np.abs(lp[:, :n] - ref[:, :n]), top, 1)
+            cells.append(f"{dtop.max():.1e} / {dtop.mean():.1e}")
+            agree = float((lp[:, :n].argmax(1) == ref.argmax(1)).mean())
+        print(f"| {d.name} | {cells[0]} | {cells[1]} | {agree:.2f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ("make", "check"):
+        sys.exit(__doc__)
+    (make if sys.argv[1] == "make" else check)(Path(sys.argv[2]))
