@@ -160,16 +160,23 @@ def gpu_backends() -> dict[str, dict[str, Any]]:
 def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[str, Any]:
     """Memory a model needs (weights + f32 KV cache at `context` + working buffers) against what is free."""
     from engine.formats.gguf import open_gguf
+    from engine.models.hf_checkpoint import is_hf_checkpoint, loaded_bytes, read_metadata
     from engine.models.registry import config_from_gguf
     from engine.store import resolve_model_ref
 
     path = resolve_model_ref(ref, progress=progress)
-    gguf = open_gguf(path)
-    meta = gguf.metadata
-    tokens = meta.get("tokenizer.ggml.tokens")
-    config = config_from_gguf(meta, len(tokens) if tokens is not None else int(meta.get(f"{gguf.architecture}.vocab_size", 0)))
+    if is_hf_checkpoint(path):  # sized as loaded on the default path: Q8_0 matrices (models/hf_checkpoint.py)
+        meta = read_metadata(path)[2]
+        config = config_from_gguf(meta, int(meta[f"{meta['general.architecture']}.vocab_size"]))
+        weights = loaded_bytes(path, quantize=True)
+    else:
+        gguf = open_gguf(path)
+        meta = gguf.metadata
+        tokens = meta.get("tokenizer.ggml.tokens")
+        config = config_from_gguf(meta, len(tokens) if tokens is not None
+                                  else int(meta.get(f"{gguf.architecture}.vocab_size", 0)))
+        weights = sum(e.nbytes or 0 for e in gguf.entries.values())
     ctx = int(context or config.context_length)
-    weights = sum(e.nbytes or 0 for e in gguf.entries.values())
     kv = 2 * config.n_layer * ctx * config.n_head_kv * config.head_dim * 4  # K and V, f32
     # Working set: a 512-token prompt chunk's activations and scores, the dequantize scratch (<= 64 MB),
     # the vocabulary-sized logits: an estimate, stated as such.

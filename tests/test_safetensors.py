@@ -114,3 +114,12 @@ def test_a_checkpoint_runs_its_chat_template_and_stops_at_its_end_token():
     prompt = model.template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert prompt.startswith("<|im_start|>user\nhi<|im_end|>") and prompt.endswith("<|im_start|>assistant\n")
     assert model.tokenizer.decode(model.tokenizer.encode(prompt)) == prompt
+
+
+def test_check_fit_sizes_a_checkpoint_as_the_default_path_holds_it():
+    from engine.hardware import fit_report
+    from engine.models.hf_checkpoint import HFCheckpoint
+
+    report = fit_report(str(QWEN2))
+    assert report["architecture"] == "qwen2"
+    assert report["weights_bytes"] == HFCheckpoint(QWEN2, quantize=True).file_size  # Q8_0 matrices, f32 vectors

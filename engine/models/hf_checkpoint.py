@@ -28,6 +28,7 @@ from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 from engine.models import hf_config
+from engine.models.family import Family
 from engine.models.registry import HF_MODEL_TYPES, family
 
 _ALIGN = 64
@@ -51,32 +52,51 @@ def is_hf_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def read_metadata(directory: Path) -> tuple[dict[str, Any], Family, dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json's language-model settings, the family, the GGUF metadata of them, generated RoPE tensors)."""
+    config = hf_config.text_config(read_json(directory / "config.json"))
+    model_type = str(config.get("model_type", ""))
+    arch = HF_MODEL_TYPES.get(model_type)
+    if arch is None:
+        raise UnsupportedModel(f"{directory.name}: Hugging Face model_type {model_type or '(none)'!r} is not "
+                               f"supported (supported: {', '.join(sorted(HF_MODEL_TYPES))})")
+    fam = family(arch)
+    try:
+        meta, generated = hf_config.gguf_metadata(config, arch, directory.name)
+        meta.update(fam.hf_keys(config))
+    except (TypeError, ValueError) as e:  # a field of the wrong type: a number that is not one
+        raise ModelLoadError(f"{directory.name}/config.json: {e}") from None
+    except ModelLoadError as e:
+        raise type(e)(f"{directory.name}/{e}") from None
+    return config, fam, meta, generated
+
+
+def loaded_bytes(directory: Path, *, quantize: bool) -> int:
+    """What the converted weights take in memory (Q8_0 matrices on the default path), from the headers alone."""
+    source = SafetensorsCheckpoint(directory)
+    total = 0
+    for name in source.names:
+        shape, stored = source.shape(name), _STORED.get(source.dtype(name))
+        n = int(np.prod(shape))
+        if len(shape) == 2 and quantize and shape[1] % 32 == 0:
+            total += n // 32 * 34
+        elif len(shape) == 2 and stored is not None:
+            total += n * BLOCK_GEOMETRY[stored][1]
+        else:
+            total += n * 4
+    return total
+
+
 class HFCheckpoint:
     """The GGUFFile interface (metadata, has, tensor, vector, data) over a converted checkpoint directory."""
 
     def __init__(self, directory: str | Path, *, quantize: bool):
         self.path = Path(directory)
-        config = hf_config.text_config(read_json(self.path / "config.json"))
-        model_type = str(config.get("model_type", ""))
-        arch = HF_MODEL_TYPES.get(model_type)
-        if arch is None:
-            raise UnsupportedModel(f"{self.path.name}: Hugging Face model_type {model_type or '(none)'!r} is not "
-                                   f"supported (supported: {', '.join(sorted(HF_MODEL_TYPES))})")
-        fam = family(arch)
-        if fam.hf_keys is None:
-            raise UnsupportedModel(f"{self.path.name}: {fam.name} safetensors checkpoints are not supported yet; "
-                                   f"use a GGUF of it")
-        try:
-            meta, generated = hf_config.gguf_metadata(config, arch, self.path.name)
-            meta.update(fam.hf_keys(config))
-        except (TypeError, ValueError) as e:  # a field of the wrong type: a number that is not one
-            raise ModelLoadError(f"{self.path.name}/config.json: {e}") from None
-        except ModelLoadError as e:
-            raise type(e)(f"{self.path.name}/{e}") from None
+        config, fam, meta, generated = read_metadata(self.path)
         self.metadata = meta
         cfg = fam.read_config(meta, int(config["vocab_size"]))
         source = SafetensorsCheckpoint(self.path)
-        plan = _plan(source, arch, cfg.n_layer, tied=bool(config.get("tie_word_embeddings", True)))
+        plan = _plan(source, cfg.arch, cfg.n_layer, tied=bool(config.get("tie_word_embeddings", True)))
         permute = {"attn_q": cfg.n_head, "attn_k": cfg.n_head_kv} if cfg.rope_style == "interleaved" else {}
         items: list[tuple[str, np.ndarray, GGMLType]] = []
         for name, src in plan.items():
