@@ -45,7 +45,7 @@ TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K})  # Q6_K (scales per 16) stays 
 
 def available() -> bool:
     """The CPU (as numba compiles for it) has 512-bit VNNI, and the vnni tier is in force."""
-    feats = kir._target_features()
+    feats = kir.target_features()
     return kir.TIER == "vnni" and {"avx512f", "avx512bw", "avx512vnni"} <= feats
 
 
@@ -201,10 +201,13 @@ def matmul(qin: QuantizedInput, w: QTensor) -> np.ndarray:
 
 
 _executor: ThreadPoolExecutor | None = None
+_workers = 0
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
-    global _executor
-    if _executor is None or _executor._max_workers < n - 1:
-        _executor = ThreadPoolExecutor(max_workers=max(1, n - 1), thread_name_prefix="goinfer-gemm8")
+    """n - 1 helper threads (the caller runs a chunk itself), made once and grown when asked for more."""
+    global _executor, _workers
+    if _executor is None or _workers < n - 1:
+        _workers = max(1, n - 1)
+        _executor = ThreadPoolExecutor(max_workers=_workers, thread_name_prefix="goinfer-gemm8")
     return _executor

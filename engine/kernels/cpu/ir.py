@@ -51,7 +51,7 @@ _TOKENS = {"generic": np.int8(0), "avx2": np.int16(0), "vnni": np.int32(0)}
 _TIER_OF_BITS = {8: "generic", 16: "avx2", 32: "vnni"}
 
 
-def _target_features() -> set[str]:
+def target_features() -> set[str]:
     """The CPU features numba compiles for: NUMBA_CPU_FEATURES when set (portable caches), else the host's."""
     forced = numba.config.CPU_FEATURES
     if forced is not None:
@@ -62,7 +62,7 @@ def _target_features() -> set[str]:
 @functools.cache
 def available_tiers() -> tuple[str, ...]:
     """The tiers the compilation target (normally this CPU) can run, best last."""
-    f = _target_features()
+    f = target_features()
     have = f.__contains__
     tiers = ["generic"]
     if have("avx2"):
