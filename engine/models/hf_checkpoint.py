@@ -16,7 +16,6 @@ All tensors lie in one anonymous buffer, as a GGUF's lie in its mapping, so the 
 
 from __future__ import annotations
 
-import json
 import mmap
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import gguf
 import numpy as np
 
 from engine.errors import ModelLoadError, UnsupportedModel
+from engine.formats.checkpoint_json import read_json_object
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 from engine.models import hf_config
@@ -36,25 +36,14 @@ _STORED = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
 _WORDS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "BF16"}  # stored words
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path.parent}: no {path.name}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path}: not a JSON object")
-    return value
-
-
 def is_hf_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    """A directory is read as a checkpoint (what it lacks, config.json or shards, is then named)."""
+    return path.is_dir()
 
 
 def read_metadata(directory: Path) -> tuple[dict[str, Any], Family, dict[str, Any], dict[str, np.ndarray]]:
     """(config.json's language-model settings, the family, the GGUF metadata of them, generated RoPE tensors)."""
-    config = hf_config.text_config(read_json(directory / "config.json"))
+    config = hf_config.text_config(read_json_object(directory / "config.json"))
     model_type = str(config.get("model_type", ""))
     arch = HF_MODEL_TYPES.get(model_type)
     if arch is None:

@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError
+from engine.formats.checkpoint_json import read_json_object
 from engine.tokenizer.gguf_tokenizer import SPACE, Tokenizer, end_of_generation
 from engine.tokenizer.hf_build import BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINED
 
@@ -25,16 +26,6 @@ from engine.tokenizer.hf_build import BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINE
 # tokenizer.json may not say so in its post-processor)
 _ADDS_BOS = ("LlamaTokenizer", "LlamaTokenizerFast", "GemmaTokenizer", "GemmaTokenizerFast", "CodeLlamaTokenizer")
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
-
-
-def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
-    return value if isinstance(value, dict) else {}
 
 
 def _token_text(value: Any) -> str | None:
@@ -52,7 +43,7 @@ def _ids(value: Any) -> list[int]:
 def chat_template(directory: Path) -> str | None:
     """The checkpoint's chat template: tokenizer_config.json's (a string, or the `default` of named ones), else
     chat_template.jinja."""
-    tpl = _read(directory / "tokenizer_config.json").get("chat_template")
+    tpl = read_json_object(directory / "tokenizer_config.json", required=False).get("chat_template")
     if isinstance(tpl, list):
         tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
     if isinstance(tpl, str) and tpl:
@@ -73,9 +64,9 @@ def from_hf_directory(directory: str | Path, n_vocab: int) -> Tokenizer:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except Exception as e:  # tokenizers raises its own Exception subclass for any malformed file
         raise ModelLoadError(f"{path}: not a tokenizer.json the tokenizers library can read ({e})") from None
-    tok_config = _read(directory / "tokenizer_config.json")
-    model_config = _read(directory / "config.json")
-    gen_config = _read(directory / "generation_config.json")
+    tok_config = read_json_object(directory / "tokenizer_config.json", required=False)
+    model_config = read_json_object(directory / "config.json", required=False)
+    gen_config = read_json_object(directory / "generation_config.json", required=False)
 
     vocab = hf.get_vocab(with_added_tokens=True)
     n = max(n_vocab, max(vocab.values()) + 1)
