@@ -59,6 +59,10 @@ class ModelConfig:
     fused_gate_up: bool = False  # ffn_up holds the gate's rows, then the up's (no ffn_gate)
     post_norms: bool = False
     act: str = "silu"
+    # Sparse MoE MLPs (models/moe.py): experts per layer, experts per token, each expert's hidden width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
 
 
 def get(meta: dict[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:

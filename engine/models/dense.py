@@ -1,10 +1,10 @@
-"""The forward pass of the dense decoder-only transformer every supported family is (llama, qwen2, qwen3, phi3,
-gemma2, gemma3), written once in the backend's ops; what differs between families is ModelConfig fields.
+"""The forward pass of the decoder-only transformer every supported family is (llama, qwen2, qwen3, phi3,
+gemma2, gemma3, qwen3moe), written once in the backend's ops; what differs between families is ModelConfig fields.
 
 Pre-norm blocks: x += attn(rms_norm(x)); x += gated_mlp(rms_norm(x)), with, per the config: biases on q, k, v
 (qwen2), per-head RMSNorm on q and k before RoPE (qwen3, gemma3), a norm after attention and after the MLP
 (gemma2, gemma3), embeddings scaled (gemma2, gemma3), attention scores soft-capped (gemma2), fused q|k|v and
-gate|up matrices (phi3); GQA, RoPE interleaved or NeoX on rope_dim dims with optional frequency divisors (llama3's
+gate|up matrices (phi3), a sparse MoE MLP (qwen3moe: models/moe.py); GQA, RoPE interleaved or NeoX on rope_dim dims with optional frequency divisors (llama3's
 `rope_freqs`, LongRoPE's) and attention factor, per-layer sliding windows and RoPE bases. Shapes: T tokens,
 H query heads, Hkv key/value heads, D head dim.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels.backend import Backend, KVCache
+from engine.models import moe
 from engine.models.config import ModelConfig
 from engine.models.weights import Weights
 
@@ -57,15 +58,20 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
         o = be.matmul(a, w.tensor(blk + "attn_output"))
         x = x + (be.rms_norm(o, w.vector(blk + "post_attention_norm"), eps) if cfg.post_norms else o)
         h = be.rms_norm(x, w.vector(blk + "ffn_norm"), eps)
-        if cfg.fused_gate_up:  # ffn_up: the gate's rows, then the up's
-            gu = be.matmul(h, w.tensor(blk + "ffn_up"))
-            g = be.act_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :], cfg.act)
-        else:
-            g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), cfg.act)
-        d = be.matmul(g, w.tensor(blk + "ffn_down"))
+        d = moe.feed_forward(cfg, w, be, h, blk) if cfg.n_expert else gated_mlp(cfg, w, be, h, blk)
         x = x + (be.rms_norm(d, w.vector(blk + "post_ffw_norm"), eps) if cfg.post_norms else d)
     cache.advance(T)
     return be.rms_norm(x, w.vector("output_norm"), eps)
+
+
+def gated_mlp(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str) -> np.ndarray:
+    """down(act(gate h) * up h) of block `blk` over normed h (T, n_embd)."""
+    if cfg.fused_gate_up:  # ffn_up: the gate's rows, then the up's
+        gu = be.matmul(h, w.tensor(blk + "ffn_up"))
+        g = be.act_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :], cfg.act)
+    else:
+        g = be.act_mul(*be.matmul_many(h, [w.tensor(blk + "ffn_gate"), w.tensor(blk + "ffn_up")]), cfg.act)
+    return be.matmul(g, w.tensor(blk + "ffn_down"))
 
 
 def step_flags(cfg: ModelConfig) -> dict:

@@ -41,6 +41,18 @@ class Weights:
             t = self._tensors[name] = self._file.tensor(name + ".weight")
         return t
 
+    def expert(self, name: str, e: int, n_expert: int) -> QTensor:
+        """Expert e's matrix of a stacked expert tensor (`blk.0.ffn_up_exps`: n_expert matrices one under
+        another), a view of its rows; the same object each time, so kernels may key their caches on it."""
+        key = f"{name}.{e}"
+        t = self._tensors.get(key)
+        if t is None:
+            stack = self.tensor(name)
+            rows = stack.rows // n_expert
+            t = self._tensors[key] = QTensor(key, stack.ggml_type, (rows, stack.cols),
+                                             stack.raw[e * rows : (e + 1) * rows])
+        return t
+
     def vector(self, name: str) -> np.ndarray:
         """A norm's weights (`blk.0.attn_norm`), f32."""
         return self._small(name + ".weight")
