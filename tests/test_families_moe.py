@@ -1,4 +1,5 @@
-"""The MoE families against ../shared/families (as tests/test_families.py for the dense ones), with the kit's rule
+"""The MoE families against ../shared/families (as tests/test_families.py for the dense ones: each GGUF and the
+hf/ safetensors directory, its experts stacked at load), with the kit's rule
 for routing-fragile positions: where the exact model's k-th and (k+1)-th router logits are within `router_gap`
 < 0.25, llama.cpp's rounding may pick another expert, so those positions leave the default path's per-position
 max, top-1 and KL checks (they still count in the case means); the exact path leaves out router_gap < 0.01.
@@ -17,8 +18,8 @@ from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, dec
     vs_llama_cpp
 
 KIT = SHARED / "families"
-FAMILIES = ("qwen3_moe",)  # kit directories of the MoE families the engine loads from GGUF
-REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json") if not p.name.endswith(".hf.json"))
+FAMILIES = ("qwen3_moe",)  # kit directories of the MoE families the engine loads
+REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]
 FRAGILE, EXACT_FRAGILE = 0.25, 0.01
@@ -60,12 +61,13 @@ def _robust(lp: np.ndarray, case: dict, gap: float) -> tuple[np.ndarray, dict]:
 
 
 def test_the_kit_is_there():
-    assert len(REFS) == 2 * len(FAMILIES), [r.name for r in REFS]
+    assert len(REFS) == 3 * len(FAMILIES), [r.name for r in REFS]
 
 
 @pytest.mark.parametrize("ref,case_name", PARAMS)
 def test_tokens_equal_llama_cpp(ref, case_name):
     case = _case(ref, case_name)
+    # the kit's byte-level tokenizer.json agrees with llama.cpp on every case, so one check serves GGUF and hf/
     assert _model(ref, "auto").tokenizer.encode(case["prompt"], add_bos=case["add_bos"]) == case["tokens"]
 
 
@@ -117,3 +119,16 @@ def test_a_decoded_token_reads_only_its_experts(monkeypatch):
     model.decode([8], [cache])
     cfg = model.config
     assert len(read) == 3 * cfg.n_expert_used * cfg.n_layer  # gate, up and down of k experts per layer
+
+
+def test_the_checkpoint_directory_is_configured_as_its_gguf():
+    from dataclasses import replace
+
+    from engine.formats.gguf import GGUFFile
+    from engine.models.hf_checkpoint import HFCheckpoint
+    from engine.models.registry import config_from_gguf
+
+    converted = config_from_gguf(HFCheckpoint(KIT / "qwen3_moe" / "hf", quantize=False).metadata, 2048)
+    stored = config_from_gguf(GGUFFile(KIT / "qwen3_moe" / "tiny-qwen3-moe-a.Q8_0.gguf").metadata, 2048)
+    assert (converted.n_expert, converted.n_expert_used, converted.n_ff_expert) == (8, 2, 128)
+    assert replace(converted, rms_eps=0) == replace(stored, rms_eps=0)

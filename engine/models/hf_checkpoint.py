@@ -4,7 +4,8 @@ plus the family's `hf_keys`), the same tensor names (gguf's TensorNameMap), the 
 downstream (family configuration, forward pass, backend, compiled decode step) is the GGUF path, unchanged.
 
 What the conversion does, once, here:
-- names: Hugging Face tensor names -> GGUF names; a tied head's copy is dropped;
+- names: Hugging Face tensor names -> GGUF names; a tied head's copy is dropped; MoE experts' matrices are stacked
+  into the experts' tensor (`ffn_up_exps`: expert 0's rows, then 1's, ...);
 - RoPE layout: Hugging Face rotates the two halves of each head (NeoX); a family whose GGUF rotates adjacent
   pairs (llama) gets its q/k rows permuted, as the converter does;
 - Gemma's RMSNorm weights get their +1 (`Family.hf_norm_offset`);
@@ -17,6 +18,7 @@ All tensors lie in one anonymous buffer, as a GGUF's lie in its mapping, so the 
 from __future__ import annotations
 
 import mmap
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from engine.models.family import Family
 from engine.models.registry import HF_MODEL_TYPES, family
 
 _ALIGN = 64
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)(?P<suffix>\..+)$")  # model.layers.0.mlp.experts.3.up_proj.weight
 _STORED = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
 _WORDS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "BF16"}  # stored words
 
@@ -88,8 +91,9 @@ class HFCheckpoint:
         plan = _plan(source, cfg.arch, cfg.n_layer, tied=bool(config.get("tie_word_embeddings", True)))
         permute = {"attn_q": cfg.n_head, "attn_k": cfg.n_head_kv} if cfg.rope_style == "interleaved" else {}
         items: list[tuple[str, np.ndarray, GGMLType]] = []
-        for name, src in plan.items():
-            words, dtype = source.array(src), source.dtype(src)
+        for name, srcs in plan.items():
+            src, dtype = srcs[0], source.dtype(srcs[0])
+            words = source.array(src) if len(srcs) == 1 else np.concatenate([source.array(e) for e in srcs])
             stem = name.split(".")[-2] if name.startswith("blk.") else ""
             if stem in permute:  # rows of each head: halves -> adjacent pairs (the converter's permute)
                 words = _interleave(words, permute[stem])
@@ -133,16 +137,26 @@ class HFCheckpoint:
         return dequantize(self.tensor(name)).reshape(-1).astype(np.float32, copy=False)
 
 
-def _plan(source: SafetensorsCheckpoint, arch: str, n_layer: int, *, tied: bool) -> dict[str, str]:
-    """GGUF name -> safetensors name, for every tensor the converter would keep."""
+def _plan(source: SafetensorsCheckpoint, arch: str, n_layer: int, *, tied: bool) -> dict[str, list[str]]:
+    """GGUF name -> the safetensors names it is made of (one, or every expert's matrix of a stacked expert tensor,
+    in expert order), for every tensor the converter would keep."""
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, n_layer)
-    plan: dict[str, str] = {}
+    plan: dict[str, list[str]] = {}
+    experts: dict[str, dict[int, str]] = {}
     for src in source.names:
-        name = names.get_name(src, try_suffixes=(".weight", ".bias"))
+        m = _EXPERT.match(src)  # one expert's matrix: stacked under the name of the experts' tensor
+        name = names.get_name(m["prefix"] + m["suffix"] if m else src, try_suffixes=(".weight", ".bias"))
         if name is None:
             continue  # buffers a checkpoint may carry (rotary inv_freq, ...): the converter drops them too
-        plan[name] = src
+        if m:
+            experts.setdefault(name, {})[int(m["e"])] = src
+        else:
+            plan[name] = [src]
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ModelLoadError(f"{name}: the checkpoint's experts are not numbered 0..{len(by_index) - 1}")
+        plan[name] = [by_index[e] for e in range(len(by_index))]
     if tied and "output.weight" in plan and "token_embd.weight" in plan:
         del plan["output.weight"]
     return plan
