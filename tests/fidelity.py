@@ -3,6 +3,8 @@ README) and the comparison of our log-probabilities with llama.cpp's top-20 rows
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 import engine
@@ -56,3 +58,36 @@ def decoded_rows(model: engine.Model, case: dict) -> np.ndarray:
     rows = [model.prefill(case["tokens"], cache)[-1]]
     rows += [model.decode([t], [cache])[0] for t in case["greedy_ids"][:-1]]
     return log_softmax(np.stack(rows))
+
+
+class KitReferences:
+    """The families kit's reference files and what tests compute from them, each loaded or computed once:
+    ref(path) the JSON, model(path, quant) its file loaded, case(path, name), rows(path, quant, case, how) the
+    case's log-probabilities over a prompt ("prompt") or token by token ("decode")."""
+
+    def __init__(self) -> None:
+        self._refs: dict = {}
+        self._models: dict = {}
+        self._rows: dict = {}
+
+    def ref(self, path) -> dict:
+        if path not in self._refs:
+            self._refs[path] = json.loads(path.read_text())
+        return self._refs[path]
+
+    def model(self, path, quant: str) -> engine.Model:
+        if (path, quant) not in self._models:
+            self._models[path, quant] = engine.load_model(path.parent / self.ref(path)["model_file"], quant=quant,
+                                                          selftest=False)
+        return self._models[path, quant]
+
+    def case(self, path, name: str) -> dict:
+        return next(c for c in self.ref(path)["cases"] if c["name"] == name)
+
+    def rows(self, path, quant: str, case: dict, how: str) -> np.ndarray:
+        key = (path, quant, case["name"], how)
+        if key not in self._rows:
+            model = self.model(path, quant)
+            self._rows[key] = (model.logprobs(case["tokens"] + case["greedy_ids"][:-1], start=len(case["tokens"]) - 1)
+                               if how == "prompt" else decoded_rows(model, case))
+        return self._rows[key]

@@ -12,9 +12,8 @@ import json
 import numpy as np
 import pytest
 
-import engine
 from tests.conftest import SHARED
-from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, decoded_rows, exact_violations, \
+from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, KitReferences, exact_violations, \
     vs_llama_cpp
 
 KIT = SHARED / "families"
@@ -24,34 +23,8 @@ PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]
 FRAGILE, EXACT_FRAGILE = 0.25, 0.01
 
-_refs: dict = {}
-_models: dict = {}
-_rows: dict = {}
-
-
-def _ref(path) -> dict:
-    if path not in _refs:
-        _refs[path] = json.loads(path.read_text())
-    return _refs[path]
-
-
-def _model(path, quant: str) -> engine.Model:
-    if (path, quant) not in _models:
-        _models[path, quant] = engine.load_model(path.parent / _ref(path)["model_file"], quant=quant, selftest=False)
-    return _models[path, quant]
-
-
-def _case(path, name: str) -> dict:
-    return next(c for c in _ref(path)["cases"] if c["name"] == name)
-
-
-def _rows_of(path, quant: str, case: dict, how: str) -> np.ndarray:
-    key = (path, quant, case["name"], how)
-    if key not in _rows:
-        model = _model(path, quant)
-        _rows[key] = (model.logprobs(case["tokens"] + case["greedy_ids"][:-1], start=len(case["tokens"]) - 1)
-                      if how == "prompt" else decoded_rows(model, case))
-    return _rows[key]
+_kit = KitReferences()
+_ref, _model, _case, _rows_of = _kit.ref, _kit.model, _kit.case, _kit.rows
 
 
 def _robust(lp: np.ndarray, case: dict, gap: float) -> tuple[np.ndarray, dict]:
