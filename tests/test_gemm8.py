@@ -1,6 +1,6 @@
 """The prompt GEMM of the fast path (engine/kernels/cpu/gemm8.py): the decode matvec's integer math (Q8_K
-activations against the stored Q4_K/Q5_K quants), so equal to the matvec on the same input; close to the f32
-product of the dequantized weights; the fast backend sends prompts over Q4_K/Q5_K matrices to it.
+activations against the stored K-quant quants), so equal to the matvec on the same input; close to the f32
+product of the dequantized weights; the fast backend sends prompts over K-quant matrices to it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not gemm8.available(), reason="this CPU has no 5
 G = GGMLType
 
 
-@pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K])
+@pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K, G.Q6_K])
 @pytest.mark.parametrize("T,rows,K", [(13, 40, 512), (8, 16, 256), (30, 7, 768)])
 def test_a_prompt_sees_the_numbers_a_decoded_token_sees(t, T, rows, K):
     # the decode matvec (int8.py) on the same input: the same integer math, summed in another order
@@ -53,7 +53,6 @@ def test_the_fast_backend_runs_prompts_over_k_quants_through_it(monkeypatch):
     k.matmul_many(prompt, [kq, kq])
     k.matmul(token, kq)  # decode: the matvec
     k.matmul(prompt, legacy)  # legacy blocks: dequantize + sgemm
-    k.matmul(prompt, QTensor("q6", G.Q6_K, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q6_K)))
     k.matmul_many(prompt, [kq, legacy])  # a mixed group: sgemm for all
     assert calls == ["kq", "kq", "kq"]
 

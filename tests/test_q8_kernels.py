@@ -311,7 +311,7 @@ def test_backend_matmul_on_fixtures_both_paths(fixture_matrices, tier):
         for w in fixture_matrices:
             x = rng.standard_normal((T, w.cols)).astype(np.float32)
             got = be.matmul(x, w)
-            # int8 activations (float weights keep f32 ones): decode, and prompts over Q4_K/Q5_K on the int8 GEMM
+            # int8 activations (float weights keep f32 ones): decode, and prompts over K-quants on the int8 GEMM
             prompt_gemm8 = tier == "vnni" and gemm8.available() and gemm8.usable(w)
             if T <= Q8_MATVEC_MAX_T or prompt_gemm8:
                 x = int8.dequantized_input(int8.quantize(x, [w.ggml_type]), w.ggml_type)

@@ -1,18 +1,19 @@
-"""Prompt matmuls (T input rows at once) in int8 with AVX512-VNNI: the fast path's prefill for Q4_K/Q5_K matrices.
+"""Prompt matmuls (T input rows at once) in int8 with AVX512-VNNI: the fast path's prefill for K-quant matrices.
 
 Why: a prompt through dequantized f32 weights and sgemm runs at the f32 FMA peak (16 MACs per instruction);
 `vpdpbusd` on 512 bits does 64 int8 MACs per instruction, and llama.cpp's prefill on K-quants is integer. Measured
 on the Qwen2.5-1.5B shape (mostly Q4_K), sgemm left goinfer's prefill at 0.8x llama.cpp's.
 
 The math is the decode matvec's (kquant.py), so a prompt and a decoded token see the same numbers: the input
-quantized as Q8_K (int8 per 256 columns, quantize.py), the weights' own 4/5-bit quants u and, per sub-block j of
-32 columns, w = d sc_j u - dmin m_j. Per row and token: sum_j [d sc_j (sum u x) - dmin m_j (sum x)] dx.
+quantized as Q8_K (int8 per 256 columns, quantize.py), the weights' own unsigned quants u and, per sub-block j,
+w = a_j u - b_j: Q4_K/Q5_K (4/5-bit u, sub-blocks of 32) a_j = d sc_j, b_j = dmin m_j; Q6_K (6-bit u, sub-blocks
+of 16) a_j = d sc_j, b_j = 32 d sc_j. Per row and token: sum_j [a_j (sum u x) - b_j (sum x)] dx.
 How, per matrix and prompt chunk (one parallel call, no BLAS, so no OpenMP workers spin against BLAS threads):
 - each group of 16 rows is unpacked into the layout the kernel reads: per 4 columns, 16 rows x 4 bytes of u (one
-  512-bit register), and per sub-block the 16 rows' d sc_j and dmin m_j as f32;
+  512-bit register), and per sub-block the 16 rows' a_j and b_j as f32;
 - the tile kernel (IR intrinsic) computes 16 rows x 8 tokens: per 4 columns one weight register and, per token,
-  vpdpbusd with the token's 4 bytes broadcast; per sub-block the integer sums times d sc_j dx, less dmin m_j
-  times the token's scaled sum, accumulate in f32.
+  vpdpbusd with the token's 4 bytes broadcast; per sub-block the integer sums times a_j dx, less b_j times the
+  token's scaled sum, accumulate in f32.
 tests/test_gemm8.py holds it to the decode matvec's result on the same input.
 """
 
@@ -29,18 +30,16 @@ from numba.extending import intrinsic
 
 from engine.kernels.cpu import ir as kir
 from engine.kernels.cpu.dequant import f16_at, k_scale_min
-from engine.kernels.cpu.ir import FLT, I32, Q5_K_CODE, V, Emitter, is_arr
+from engine.kernels.cpu.ir import FLT, I32, Q5_K_CODE, Q6_K_CODE, V, Emitter, is_arr
 from engine.kernels.cpu.quantize import QK_K, quantize_k_into
 from engine.kernels.quant_types import GGMLType, QTensor
 
 ROWS = 16  # rows per tile: one 512-bit register of int32 sums
 TOKENS = 8  # tokens per tile: 8 accumulators of each kind stay in registers
-SUB = 32  # columns per sub-block (one scale and one min)
 GROUP_BYTES = ROWS * 4  # one group of 4 columns of the 16 rows
 SB_BYTES = (QK_K // 4) * GROUP_BYTES  # one super-block of the 16 rows: 4096
-NSUB = QK_K // SUB
 BLOCK_BYTES = 256 * 1024  # unpacked rows a thread keeps (in L2) while every token tile passes over them
-TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K})  # Q6_K (scales per 16) stays on dequantize + sgemm
+TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 
 
 def available() -> bool:
@@ -62,88 +61,119 @@ def carries_most(matrices: list[QTensor]) -> bool:
     return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w)) >= total
 
 
-@intrinsic
-def _tile(typingctx, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res):
-    """res (8, 16) f32 = 8 tokens (rows xoff / K .. of xq) x the 16 rows of tile (see module doc). ws: per
-    super-block and sub-block, 16 f32 of d sc_j then 16 of dmin m_j; xd (T, nsb) scales, xm (T, nsb * 8) minus
-    dx times the sum of each sub-block, both from element soff."""
-    if not (is_arr(tile, types.uint8) and is_arr(xq, types.int8) and is_arr(xd, types.float32)
-            and is_arr(xm, types.float32) and is_arr(ws, types.float32) and is_arr(res, types.float32)):
-        return None
-    sig = types.none(tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, res)
+def _tile_kernel(sub: int):
+    """The tile intrinsic for sub-blocks of `sub` columns (32: Q4_K/Q5_K, 16: Q6_K):
+    (tile, nsb, xq, xoff, K, xd, xm, soff, ws, res) -> res (8, 16) f32 = 8 tokens (rows xoff / K .. of xq) x the
+    16 rows of tile (see module doc). ws: per sub-block, 16 f32 of its scale then 16 of its min term; xd (T, nsb)
+    scales and xm (T, nsb * 256 / sub) minus dx times the sum of each sub-block, both from token soff / nsb."""
+    nsub = QK_K // sub
 
-    def codegen(context, builder, signature, args):
-        e = Emitter(context, builder, "vnni")
-        b = builder
-        at = signature.args
-        tl, n, x, xo, k, d, m, so, w, r = args
-        tp, wp, rp = e.base(at[0], tl), e.base(at[8], w), e.base(at[9], r)
-        xp = b.gep(e.base(at[2], x), [xo], source_etype=kir.I8)
-        dp = b.gep(e.base(at[5], d), [e.mul(so, 4)], source_etype=kir.I8)
-        mp = b.gep(e.base(at[6], m), [e.mul(so, 4 * NSUB)], source_etype=kir.I8)
-        v16, f16 = V(I32, 16), V(FLT, 16)
-        facc = [e.fvar(16) for _ in range(TOKENS)]
-        iacc = [cgutils.alloca_once(b, v16) for _ in range(TOKENS)]  # entry block: kept in registers
-        with e.loop(e.mul(n, NSUB)) as lp:  # sub-blocks, over all super-blocks
-            j = lp.index
-            sb = b.udiv(j, e.i64(NSUB))
-            for t in range(TOKENS):
-                b.store(ir.Constant(v16, None), iacc[t])
-            for g in range(SUB // 4):
-                wv = e.ld(tp, e.add(e.mul(j, SUB // 4 * GROUP_BYTES), g * GROUP_BYTES), v16)
-                col = e.add(e.mul(j, SUB), 4 * g)
+    def impl(typingctx, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res):
+        if not (is_arr(tile, types.uint8) and is_arr(xq, types.int8) and is_arr(xd, types.float32)
+                and is_arr(xm, types.float32) and is_arr(ws, types.float32) and is_arr(res, types.float32)):
+            return None
+        sig = types.none(tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, res)
+
+        def codegen(context, builder, signature, args):
+            e = Emitter(context, builder, "vnni")
+            b = builder
+            at = signature.args
+            tl, n, x, xo, k, d, m, so, w, r = args
+            tp, wp, rp = e.base(at[0], tl), e.base(at[8], w), e.base(at[9], r)
+            xp = b.gep(e.base(at[2], x), [xo], source_etype=kir.I8)
+            dp = b.gep(e.base(at[5], d), [e.mul(so, 4)], source_etype=kir.I8)
+            mp = b.gep(e.base(at[6], m), [e.mul(so, 4 * nsub)], source_etype=kir.I8)
+            v16, f16 = V(I32, 16), V(FLT, 16)
+            facc = [e.fvar(16) for _ in range(TOKENS)]
+            iacc = [cgutils.alloca_once(b, v16) for _ in range(TOKENS)]  # entry block: kept in registers
+            with e.loop(e.mul(n, nsub)) as lp:  # sub-blocks, over all super-blocks
+                j = lp.index
+                sb = b.udiv(j, e.i64(nsub))
                 for t in range(TOKENS):
-                    xv = e.splat(e.ld(xp, e.add(col, e.mul(k, t)), I32), 16)
-                    b.store(e.call("llvm.x86.avx512.vpdpbusd.512", v16, [b.load(iacc[t]), wv, xv]), iacc[t])
-            scale = e.ld(wp, e.mul(j, 2 * ROWS * 4), f16)
-            mins = e.ld(wp, e.add(e.mul(j, 2 * ROWS * 4), ROWS * 4), f16)
+                    b.store(ir.Constant(v16, None), iacc[t])
+                for g in range(sub // 4):
+                    wv = e.ld(tp, e.add(e.mul(j, sub // 4 * GROUP_BYTES), g * GROUP_BYTES), v16)
+                    col = e.add(e.mul(j, sub), 4 * g)
+                    for t in range(TOKENS):
+                        xv = e.splat(e.ld(xp, e.add(col, e.mul(k, t)), I32), 16)
+                        b.store(e.call("llvm.x86.avx512.vpdpbusd.512", v16, [b.load(iacc[t]), wv, xv]), iacc[t])
+                scale = e.ld(wp, e.mul(j, 2 * ROWS * 4), f16)
+                mins = e.ld(wp, e.add(e.mul(j, 2 * ROWS * 4), ROWS * 4), f16)
+                for t in range(TOKENS):
+                    dx = e.splat(e.ld(dp, e.mul(e.add(e.mul(n, t), sb), 4), FLT), 16)
+                    xs = e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), FLT), 16)
+                    e.fmacc(facc[t], b.fmul(b.sitofp(b.load(iacc[t]), f16), scale), dx)
+                    e.fmacc(facc[t], mins, xs)
             for t in range(TOKENS):
-                dx = e.splat(e.ld(dp, e.mul(e.add(e.mul(n, t), sb), 4), FLT), 16)
-                xs = e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, NSUB), t), j), 4), FLT), 16)
-                e.fmacc(facc[t], b.fmul(b.sitofp(b.load(iacc[t]), f16), scale), dx)
-                e.fmacc(facc[t], mins, xs)
-        for t in range(TOKENS):
-            e.st(rp, t * ROWS * 4, b.load(facc[t]))
-        return context.get_dummy_value()
+                e.st(rp, t * ROWS * 4, b.load(facc[t]))
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    impl.__name__ = f"_tile{sub}"
+    return intrinsic(impl)
+
+
+_tile32, _tile16 = _tile_kernel(32), _tile_kernel(16)
 
 
 @njit(cache=True)
 def _unpack(raw, code, r0, rows, nsb, u, tile, ws):
-    """Rows [r0, r0 + 16) of raw (zeros past `rows`) -> tile (their quants u, layout above) and ws (nsb * 8, 2, 16)
-    f32 (d sc_j, dmin m_j); u: scratch of one row (K,) uint8."""
+    """Rows [r0, r0 + 16) of raw (zeros past `rows`) -> tile (their quants u, layout above) and ws (sub-blocks, 2,
+    16) f32 (each sub-block's scale and min term); u: scratch of one row (K,) uint8."""
     t32 = tile.view(np.uint32)
     u32 = u.view(np.uint32)
-    bb = 176 if code == Q5_K_CODE else 144  # bytes per super-block
-    qs = 48 if code == Q5_K_CODE else 16  # where the 4-bit quants start
     for r in range(ROWS):
         if r0 + r >= rows:
             u[:] = 0
-            for j in range(nsb * NSUB):
-                ws[j, 0, r] = 0.0
-                ws[j, 1, r] = 0.0
+            ws[:, :, r] = 0.0
+        elif code == Q6_K_CODE:
+            _unpack_q6_k(raw[r0 + r], nsb, u, ws, r)
         else:
-            src = raw[r0 + r]
-            for sb in range(nsb):
-                o = sb * bb
-                d, dmin = f16_at(src, o), f16_at(src, o + 2)
-                for j in range(NSUB):  # sub-block j: nibble j % 2 of the 32 bytes at qs + 32 (j // 2)
-                    sc, m = k_scale_min(src, o + 4, j)
-                    ws[sb * NSUB + j, 0, r] = d * np.float32(sc)
-                    ws[sb * NSUB + j, 1, r] = dmin * np.float32(m)
-                    q0, sh, y = o + qs + 32 * (j // 2), 4 * (j % 2), sb * QK_K + SUB * j
-                    for c in range(SUB):
-                        v = (src[q0 + c] >> sh) & 15
-                        if code == Q5_K_CODE:  # the fifth bit of weight c is bit j of qh[c]
-                            v |= ((src[o + 16 + c] >> j) & 1) << 4
-                        u[y + c] = v
+            _unpack_q45_k(raw[r0 + r], code, nsb, u, ws, r)
         for i in range(nsb * QK_K // 4):  # 4 columns at a time into their group
             t32[i * ROWS + r] = u32[i]
 
 
+@njit(cache=True)
+def _unpack_q45_k(src, code, nsb, u, ws, r):
+    """Q4_K/Q5_K: w = d sc_j u - dmin m_j per sub-block j of 32 (u: 4 bits, Q5_K's fifth from qh)."""
+    bb = 176 if code == Q5_K_CODE else 144  # bytes per super-block
+    qs = 48 if code == Q5_K_CODE else 16  # where the 4-bit quants start
+    for sb in range(nsb):
+        o = sb * bb
+        d, dmin = f16_at(src, o), f16_at(src, o + 2)
+        for j in range(8):  # sub-block j: nibble j % 2 of the 32 bytes at qs + 32 (j // 2)
+            sc, m = k_scale_min(src, o + 4, j)
+            ws[sb * 8 + j, 0, r] = d * np.float32(sc)
+            ws[sb * 8 + j, 1, r] = dmin * np.float32(m)
+            q0, sh, y = o + qs + 32 * (j // 2), 4 * (j % 2), sb * QK_K + 32 * j
+            for c in range(32):
+                v = (src[q0 + c] >> sh) & 15
+                if code == Q5_K_CODE:  # the fifth bit of weight c is bit j of qh[c]
+                    v |= ((src[o + 16 + c] >> j) & 1) << 4
+                u[y + c] = v
+
+
+@njit(cache=True)
+def _unpack_q6_k(src, nsb, u, ws, r):
+    """Q6_K: w = d sc_g (u - 32) per sub-block g of 16 (u: 6 bits; reference.py gives the weight order), so the
+    scale is d sc_g and the min term 32 d sc_g."""
+    for sb in range(nsb):
+        o = sb * 210  # ql[128] | qh[64] | i8 scales[16] | f16 d
+        d = f16_at(src, o + 208)
+        for g in range(16):
+            sc = d * np.float32((np.int32(src[o + 192 + g]) ^ 128) - 128)
+            ws[sb * 16 + g, 0, r] = sc
+            ws[sb * 16 + g, 1, r] = np.float32(32.0) * sc
+        for n in range(QK_K):
+            h, qt, c = n // 128, (n % 128) // 32, n % 32
+            low = (src[o + 64 * h + 32 * (qt % 2) + c] >> (4 * (qt // 2))) & 15
+            u[sb * QK_K + n] = low | (((src[o + 128 + 32 * h + c] >> (2 * qt)) & 3) << 4)
+
+
 @njit(nogil=True, cache=True)
-def _gemm(raw, code, xq, xd, xm, out, n_chunks, ch):
+def _gemm(raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
     """Chunk ch of n_chunks (a range of row groups) of out = x @ W.T; the chunks run on plain threads."""
     rows, K = raw.shape[0], xq.shape[1]
     nsb, T = K // QK_K, out.shape[0]
@@ -151,7 +181,7 @@ def _gemm(raw, code, xq, xd, xm, out, n_chunks, ch):
     per_block = max(1, BLOCK_BYTES // (nsb * SB_BYTES))  # groups whose tiles stay in L2 while the tokens pass
     u = np.empty(K, np.uint8)
     tiles = np.empty((per_block, nsb * SB_BYTES), np.uint8)
-    ws = np.empty((per_block, nsb * NSUB, 2, ROWS), np.float32)
+    ws = np.empty((per_block, nsb * (QK_K // 16), 2, ROWS), np.float32)  # room for 16 sub-blocks (Q6_K)
     res = np.empty((TOKENS, ROWS), np.float32)
     g_end = (ch + 1) * n_groups // n_chunks
     for g0 in range(ch * n_groups // n_chunks, g_end, per_block):
@@ -161,7 +191,10 @@ def _gemm(raw, code, xq, xd, xm, out, n_chunks, ch):
         for t0 in range(0, xq.shape[0], TOKENS):  # one tile of tokens (L1) against every group of the block
             for j in range(ng):
                 r0 = (g0 + j) * ROWS
-                _tile(tiles[j], nsb, xq, t0 * K, K, xd, xm, t0 * nsb, ws[j], res)
+                if code == Q6_K_CODE:  # sub-blocks of 16
+                    _tile16(tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], res)
+                else:
+                    _tile32(tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], res)
                 for t in range(min(TOKENS, T - t0)):
                     for r in range(min(ROWS, rows - r0)):
                         out[t0 + t, r0 + r] = res[t, r]
@@ -180,8 +213,9 @@ class QuantizedInput:
         self.xq, self.xd = np.empty((Tp, K), np.int8), np.empty((Tp, nsb), np.float32)
         sums = np.empty((Tp, nsb, 24), np.int16)  # 8 sums over 32 columns, then 16 over 16
         quantize_k_into(xp, self.xq, self.xd, sums, 0, K)
-        # minus dx times each sub-block's sum: the dmin m_j term's share, per token and sub-block
-        self.xm = (-self.xd[:, :, None] * sums[:, :, :NSUB]).reshape(Tp, nsb * NSUB).astype(np.float32)
+        # minus dx times each sub-block's sum (of 32 columns, and of 16): the min terms' share, per token
+        self.xm32 = (-self.xd[:, :, None] * sums[:, :, :8]).reshape(Tp, nsb * 8).astype(np.float32)
+        self.xm16 = (-self.xd[:, :, None] * sums[:, :, 8:]).reshape(Tp, nsb * 16).astype(np.float32)
 
 
 def matmul(qin: QuantizedInput, w: QTensor) -> np.ndarray:
@@ -192,7 +226,7 @@ def matmul(qin: QuantizedInput, w: QTensor) -> np.ndarray:
     several times slower against them (measured on Gemma 3: prompts 1.5x slower with a parallel region here)."""
     out = np.empty((qin.T, w.rows), np.float32)
     n = max(1, min(-(-w.rows // ROWS), numba.get_num_threads()))
-    args = (w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm, out, n)
+    args = (w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm32, qin.xm16, out, n)
     pending = [_pool(n).submit(_gemm, *args, ch) for ch in range(1, n)]
     _gemm(*args, 0)
     for f in pending:

@@ -157,7 +157,7 @@ class Int8Kernels(ExactKernels):
         ir.tier_token(tier)  # refuses an unknown tier, or one this CPU cannot run (also from GOINFER_CPU_TIER)
         self.tier = tier or ir.TIER
         self._groups: dict[tuple[int, ...], tuple] = {}
-        # Prompts over Q4_K/Q5_K matrices: the int8 GEMM (gemm8.py) where the CPU has 512-bit VNNI, else sgemm;
+        # Prompts over K-quant matrices: the int8 GEMM (gemm8.py) where the CPU has 512-bit VNNI, else sgemm;
         # a backend turns it off for a model where it would carry little of the work (use_prompt_gemm8).
         self._gemm8 = self.tier == "vnni" and gemm8.available()
 
@@ -174,7 +174,7 @@ class Int8Kernels(ExactKernels):
         return hit[0], hit[1]
 
     def use_prompt_gemm8(self, on: bool) -> None:
-        """Run prompts over Q4_K/Q5_K matrices on the int8 GEMM (where the CPU can), or on dequantize + sgemm."""
+        """Run prompts over K-quant matrices on the int8 GEMM (where the CPU can), or on dequantize + sgemm."""
         self._gemm8 = on and self.tier == "vnni" and gemm8.available()
 
     def _prompt_gemm8(self, x: np.ndarray, ws: Sequence[QTensor]) -> bool:
