@@ -55,8 +55,8 @@ def usable(w: QTensor) -> bool:
 def carries_most(matrices: list[QTensor]) -> bool:
     """Whether this GEMM would carry most of a prompt's matrix work (by weights): the rule for using it on a model.
     Where it would carry little, its calls sit between sgemm calls in every layer, and each pays for the BLAS
-    threads still spinning from the last sgemm: Gemma 3 270M Q4_K_M (9 of its 126 matrices usable) prefilled
-    15-25 % slower with it; the Qwen2.5-1.5B shape (Q4_K but for 29 Q6_K) 1.35-1.6x faster."""
+    threads still spinning from the last sgemm: Gemma 3 270M Q4_K_M (its ffn_down matrices only) prefilled
+    15-25 % slower with it; the Qwen2.5-1.5B shape (Q4_K and Q6_K) 1.35-1.6x faster."""
     total = sum(w.rows * w.cols for w in matrices)
     return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w)) >= total
 
