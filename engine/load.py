@@ -15,7 +15,7 @@ from engine.kernels.registry import load_backend
 from engine.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
 from engine.models.config import with_context
-from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint
+from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint, read_metadata
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
 from engine.templates import template_for
@@ -44,10 +44,11 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     path = _resolve(ref, progress)
     tune_allocator()
     if is_hf_checkpoint(path):  # converted at load into the GGUF image llama.cpp's converter would write
+        meta = read_metadata(path)[2]
+        vocab = int(meta[f"{meta['general.architecture']}.vocab_size"])
+        tokenizer = from_hf_directory(path, vocab)  # before the conversion: a missing tokenizer costs nothing
         source = HFCheckpoint(path, quantize=QUANT_MODES[quant] == "fast")
         meta = source.metadata
-        vocab = int(meta[f"{source.architecture}.vocab_size"])
-        tokenizer = from_hf_directory(path, vocab)
         meta["tokenizer.chat_template"] = chat_template(path)
     else:
         source = open_gguf(path)  # one file, or every shard of a split model read as one
@@ -62,7 +63,8 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     config = with_context(config, context, weights.has)
     weights.require(["token_embd", "output_norm"]
                     + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors])
-    tokenizer = tokenizer or Tokenizer.from_gguf_metadata(meta)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
     release_free_memory()  # building a 262k-token vocabulary leaves ~80 MB of freed heap behind
     template = template_for(config.arch, meta.get("tokenizer.chat_template"),
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
