@@ -97,7 +97,7 @@ def test_check_hardware_lists_every_family_that_loads():
     assert set(FAMILIES) | {"gemma3"} <= set(listed)
     assert all(listed[f]["decode_step"] for f in FAMILIES)
     assert all("safetensors" in listed[f]["formats"] for f in FAMILIES)  # each proven on its hf/ directory
-    assert listed["gemma3"]["formats"] == ["gguf"]
+    assert "safetensors" in listed["gemma3"]["formats"]  # proven on a transformers-made variant (docs/models.md)
 
 
 def test_only_a_phi3_model_drops_the_whitespace_after_its_special_tokens():

@@ -39,6 +39,7 @@ class ModelConfig(Protocol):
     rope_attn_factor: float  # cos and sin are multiplied by it (LongRoPE)
     layer_window: tuple[int, ...]  # per layer: sliding window, 0 = global
     layer_rope_base: tuple[float, ...]  # per layer
+    layer_rope_scale: tuple[float, ...]  # per layer: its linear factor (positions are divided by it)
     attn_scale: float
     attn_softcap: float
     embed_scale: float

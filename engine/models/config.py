@@ -41,6 +41,7 @@ class ModelConfig:
     # Sliding-window attention: per-layer window (0 = global) and RoPE base.
     layer_window: tuple[int, ...] = ()
     layer_rope_base: tuple[float, ...] = ()
+    layer_rope_scale: tuple[float, ...] = ()  # per layer linear RoPE factor (Gemma 3: the global layers only)
     attn_scale: float = 1.0
     embed_scale: float = 1.0
     final_logit_softcap: float = 0.0
@@ -106,6 +107,7 @@ def common_fields(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         rope_scaling=scaling,
         layer_window=(0,) * n_layer,
         layer_rope_base=(rope_base,) * n_layer,
+        layer_rope_scale=(scaling.factor,) * n_layer,
         attn_scale=1.0 / math.sqrt(head_dim),
     )
 

@@ -34,11 +34,12 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
         x *= np.float32(cfg.embed_scale)
     positions = np.arange(pos0, pos0 + T)
     freq_factors = w.optional_vector(cfg.rope_factors)
-    tables = {base: be.rope_tables(positions, cfg.rope_dim, base, cfg.rope_scaling.factor, freq_factors,
-                                   cfg.rope_attn_factor) for base in set(cfg.layer_rope_base)}
+    rope = list(zip(cfg.layer_rope_base, cfg.layer_rope_scale))  # (base, linear factor) per layer
+    tables = {bs: be.rope_tables(positions, cfg.rope_dim, bs[0], bs[1], freq_factors, cfg.rope_attn_factor)
+              for bs in set(rope)}
     for i in range(cfg.n_layer):
         blk = f"blk.{i}."
-        cos, sin = tables[cfg.layer_rope_base[i]]
+        cos, sin = tables[rope[i]]
         h = be.rms_norm(x, w.vector(blk + "attn_norm"), eps)
         if cfg.fused_qkv:  # one matrix: q rows, then k, then v
             qkv = be.matmul(h, w.tensor(blk + "attn_qkv"))

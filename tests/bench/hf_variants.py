@@ -10,7 +10,9 @@ torch and transformers, which the project does not depend on). Two steps, two py
 Variants: llama with llama3 RoPE scaling, 8 heads / 2 KV heads of width 32, an untied head, 3 layers; qwen2 with
 8/4 heads and a vocabulary (2112) larger than its tokenizer; qwen3 with head width 128 != hidden / heads and one KV
 head; phi3 rotating 3/4 of each head with LongRoPE past an original window of 32 (its long factors); gemma2 with a
-window of 16, query_pre_attn_scalar 128 != head width, other soft-caps, 3 layers. docs/models.md gives the result.
+window of 16, query_pre_attn_scalar 128 != head width, other soft-caps, 3 layers; gemma3 (text) with its own layer
+pattern, local RoPE base 20000, linear RoPE scaling on the global layer, one KV head. docs/models.md gives the
+result.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ def _variants(T) -> dict:
             bos_token_id=2, eos_token_id=1, pad_token_id=0,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        "gemma3": ("gemma2", T.Gemma3TextConfig, dict(
+            small, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=64, vocab_size=2048, rms_norm_eps=1e-6, query_pre_attn_scalar=96, sliding_window=16,
+            final_logit_softcapping=20.0, hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1,
+            pad_token_id=0, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
     }
 
 
