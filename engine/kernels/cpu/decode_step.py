@@ -374,10 +374,8 @@ class DecodeStep:
             for i in range(L):
                 self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
         self.out_norm = w.vector("output_norm")
-        factors = w.optional_vector(cfg.rope_factors)
-        # a layer's linear RoPE factor divides its frequencies (the same angles as dividing the positions)
-        self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, base, factors) * (cfg.rope_scaling.factor / scale)
-                                  for base, scale in zip(cfg.layer_rope_base, cfg.layer_rope_scale)])
+        factors, rel = w.optional_vector(cfg.rope_factors), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
+        self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
         self.windows = np.array(cfg.layer_window, np.int64)
         self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor, cfg.attn_softcap,
                                  cfg.rope_attn_factor], np.float64)
