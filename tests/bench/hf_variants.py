@@ -63,7 +63,8 @@ def _variants(T) -> dict:
             small, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
             head_dim=64, vocab_size=2048, rms_norm_eps=1e-6, query_pre_attn_scalar=96, sliding_window=16,
             final_logit_softcapping=20.0, hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1,
-            pad_token_id=0, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
     }
