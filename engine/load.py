@@ -62,7 +62,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     weights = Weights(source)
     config = with_context(config, context, weights.has)
     weights.require(["token_embd", "output_norm"]
-                    + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors])
+                    + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.tensors_of(config, i)])
     if tokenizer is None:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     release_free_memory()  # building a 262k-token vocabulary leaves ~80 MB of freed heap behind
@@ -80,8 +80,8 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
 
 def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:
     names = ["token_embd"] + (["output"] if weights.has("output") else [])
-    names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.layer_tensors]
-    return frozenset(int(weights.tensor(n).ggml_type) for n in names)
+    names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.tensors_of(config, i)]
+    return frozenset(int(weights.tensor(n).ggml_type) for n in names if weights.has_weight(n))
 
 
 def _resolve(ref, progress) -> Path:

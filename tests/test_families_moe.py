@@ -17,7 +17,7 @@ from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, Kit
     vs_llama_cpp
 
 KIT = SHARED / "families"
-FAMILIES = ("qwen3_moe",)  # kit directories of the MoE families the engine loads
+FAMILIES = ("qwen3_moe", "qwen3_5_moe")  # kit directories of the MoE families the engine loads
 REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]

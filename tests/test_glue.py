@@ -40,20 +40,24 @@ def test_gated_activations(gelu, rows):
     np.testing.assert_allclose(rowops.act_mul(gate, up, gelu), act * up, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("T,L,pos0,first,window", [(5, 12, 7, 0, 0), (64, 64, 0, 0, 0), (40, 100, 60, 0, 0),
                                                    (40, 70, 60, 30, 32), (3, 9, 6, 0, 4)])
-def test_causal_softmax(T, L, pos0, first, window):
-    # scores of queries at pos0..pos0+T-1 against keys at first..first+L-1
+def test_causal_softmax(T, L, pos0, first, window, sinks):
+    # scores of queries at pos0..pos0+T-1 against keys at first..first+L-1; with sinks, one more logit per head
+    # in the denominator (gpt-oss), which takes probability from the keys and gives it to no value
     rng = np.random.default_rng(2)
     s = rng.normal(0, 5, (3, T, L)).astype(np.float32)
+    sink = np.array([3.0, -2.0, 12.0], np.float32) if sinks else np.full(3, -np.inf, np.float32)
     qpos = np.arange(pos0, pos0 + T)[:, None]
     kpos = np.arange(first, first + L)[None, :]
     allowed = (kpos <= qpos) & (((qpos - kpos) < window) if window else True)
     z = np.where(allowed, s.astype(np.float64), -np.inf)
+    z = np.concatenate([z, np.broadcast_to(sink[:, None, None].astype(np.float64), (3, T, 1))], axis=-1)
     want = np.exp(z - z.max(axis=-1, keepdims=True))
-    want /= want.sum(axis=-1, keepdims=True)
+    want = (want / want.sum(axis=-1, keepdims=True))[..., :L]
     got = s.copy()
-    rowops.causal_softmax(got, pos0, first, window)
+    rowops.causal_softmax(got, pos0, first, window, sink)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
     assert np.all(got[:, ~allowed] == 0)
 

@@ -36,13 +36,16 @@ class ModelConfig(Protocol):
     rope_style: str  # "interleaved" (adjacent pairs) or "neox" (half split)
     rope_scaling: Any  # .factor: positions are divided by it
     rope_factors: str  # the tensor of frequency divisors, where the file has it
-    rope_attn_factor: float  # cos and sin are multiplied by it (LongRoPE)
+    rope_attn_factor: float  # cos and sin are multiplied by it (LongRoPE, YaRN)
+    rope_divisors: tuple[float, ...]  # frequency divisors the config implies (YaRN), in place of rope_factors
     layer_window: tuple[int, ...]  # per layer: sliding window, 0 = global
     layer_rope_base: tuple[float, ...]  # per layer
     layer_rope_scale: tuple[float, ...]  # per layer: its linear factor (positions are divided by it)
     attn_scale: float
     attn_softcap: float
     embed_scale: float
+    kv_layers: tuple[int, ...]  # the layers that keep keys and values (a hybrid's attention layers), cache order
+    state_shapes: tuple[tuple[str, tuple[int, ...]], ...]  # recurrent state per sequence: (name, shape) f32
 
 
 class Weights(Protocol):
@@ -71,6 +74,7 @@ class KVCache(Protocol):
 
     length: int  # positions every layer holds
     max_tokens: int  # the most it may ever hold (the context window)
+    state: dict[str, np.ndarray]  # recurrent state at position length (config.state_shapes), updated in place
 
     def reserve(self, n_new: int) -> None:
         """Room for n_new more positions; ContextOverflow past max_tokens."""
@@ -82,9 +86,23 @@ class KVCache(Protocol):
         """Commit n positions written to every layer."""
 
     def truncate(self, n: int) -> None:
-        """Forget positions n.. (rewinding, prefix reuse)."""
+        """Forget positions n.. (rewinding, prefix reuse); with recurrent state only back to 0."""
+
+    def snapshot(self) -> Any:
+        """What restore() needs to come back to this position (recurrent state is copied)."""
+
+    def restore(self, snap: Any) -> None:
+        """Back to a snapshot's position, which the cache must still hold."""
 
     def nbytes(self) -> int: ...
+
+
+def frequency_divisors(config: ModelConfig, weights: Weights) -> np.ndarray | None:
+    """What the rotary frequencies are divided by: the config's own (YaRN), the file's tensor (llama3's
+    `rope_freqs`, LongRoPE's factors), or None."""
+    if config.rope_divisors:
+        return np.asarray(config.rope_divisors, np.float32)
+    return weights.optional_vector(config.rope_factors)
 
 
 @runtime_checkable
@@ -135,9 +153,18 @@ class Backend(Protocol):
         """x (T, heads, D) rotated by position (a new array); style "neox" (half split) or "interleaved"."""
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0,
-                  softcap: float = 0.0) -> np.ndarray:
+                  softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
         """Causal (optionally sliding-window) grouped-query attention: q (T, H, D) at positions pos0.., k, v
-        (L, Hkv, D) at 0..L-1 -> (T, H, D)."""
+        (L, Hkv, D) at 0..L-1 -> (T, H, D); sinks (H,): a logit per head in each softmax's denominator."""
 
     def act_mul(self, gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
         """act(gate) * up, (T, F); act "silu" or "gelu_tanh"."""
+
+    def causal_conv(self, x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """Depthwise causal convolution of x (T, C) by weight (C, K) after state (K-1, C), which becomes the
+        last K-1 inputs."""
+
+    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   state: np.ndarray) -> np.ndarray:
+        """The gated delta rule (kernels/cpu/recurrent.py) over T tokens from state (Hv, Dk, Dv), updated in
+        place: (T, Hv, Dv)."""

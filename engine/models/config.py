@@ -17,9 +17,26 @@ from engine.errors import ModelLoadError, UnsupportedModel
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: str = "none"  # none | linear | yarn (yarn refused for now)
-    factor: float = 1.0
+    kind: str = "none"  # none | linear | yarn
+    factor: float = 1.0  # positions are divided by it (linear); YaRN's factor lives in rope_divisors
     original_context: int = 0
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The gated DeltaNet layers of a hybrid (Qwen3.5, models/deltanet.py): a short causal convolution over
+    q|k|v, then a delta-rule recurrent state of (head_k_dim, head_v_dim) per value head. Value head h reads key
+    head h % k_heads (GGUF order: the converter reorders Hugging Face's value heads to make it so)."""
+
+    conv_kernel: int
+    k_heads: int
+    v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    @property
+    def conv_channels(self) -> int:  # q, k, v side by side
+        return 2 * self.k_heads * self.head_k_dim + self.v_heads * self.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -47,7 +64,8 @@ class ModelConfig:
     final_logit_softcap: float = 0.0
     attn_softcap: float = 0.0  # attention scores capped to c tanh(s / c) (Gemma 2); 0: none
     rope_factors: str = "rope_freqs"  # the tensor of RoPE frequency divisors, where the file has one
-    rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor, YaRN's mscale)
+    rope_divisors: tuple[float, ...] = ()  # frequency divisors the config implies (YaRN), in place of rope_factors
     # A longer window the model reaches with other RoPE divisors (LongRoPE's long factors), chosen at load for
     # the whole model as llama.cpp does when the context asked for exceeds context_length (with_context).
     long_context: int = 0
@@ -64,6 +82,31 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_expert: int = 0
+    n_ff_shared: int = 0  # a shared expert every token runs beside the routed ones (Qwen3.5-MoE); 0: none
+    expert_biases: bool = False  # router and experts' matrices have biases (gpt-oss)
+    # gpt-oss: attention sinks (a logit per head in the softmax's denominator), a bias on the attention output
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    # Hybrids (Qwen3.5): per layer, True where a gated DeltaNet layer replaces attention; its shape. Their
+    # attention layers gate their output per head by sigmoid(a second half of each q head's rows).
+    layer_recurrent: tuple[bool, ...] = ()
+    deltanet: DeltaNetShape | None = None
+    attn_output_gate: bool = False
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values (all of them but a hybrid's recurrent ones), in cache order."""
+        return tuple(i for i in range(self.n_layer) if not (self.layer_recurrent and self.layer_recurrent[i]))
+
+    @property
+    def state_shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The recurrent state a sequence carries beside its KV cache, as (name, shape) f32 arrays: a hybrid's
+        convolution inputs (the last conv_kernel - 1 of them) and delta-rule state, one row per recurrent layer."""
+        s = self.deltanet
+        if s is None:
+            return ()
+        n = sum(self.layer_recurrent)
+        return (("conv", (n, s.conv_kernel - 1, s.conv_channels)), ("ssm", (n, s.v_heads, s.head_k_dim, s.head_v_dim)))
 
 
 def get(meta: dict[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:
@@ -85,13 +128,20 @@ def common_fields(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     head_dim = int(get(meta, p + "attention.key_length", n_embd // n_head))
     rope_base = float(get(meta, p + "rope.freq_base", 10000.0))
     scaling_kind = str(get(meta, p + "rope.scaling.type", "none"))
-    if scaling_kind not in ("none", "linear"):
-        raise UnsupportedModel(f"RoPE scaling type {scaling_kind!r} is not supported yet (supported: none, linear)")
-    scaling = RopeScaling(
-        kind=scaling_kind,
-        factor=float(get(meta, p + "rope.scaling.factor", 1.0) or 1.0),
-        original_context=int(get(meta, p + "rope.scaling.original_context_length", 0)),
-    )
+    if scaling_kind not in ("none", "linear", "yarn"):
+        raise UnsupportedModel(f"RoPE scaling type {scaling_kind!r} is not supported (supported: none, linear, yarn)")
+    factor = float(get(meta, p + "rope.scaling.factor", 1.0) or 1.0)
+    original = int(get(meta, p + "rope.scaling.original_context_length", 0))
+    rope_dim = int(get(meta, p + "rope.dimension_count", head_dim))
+    yarn = {}
+    if scaling_kind == "yarn" and factor > 1:
+        if not original:
+            raise ModelLoadError(f"{p}rope.scaling.original_context_length is needed for YaRN")
+        yarn = dict(rope_divisors=yarn_divisors(rope_base, rope_dim, factor, original,
+                                                float(get(meta, p + "rope.scaling.yarn_beta_fast", 32.0)),
+                                                float(get(meta, p + "rope.scaling.yarn_beta_slow", 1.0))),
+                    rope_attn_factor=0.1 * math.log(factor) + 1.0)
+    scaling = RopeScaling(kind=scaling_kind, factor=1.0 if scaling_kind == "yarn" else factor, original_context=original)
     return dict(
         arch=arch,
         n_layer=n_layer,
@@ -103,13 +153,30 @@ def common_fields(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         context_length=int(get(meta, p + "context_length", 2048)),
         vocab_size=vocab_size,
         rope_base=rope_base,
-        rope_dim=int(get(meta, p + "rope.dimension_count", head_dim)),
+        rope_dim=rope_dim,
         rope_scaling=scaling,
         layer_window=(0,) * n_layer,
         layer_rope_base=(rope_base,) * n_layer,
         layer_rope_scale=(scaling.factor,) * n_layer,
         attn_scale=1.0 / math.sqrt(head_dim),
+        **yarn,
     )
+
+
+def yarn_divisors(base: float, rope_dim: int, factor: float, original: int, beta_fast: float,
+                  beta_slow: float) -> tuple[float, ...]:
+    """YaRN as frequency divisors: pairs that turn more than beta_fast times over the original window keep
+    their frequency, those under beta_slow times are divided by factor, a linear ramp between; the ramp's ends
+    rounded out to whole pairs (floor, ceil) as llama.cpp and transformers do."""
+    def pair_at(turns: float) -> float:  # the (fractional) pair index whose wavelength fits `turns` in the window
+        return rope_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(pair_at(beta_fast)), 0), min(math.ceil(pair_at(beta_slow)), rope_dim - 1)
+    out = []
+    for i in range(rope_dim // 2):
+        keep = 1.0 - min(1.0, max(0.0, (i - lo) / max(hi - lo, 0.001)))  # 1: extrapolate, 0: interpolate
+        out.append(1.0 / ((1.0 - keep) / factor + keep))
+    return tuple(out)
 
 
 def with_context(cfg: ModelConfig, context: int | None, has_tensor) -> ModelConfig:

@@ -29,6 +29,21 @@ class Family:
     # (models/hf_config.py maps the shared ones); None: safetensors directories of this family are refused.
     hf_keys: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     hf_norm_offset: float = 0.0  # added to RMSNorm weights (Gemma stores w where GGUF holds 1 + w)
+    # Blocks of more than one kind (hybrids): the tensors block i must have, in place of layer_tensors.
+    block_tensors: Callable[[ModelConfig, int], tuple[str, ...]] | None = None
+    # Hugging Face tensors the converter reshapes or reorders for the family's GGUF layout: those whose GGUF
+    # name's stem (`ssm_a` of `blk.0.ssm_a`) is in hf_reshaped go through hf_tensor(GGUF name, f32 values,
+    # config) -> the values as the GGUF stores them (models/hf_checkpoint.py). Norms in hf_plain_norms get no
+    # hf_norm_offset.
+    hf_reshaped: frozenset[str] = frozenset()
+    hf_aliases: tuple[tuple[str, str], ...] = ()  # (Hugging Face name part, the spelling gguf's name map knows)
+    hf_view: Callable[[Any], Any] | None = None  # the safetensors as the converter sees them (split fused tensors)
+    hf_tensor: Callable[[str, np.ndarray, ModelConfig], np.ndarray] | None = None
+    hf_plain_norms: frozenset[str] = frozenset()
+
+    def tensors_of(self, cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+        """The tensors block `layer` must have."""
+        return self.block_tensors(cfg, layer) if self.block_tensors else self.layer_tensors
 
 
 def no_hf_keys(config: dict[str, Any]) -> dict[str, Any]:

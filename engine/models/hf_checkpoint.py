@@ -88,18 +88,23 @@ class HFCheckpoint:
         self.metadata = meta
         cfg = fam.read_config(meta, int(config["vocab_size"]))
         source = SafetensorsCheckpoint(self.path)
-        plan = _plan(source, cfg.arch, cfg.n_layer, tied=bool(config.get("tie_word_embeddings", True)))
+        if fam.hf_view is not None:
+            source = fam.hf_view(source)
+        plan = _plan(source, cfg.arch, cfg.n_layer, tied=bool(config.get("tie_word_embeddings", True)),
+                     aliases=fam.hf_aliases)
         permute = {"attn_q": cfg.n_head, "attn_k": cfg.n_head_kv} if cfg.rope_style == "interleaved" else {}
         items: list[tuple[str, np.ndarray, GGMLType]] = []
         for name, srcs in plan.items():
             src, dtype = srcs[0], source.dtype(srcs[0])
             words = source.array(src) if len(srcs) == 1 else np.concatenate([source.array(e) for e in srcs])
-            stem = name.split(".")[-2] if name.startswith("blk.") else ""
+            stem = name.split(".")[2] if name.startswith("blk.") else ""
             if stem in permute:  # rows of each head: halves -> adjacent pairs (the converter's permute)
                 words = _interleave(words, permute[stem])
+            if stem in fam.hf_reshaped:  # the family's own layout (reordered heads, reshaped convolutions)
+                words, dtype = fam.hf_tensor(name, to_f32(words, dtype), cfg), "F32"
             if words.ndim == 1 or (words.ndim == 2 and words.shape[1] % 32 and quantize):
                 values = to_f32(words, dtype)
-                if fam.hf_norm_offset and name.endswith("norm.weight"):
+                if fam.hf_norm_offset and name.endswith("norm.weight") and stem not in fam.hf_plain_norms:
                     values = values + np.float32(fam.hf_norm_offset)
                 items.append((name, values.reshape(1, -1) if words.ndim == 1 else values, GGMLType.F32))
             elif words.ndim == 2:
@@ -137,7 +142,8 @@ class HFCheckpoint:
         return dequantize(self.tensor(name)).reshape(-1).astype(np.float32, copy=False)
 
 
-def _plan(source: SafetensorsCheckpoint, arch: str, n_layer: int, *, tied: bool) -> dict[str, list[str]]:
+def _plan(source, arch: str, n_layer: int, *, tied: bool,
+          aliases: tuple[tuple[str, str], ...] = ()) -> dict[str, list[str]]:
     """GGUF name -> the safetensors names it is made of (one, or every expert's matrix of a stacked expert tensor,
     in expert order), for every tensor the converter would keep."""
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
@@ -146,7 +152,10 @@ def _plan(source: SafetensorsCheckpoint, arch: str, n_layer: int, *, tied: bool)
     experts: dict[str, dict[int, str]] = {}
     for src in source.names:
         m = _EXPERT.match(src)  # one expert's matrix: stacked under the name of the experts' tensor
-        name = names.get_name(m["prefix"] + m["suffix"] if m else src, try_suffixes=(".weight", ".bias"))
+        known = m["prefix"] + m["suffix"] if m else src
+        for part, spelling in aliases:
+            known = known.replace(part, spelling)
+        name = names.get_name(known, try_suffixes=(".weight", ".bias"))
         if name is None:
             continue  # buffers a checkpoint may carry (rotary inv_freq, ...): the converter drops them too
         if m:

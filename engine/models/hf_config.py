@@ -55,7 +55,8 @@ def gguf_metadata(config: dict[str, Any], arch: str, name: str) -> tuple[dict[st
         p + "context_length": int(config.get("max_position_embeddings") or 2048),
         p + "embedding_length": n_embd,
         p + "block_count": int(need(config, "num_hidden_layers")),
-        p + "feed_forward_length": int(need(config, "intermediate_size")),
+        # an all-MoE model may state only its experts' width
+        p + "feed_forward_length": int(config.get("intermediate_size") or need(config, "moe_intermediate_size")),
         p + "attention.head_count": n_head,
         p + "attention.head_count_kv": int(config.get("num_key_value_heads") or n_head),
         p + "attention.key_length": head_dim,
@@ -74,9 +75,16 @@ def gguf_metadata(config: dict[str, Any], arch: str, name: str) -> tuple[dict[st
         tensors["rope_freqs"] = llama3_divisors(rope, rope_dim)
     elif kind in ("longrope", "su"):
         meta.update(_longrope(config, rope, p, rope_dim, tensors))
+    elif kind == "yarn":
+        if rope.get("attention_factor") is not None or rope.get("mscale") or not rope.get("truncate", True):
+            raise UnsupportedModel("YaRN with its own attention_factor, mscale or truncate false is not supported")
+        meta.update({p + "rope.scaling.type": "yarn", p + "rope.scaling.factor": float(rope["factor"]),
+                     p + "rope.scaling.original_context_length": int(need(rope, "original_max_position_embeddings")),
+                     p + "rope.scaling.yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+                     p + "rope.scaling.yarn_beta_slow": float(rope.get("beta_slow") or 1.0)})
     elif kind != "default":
         raise UnsupportedModel(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, "
-                               f"llama3, longrope)")
+                               f"llama3, longrope, yarn)")
     return meta, tensors
 
 

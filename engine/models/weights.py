@@ -33,6 +33,10 @@ class Weights:
         self._vectors: dict[str, np.ndarray] = {}
 
     def has(self, name: str) -> bool:
+        return self.has_weight(name) or self._file.has(name)  # a parameter (`ssm_a`) or bias named in full
+
+    def has_weight(self, name: str) -> bool:
+        """Whether `name.weight` exists (what tensor(name) reads)."""
         return self._file.has(name + ".weight")
 
     def tensor(self, name: str) -> QTensor:
@@ -56,6 +60,10 @@ class Weights:
     def vector(self, name: str) -> np.ndarray:
         """A norm's weights (`blk.0.attn_norm`), f32."""
         return self._small(name + ".weight")
+
+    def parameter(self, name: str) -> np.ndarray:
+        """A small tensor GGUF names without a suffix (`blk.0.ssm_a`), f32, flat."""
+        return self._small(name)
 
     def bias(self, name: str) -> np.ndarray:
         """The bias vector of a matrix (`blk.0.attn_q` -> `blk.0.attn_q.bias`), f32."""

@@ -11,8 +11,11 @@ Variants: llama with llama3 RoPE scaling, 8 heads / 2 KV heads of width 32, an u
 8/4 heads and a vocabulary (2112) larger than its tokenizer; qwen3 with head width 128 != hidden / heads and one KV
 head; phi3 rotating 3/4 of each head with LongRoPE past an original window of 32 (its long factors); gemma2 with a
 window of 16, query_pre_attn_scalar 128 != head width, other soft-caps, 3 layers; gemma3 (text) with its own layer
-pattern, local RoPE base 20000, linear RoPE scaling on the global layer, one KV head. docs/models.md gives the
-result.
+pattern, local RoPE base 20000, linear RoPE scaling on the global layer, one KV head; qwen3_5 and qwen3_5_moe
+with 3 value heads per key head, head width 32, a conv kernel of 3, 5 layers in the pattern D,A,D,A,D, half the
+head rotated, 12 experts top-3 and a shared expert of another width; gpt_oss with 3 layers (full, sliding,
+sliding), a window of 8, YaRN factor 8 over an original window of 32, 6 experts top-3, head width 32.
+docs/models.md gives the result.
 """
 
 from __future__ import annotations
@@ -67,7 +70,30 @@ def _variants(T) -> dict:
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
+        "qwen3_5": ("qwen3_5", T.Qwen3_5TextConfig, dict(_QWEN35, intermediate_size=384)),
+        "qwen3_5_moe": ("qwen3_5_moe", T.Qwen3_5MoeTextConfig, dict(
+            _QWEN35, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=96,
+            shared_expert_intermediate_size=160)),
+        "gpt_oss": ("gpt_oss", T.GptOssConfig, dict(
+            small, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=32, vocab_size=2048, rms_norm_eps=1e-5, num_local_experts=6, num_experts_per_tok=3,
+            sliding_window=8, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            tie_word_embeddings=False, bos_token_id=2040, eos_token_id=2045, pad_token_id=2041,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16.0,
+                             "beta_slow": 1.0, "original_max_position_embeddings": 32, "truncate": True})),
     }
+
+
+# Qwen3.5 hybrids: 3 value heads per key head (the converter's head reorder), head widths 32, a kernel of 3, an
+# attention layer between DeltaNet ones and a trailing DeltaNet layer
+_QWEN35 = dict(hidden_size=256, max_position_embeddings=4096, num_hidden_layers=5, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=32, vocab_size=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               eos_token_id=1990, pad_token_id=1988, linear_conv_kernel_dim=3, linear_key_head_dim=32,
+               linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+               layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention",
+                            "linear_attention"],
+               rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+                                "mrope_section": [2, 3, 3], "mrope_interleaved": True})
 
 
 def make(out: Path) -> None:
@@ -90,7 +116,8 @@ def make(out: Path) -> None:
             if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
                 shutil.copy(f, d / f.name)
         # the oracle: the saved (bf16) weights in float64
-        model = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager").eval()
+        model = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
         ids = np.random.default_rng(1).integers(5, 1900, 64).tolist()
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1).numpy()

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed
+from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
@@ -65,7 +65,8 @@ class CpuBackend:
         self.step = decode_step.build(config, weights, step_flags, self.packed_buffer)
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:
-        return KVCache(config.n_layer, config.n_head_kv, config.head_dim, max_tokens, self.kv_dtype)
+        return KVCache(len(config.kv_layers), config.n_head_kv, config.head_dim, max_tokens, self.kv_dtype,
+                       config.state_shapes)
 
     @property
     def has_decode_step(self) -> bool:
@@ -105,6 +106,8 @@ class CpuBackend:
     rope = staticmethod(ops.apply_rope)
     attention = staticmethod(ops.attention)
     act_mul = staticmethod(ops.act_mul)
+    causal_conv = staticmethod(recurrent.causal_conv)
+    delta_rule = staticmethod(recurrent.delta_rule)
 
 
 def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None) -> CpuBackend:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.backend import ModelConfig, Weights
+from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
 from engine.kernels.cpu import atomics, attention, dequant, int8, ir, ops, packed, quantize, rowops
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.threads import get_threads
@@ -374,7 +374,7 @@ class DecodeStep:
             for i in range(L):
                 self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
         self.out_norm = w.vector("output_norm")
-        factors, rel = w.optional_vector(cfg.rope_factors), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
+        factors, rel = frequency_divisors(cfg, w), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
         self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
         self.windows = np.array(cfg.layer_window, np.int64)
         self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor, cfg.attn_softcap,

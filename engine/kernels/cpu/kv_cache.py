@@ -9,6 +9,12 @@ contiguous block; values (n_layer, n_head_kv, capacity, head_dim), so the weight
 head dims. Grown in steps as the sequence grows (a server must not reserve the whole context window for every
 request), with the small protocol the engine needs: length, reserve, write, advance, truncate (prefix reuse
 and rewinding), keys/values of a layer.
+
+A hybrid model's sequence also carries recurrent state (`state`: f32 arrays by name, e.g. a gated DeltaNet's
+convolution inputs and delta-rule matrices, a row per recurrent layer): it holds the whole prefix in a fixed size
+and cannot be rewound, so going back means restoring a copy taken there (`snapshot` / `restore`; a prefix cache
+keeps such copies at the positions it may resume from). Its keys and values are kept for the attention layers
+only (`write`'s layer is the cache slot: models/config.py kv_layers).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ _GROW_STEP = 256  # tokens; capacity grows to the next multiple, doubling for lo
 
 
 class KVCache:
-    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int, dtype: str = "f32"):
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int, dtype: str = "f32",
+                 states: tuple[tuple[str, tuple[int, ...]], ...] = ()):
         if dtype not in DTYPES:
             raise ValueError(f"KV cache dtype must be one of {DTYPES}, got {dtype!r}")
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
@@ -34,6 +41,7 @@ class KVCache:
         self.length = 0  # tokens whose keys/values every layer holds
         self.k = np.empty((n_layer, n_head_kv, 0, head_dim, attention.TILE), self._store)  # keys, in tiles
         self.v = np.empty((n_layer, n_head_kv, 0, head_dim), self._store)
+        self.state = {name: np.zeros(shape, np.float32) for name, shape in states}  # at position length
 
     @property
     def capacity(self) -> int:
@@ -89,8 +97,29 @@ class KVCache:
         self.length += n
 
     def truncate(self, n: int) -> None:
-        """Forget everything from position n on (keeps the storage)."""
-        self.length = min(self.length, max(0, n))
+        """Forget everything from position n on (keeps the storage). A recurrent state can only go back to the
+        start (zeroed); elsewhere restore a snapshot."""
+        n = min(self.length, max(0, n))
+        if self.state and n != self.length:
+            if n:
+                raise ValueError(f"a recurrent state cannot be rewound to position {n}: restore a snapshot taken there")
+            for a in self.state.values():
+                a[:] = 0
+        self.length = n
+
+    def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
+        """What restore() needs to bring this sequence back to where it is now: its length and a copy of its
+        recurrent state (keys and values are positional: truncating them suffices)."""
+        return self.length, {name: a.copy() for name, a in self.state.items()}
+
+    def restore(self, snap: tuple[int, dict[str, np.ndarray]]) -> None:
+        """Back to a snapshot of this sequence taken at a position it still holds."""
+        length, state = snap
+        if length > self.length:
+            raise ValueError(f"snapshot at {length} is past the cache's {self.length} positions")
+        self.length = length
+        for name, a in state.items():
+            self.state[name][:] = a
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + sum(a.nbytes for a in self.state.values())

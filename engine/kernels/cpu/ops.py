@@ -65,18 +65,18 @@ ATTN_BLOCK = 128  # queries per block of a prompt's attention
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0,
-              softcap: float = 0.0) -> np.ndarray:
+              softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal (optionally sliding-window) grouped-query attention.
 
     q (T, H, D) for positions pos0..pos0+T-1; k, v (L, Hkv, D) for positions 0..L-1 (L = pos0 + T).
-    A query at position p sees keys j with j <= p and, with a window, p - j < window.
-    Returns (T, H, D).
+    A query at position p sees keys j with j <= p and, with a window, p - j < window. sinks (H,): a logit per
+    head that joins each softmax's denominator and weighs no value (gpt-oss). Returns (T, H, D).
     """
     T, H, D = q.shape
     if T > ATTN_BLOCK:  # causal: a block of queries needs no key after its last one (a 512-token chunk in 4
         # blocks computes 10/16 of the full score matrix)
         return np.concatenate([attention(q[t0 : t0 + ATTN_BLOCK], k[: pos0 + t0 + ATTN_BLOCK],
-                                         v[: pos0 + t0 + ATTN_BLOCK], pos0 + t0, scale, window, softcap)
+                                         v[: pos0 + t0 + ATTN_BLOCK], pos0 + t0, scale, window, softcap, sinks)
                                for t0 in range(0, T, ATTN_BLOCK)])
     L, Hkv, _ = k.shape
     group = H // Hkv
@@ -89,6 +89,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: flo
     if softcap:
         scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
     # Masked (causal, sliding window) softmax in place; masked keys get weight 0.
-    rowops.causal_softmax(scores.reshape(Hkv * group, T, L - first), pos0, first, window)
+    sink = np.full(H, -np.inf, np.float32) if sinks is None else np.asarray(sinks, np.float32)  # per query head
+    rowops.causal_softmax(scores.reshape(Hkv * group, T, L - first), pos0, first, window, sink)
     out = np.matmul(scores, v.transpose(1, 0, 2))  # (Hkv, G*T, D)
     return out.reshape(Hkv, group, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)

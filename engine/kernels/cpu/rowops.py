@@ -133,17 +133,18 @@ def act_mul_halves(gu, gelu):
 
 
 @njit(cache=True, fastmath=True)
-def _softmax_row(row, lo, hi, scratch):
-    """row[lo:hi] = softmax(row[lo:hi]); everything else 0 (masked)."""
+def _softmax_row(row, lo, hi, scratch, sink):
+    """row[lo:hi] = softmax(row[lo:hi]) with one more logit `sink` in the denominator (an attention sink: -inf
+    for none); everything else 0 (masked)."""
     n = row.shape[0]
-    mx = row[lo]
+    mx = max(row[lo], sink)
     for j in range(lo + 1, hi):
         mx = max(mx, row[j])
     seg = row[lo:hi]
     for j in range(hi - lo):
         seg[j] -= mx
     vmath.exp_inplace(seg, scratch)
-    total = np.float32(0.0)
+    total = np.float32(math.exp(sink - mx)) if sink > -np.inf else np.float32(0.0)
     for j in range(hi - lo):
         total += seg[j]
     inv = np.float32(1.0) / total
@@ -156,7 +157,7 @@ def _softmax_row(row, lo, hi, scratch):
 
 
 @njit(cache=True)
-def _softmax_rows(s, r0, r1, q_pos0, k_pos0, window):
+def _softmax_rows(s, r0, r1, q_pos0, k_pos0, window, sinks):
     T, L = s.shape[1], s.shape[2]
     scratch = np.empty(L, np.int32)
     for r in range(r0, r1):
@@ -164,12 +165,12 @@ def _softmax_rows(s, r0, r1, q_pos0, k_pos0, window):
         qpos = q_pos0 + t
         hi = min(L, qpos - k_pos0 + 1)  # keys at or before the query
         lo = max(0, qpos - window + 1 - k_pos0) if window > 0 else 0
-        _softmax_row(s[b, t], lo, hi, scratch)
+        _softmax_row(s[b, t], lo, hi, scratch, sinks[b])
 
 
 @njit(cache=True)
-def causal_softmax(s, q_pos0, k_pos0, window):
+def causal_softmax(s, q_pos0, k_pos0, window, sinks):
     """In place over scores s (B, T, L) (C order): row (b, t) is the query at position q_pos0 + t against keys
     at positions k_pos0.. ; it keeps keys at or before it (and, with window > 0, fewer than window back),
-    softmaxed, and zeroes the rest."""
-    _softmax_rows(s, 0, s.shape[0] * s.shape[1], q_pos0, k_pos0, window)
+    softmaxed with sinks[b] (B,) in the denominator (-inf: none), and zeroes the rest."""
+    _softmax_rows(s, 0, s.shape[0] * s.shape[1], q_pos0, k_pos0, window, sinks)

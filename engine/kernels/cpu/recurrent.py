@@ -1,0 +1,69 @@
+"""The CPU kernels of recurrent layers (a hybrid's gated DeltaNet, models/deltanet.py): the short causal
+convolution over a sequence's inputs and the gated delta rule, both carrying state from one call to the next.
+
+The delta rule is sequential in the tokens, so a prompt runs it token by token (per value head in parallel):
+its cost is 3 passes over a (head_k_dim, head_v_dim) state per token and head — small beside the layer's
+matrices (Qwen3.5: 128 x 128 per head). Shapes: T tokens, C channels, K the kernel width, Hk key heads, Hv
+value heads, Dk/Dv their head dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+
+def causal_conv(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """Depthwise causal convolution of x (T, C) with weight (C, K), continuing from state (K-1, C): the K-1
+    inputs before x (zeros at a sequence's start). Returns (T, C); state becomes the last K-1 inputs."""
+    T, K = x.shape[0], weight.shape[1]
+    xx = np.concatenate([state, x.astype(np.float32, copy=False)])  # (T + K - 1, C): input t + K - 1 is x[t]
+    out = xx[0:T] * weight[:, 0]
+    for i in range(1, K):
+        out += xx[i : i + T] * weight[:, i]
+    state[:] = xx[T:]
+    return out
+
+
+@njit(parallel=True, cache=True, fastmath=False)
+def _delta_rule(q, k, v, g, beta, state, out):
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    for h in prange(Hv):
+        j = h % Hk  # the key head this value head reads (GGUF's head order)
+        S = state[h]  # (Dk, Dv)
+        mem = np.empty(Dv, np.float32)
+        delta = np.empty(Dv, np.float32)
+        for t in range(T):
+            decay = np.float32(math.exp(g[t, h]))
+            for c in range(Dv):
+                mem[c] = 0.0
+            for a in range(Dk):  # decay the state and read what it holds for this key
+                ka = k[t, j, a]
+                for c in range(Dv):
+                    s = S[a, c] * decay
+                    S[a, c] = s
+                    mem[c] += s * ka
+            b = beta[t, h]
+            for c in range(Dv):
+                delta[c] = (v[t, h, c] - mem[c]) * b
+                out[t, h, c] = 0.0
+            for a in range(Dk):  # write the correction, then read the query out of the new state
+                ka, qa = k[t, j, a], q[t, j, a]
+                for c in range(Dv):
+                    s = S[a, c] + ka * delta[c]
+                    S[a, c] = s
+                    out[t, h, c] += s * qa
+
+
+def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+               state: np.ndarray) -> np.ndarray:
+    """The gated delta rule over T tokens: per token and value head h (key head h % Hk), S = exp(g) S;
+    S += k (beta (v - S^T k))^T; out = S^T q. q, k (T, Hk, Dk) (normalized, q scaled), v (T, Hv, Dv), g, beta
+    (T, Hv), state (Hv, Dk, Dv) f32, updated in place. Returns (T, Hv, Dv)."""
+    f32 = [np.ascontiguousarray(a, np.float32) for a in (q, k, v, g, beta)]
+    out = np.empty(v.shape, np.float32)
+    _delta_rule(*f32, state, out)
+    return out
