@@ -6,8 +6,9 @@ Importable by tests (each writer takes an output path) and runnable as a script:
 
 Everything is seeded, so the same bytes come out every time. Metadata keys and tensor names are llama.cpp's
 (compare ../shared/reference/*.meta.json). The weight matrices are spread over every GGML type we support
-(each fixture alone covers all eleven), so loading and running either one exercises every block decoder.
-gguf.quants quantizes the float and legacy types; it cannot quantize K-quants, so their blocks are random
+but MXFP4 (each of the llama and gemma3 fixtures alone covers those eleven), so loading and running either one
+exercises every other block decoder; MXFP4, gpt-oss's expert type, has a llama variant of its own.
+gguf.quants quantizes the float, legacy and MXFP4 types; it cannot quantize K-quants, so their blocks are random
 bytes under small, sane scales. Weights are small so a forward pass stays finite.
 """
 
@@ -254,6 +255,18 @@ def write_llama_split_fixture(path, max_tensors: int = 12) -> list[Path]:
     return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
 
 
+def write_mxfp4_fixture(path) -> Path:
+    """The llama fixture with layer 0's FFN matrices stored as MXFP4: the type of gpt-oss's expert stacks, which
+    no dense model stores, so the one fixture that runs MXFP4 through a whole model and the decode step."""
+    rng = np.random.default_rng(4)
+    d, ff = LLAMA["n_embd"], LLAMA["n_ff"]
+    shapes = {"ffn_gate": (ff, d), "ffn_up": (ff, d), "ffn_down": (d, ff)}
+    override = {f"blk.0.{role}.weight": (random_weight(rng, rows, cols, Q.MXFP4, 0.04), Q.MXFP4)
+                for role, (rows, cols) in shapes.items()}
+    _write(_llama_writer(path, override=override))
+    return Path(path)
+
+
 def write_unsupported_arch_fixture(path) -> Path:
     """The llama fixture under an architecture name nobody supports."""
     _write(_llama_writer(path, arch="mamba9"))
@@ -351,6 +364,7 @@ def write_gemma3_fixture(path) -> Path:
 WRITERS = {
     "tiny-llama.gguf": write_llama_fixture,
     "tiny-gemma3.gguf": write_gemma3_fixture,
+    "tiny-llama-mxfp4.gguf": write_mxfp4_fixture,
     "unsupported-arch.gguf": write_unsupported_arch_fixture,
     "unsupported-type.gguf": write_unsupported_type_fixture,
 }

@@ -2,8 +2,9 @@
 
 Both run the same int8 kernels over the same blocks; they differ only in float summation order (norms,
 attention), which can flip an int8 rounding now and then. So: the one-token logits agree closely on tiny
-fixtures of both families (every tensor type) and on the real models, a batch of M sequences equals M single
-steps bit for bit, every code tier the CPU can run agrees, and split models (no single buffer) fall back.
+fixtures of both families (every tensor type; MXFP4 in a llama variant) and on the real models, a batch of M
+sequences equals M single steps bit for bit, every code tier the CPU can run agrees, and split models (no single
+buffer) fall back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import engine
 from engine.kernels.cpu import attention, ir
 from engine.kernels.cpu import decode_step
+from engine.kernels.quant_types import GGMLType
 from engine.models.base import log_softmax
 from engine.models import dense, registry
 from tests.conftest import SHARED
@@ -27,7 +29,8 @@ PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
     d = tmp_path_factory.mktemp("step")
-    return {"llama": mf.write_llama_fixture(d / "llama.gguf"), "gemma3": mf.write_gemma3_fixture(d / "gemma3.gguf")}
+    return {"llama": mf.write_llama_fixture(d / "llama.gguf"), "gemma3": mf.write_gemma3_fixture(d / "gemma3.gguf"),
+            "llama-mxfp4": mf.write_mxfp4_fixture(d / "mxfp4.gguf")}
 
 
 def _layerwise(model, ids, cache):
@@ -56,13 +59,14 @@ def _compare(model, prompt, n_steps=4, rtol=2e-2):
     return a, b
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama-mxfp4"])
 def test_step_agrees_with_the_layerwise_pass_on_fixtures(fixtures, arch):
     model = engine.load_model(fixtures[arch], selftest=False)
     assert model.backend.path == "fast" and model.backend.step is not None
     types = {model.weights.tensor(n[: -len(".weight")]).ggml_type for n in model.weights._file.entries
              if n.startswith("blk.") and model.weights.tensor(n[: -len(".weight")]).rows > 1}
     assert len(types) >= 8  # the fixture spreads quantized and float types over the layers
+    assert (GGMLType.MXFP4 in types) == (arch == "llama-mxfp4")
     _compare(model, PROMPT)
 
 

@@ -17,8 +17,8 @@ from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, Kit
     vs_llama_cpp
 
 KIT = SHARED / "families"
-FAMILIES = ("qwen3_moe", "qwen3_5_moe")  # kit directories of the MoE families the engine loads
-REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")  # kit directories of the MoE families the engine loads
+REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # Q8_0, Q4_K_M (gpt-oss: MXFP4_MOE), hf/
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]
 FRAGILE, EXACT_FRAGILE = 0.25, 0.01
@@ -94,14 +94,35 @@ def test_a_decoded_token_reads_only_its_experts(monkeypatch):
     assert len(read) == 3 * cfg.n_expert_used * cfg.n_layer  # gate, up and down of k experts per layer
 
 
-def test_the_checkpoint_directory_is_configured_as_its_gguf():
+@pytest.mark.parametrize("family,shape", [("qwen3_moe", (8, 2, 128)), ("gpt_oss", (8, 2, 128))])
+def test_the_checkpoint_directory_is_configured_as_its_gguf(family, shape):
     from dataclasses import replace
 
     from engine.formats.gguf import GGUFFile
     from engine.models.hf_checkpoint import HFCheckpoint
     from engine.models.registry import config_from_gguf
 
-    converted = config_from_gguf(HFCheckpoint(KIT / "qwen3_moe" / "hf", quantize=False).metadata, 2048)
-    stored = config_from_gguf(GGUFFile(KIT / "qwen3_moe" / "tiny-qwen3-moe-a.Q8_0.gguf").metadata, 2048)
-    assert (converted.n_expert, converted.n_expert_used, converted.n_ff_expert) == (8, 2, 128)
+    converted = config_from_gguf(HFCheckpoint(KIT / family / "hf", quantize=False).metadata, 2048)
+    stored = config_from_gguf(GGUFFile(next((KIT / family).glob("*.Q8_0.gguf"))).metadata, 2048)
+    assert (converted.n_expert, converted.n_expert_used, converted.n_ff_expert) == shape
+    assert converted.rms_eps == pytest.approx(stored.rms_eps, rel=1e-6)  # the GGUF stores it as f32
     assert replace(converted, rms_eps=0) == replace(stored, rms_eps=0)
+
+
+def test_gpt_oss_layers_alternate_windows_and_use_yarn():
+    model = _model(KIT / "gpt_oss" / "tiny-gpt-oss-a.Q8_0.json", "auto")
+    cfg = model.config
+    assert cfg.layer_window == (32, 0)  # sliding on even layers, as llama.cpp's pattern of 2
+    assert cfg.rope_attn_factor == pytest.approx(0.1 * np.log(32) + 1)  # YaRN's attention factor for factor 32
+    d = np.array(cfg.rope_divisors)
+    assert d[0] == 1.0 and d[-1] == pytest.approx(32.0) and np.all(np.diff(d) >= 0)  # fast pairs kept, slow / 32
+
+
+def test_the_clamped_swiglu_saturates_as_gpt_oss():
+    from engine.models.moe import clamped_swiglu
+
+    gate = np.array([[-3.0, 0.0, 2.0, 50.0]], np.float32)
+    up = np.array([[1.0, 5.0, -20.0, 20.0]], np.float32)
+    g = np.minimum(gate, 7.0).astype(np.float64)
+    want = (np.clip(up, -7, 7) + 1) * g / (1 + np.exp(-1.702 * g))
+    np.testing.assert_allclose(clamped_swiglu(gate, up), want, rtol=1e-6)

@@ -44,7 +44,7 @@ def test_reader_matches_gguf_on_smollm2(smollm2_gguf):
     _assert_same_as_gguf_reader(smollm2_gguf)
 
 
-@pytest.mark.parametrize("writer", ["write_llama_fixture", "write_gemma3_fixture"])
+@pytest.mark.parametrize("writer", ["write_llama_fixture", "write_gemma3_fixture", "write_mxfp4_fixture"])
 def test_reader_matches_gguf_on_fixtures(tmp_path, writer):
     path = tmp_path / "f.gguf"
     getattr(make_fixtures, writer)(path)
@@ -53,7 +53,7 @@ def test_reader_matches_gguf_on_fixtures(tmp_path, writer):
 
 def test_fixtures_cover_every_supported_type(tmp_path):
     types = set()
-    for writer in ("write_llama_fixture", "write_gemma3_fixture"):
+    for writer in ("write_llama_fixture", "write_gemma3_fixture", "write_mxfp4_fixture"):
         path = tmp_path / f"{writer}.gguf"
         getattr(make_fixtures, writer)(path)
         types |= {e.type_id for e in GGUFFile(path).entries.values()}

@@ -18,6 +18,7 @@ import engine
 from engine.kernels.cpu import int8, ir, packed, quantize
 from engine.kernels.cpu.matmul import kernels_for
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
+from testdata import make_fixtures
 
 RNG = np.random.default_rng(11)
 TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tiers(), reason=f"no {t} on this CPU"))
@@ -75,6 +76,21 @@ def test_natural_order_quantization_equals_the_interleaved_one():
     qin = int8.quantize(x)
     np.testing.assert_array_equal(xq[:, quantize.legacy_x_order(256)], qin.xq8)
     np.testing.assert_array_equal(xs, qin.xs8)
+
+
+def test_mxfp4_has_no_packed_layout(tmp_path):
+    # MXFP4 (gpt-oss's experts) is read in its GGUF blocks by int8's kernels: a load packs the legacy matrices
+    # beside it and leaves it alone, and repack refuses it rather than mis-pack its 17-byte blocks.
+    model = engine.load_model(make_fixtures.write_mxfp4_fixture(tmp_path / "mxfp4.gguf"), selftest=False)
+    w = model.weights
+    assert GGMLType.MXFP4 not in packed.PACKABLE
+    for role in ("ffn_gate", "ffn_up", "ffn_down"):
+        t = w.tensor(f"blk.0.{role}")
+        assert t.ggml_type == GGMLType.MXFP4 and t.packed is None
+    assert w.tensor("blk.0.attn_output").ggml_type == GGMLType.Q4_0 and w.tensor("blk.0.attn_output").packed is not None
+    t = w.tensor("blk.0.ffn_up")
+    with pytest.raises(ValueError, match="MXFP4 has no packed layout"):
+        packed.repack(t.raw, t.ggml_type, np.empty(t.raw.size, np.uint8))
 
 
 def test_a_real_model_reads_only_its_packed_copy(smollm2_gguf, tmp_path):

@@ -15,10 +15,11 @@ from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8, ir, quantize
 from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels, MatmulKernels, kernels_for
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
+from tests.conftest import SHARED
 from testdata import make_fixtures
 
 G = GGMLType
-LEGACY = [G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q8_0]
+LEGACY = [G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q8_0, G.MXFP4]  # MXFP4: 32-weight blocks too
 KQUANT = [G.Q4_K, G.Q5_K, G.Q6_K]
 FLOATS = [G.F32, G.F16, G.BF16]
 TIER_PARAMS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tiers(),
@@ -63,12 +64,19 @@ def _nibbles(qs):
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
+# ggml's kvalues_mxfp4: the E2M1 values doubled
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)
+
+
 def _ref_legacy_quants(raw, t: GGMLType, K: int) -> np.ndarray:
-    """The stored integer of every weight (rows, K) int64: unsigned 4/5-bit quants, signed q for Q8_0."""
+    """The stored integer of every weight (rows, K) int64: unsigned 4/5-bit quants, signed q for Q8_0, for
+    MXFP4 its code's doubled E2M1 value + 12 (kept unsigned by the kernels, as Q4_0's nibble with its - 8)."""
     rows = raw.shape[0]
     b = raw.reshape(rows, K // 32, -1)
     if t == G.Q8_0:
         q = b[..., 2:34].view(np.int8)
+    elif t == G.MXFP4:  # u8 e | 16 bytes of codes, nibbles as Q4_0
+        q = MXFP4_VALUES[_nibbles(b[..., 1:17])] + 12
     else:
         qs, qh = {G.Q4_0: (2, None), G.Q4_1: (4, None), G.Q5_0: (6, 2), G.Q5_1: (8, 4)}[t]
         q = _nibbles(b[..., qs:qs + 16])
@@ -293,6 +301,8 @@ def fixture_matrices(tmp_path_factory) -> list[QTensor]:
     for path in (make_fixtures.write_llama_fixture(d / "llama.gguf"), make_fixtures.write_gemma3_fixture(d / "g.gguf")):
         f = GGUFFile(path)
         out += [f.tensor(n) for n, e in f.entries.items() if len(e.shape) == 2]
+    f = GGUFFile(make_fixtures.write_mxfp4_fixture(d / "mxfp4.gguf"))  # only its MXFP4 matrices are new
+    out += [f.tensor(n) for n, e in f.entries.items() if e.type_id == int(G.MXFP4)]
     assert {t.ggml_type for t in out} == set(GGMLType)
     return out
 
@@ -374,6 +384,46 @@ def test_real_tensors(real_matrices, tier):
         # Against exact f32 activations the int8 ones cost ~0.5 % (as in llama.cpp): a sanity bound.
         exact = x.astype(np.float64) @ wf.T.astype(np.float64)
         assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name
+
+
+@pytest.mark.parametrize("tier", TIER_PARAMS)
+def test_mxfp4_expert_stacks(tier):
+    # gpt-oss's expert matrices (the families kit's tiny model): (n_expert * out, in) rows of MXFP4 blocks.
+    f = GGUFFile(SHARED / "families" / "gpt_oss" / "tiny-gpt-oss-a.MXFP4_MOE.gguf")
+    stacks = [f.tensor(n) for n, e in f.entries.items() if e.type_id == int(G.MXFP4)]
+    assert len(stacks) == 6
+    rng = np.random.default_rng(12)
+    for w in stacks:
+        x = rng.standard_normal((2, w.cols)).astype(np.float32)
+        qin = int8.quantize(x, [w.ggml_type])
+        np.testing.assert_array_equal(int8.integer_dots(w, qin, tier=tier),
+                                      _ref_integer_dots(w.raw, w.ggml_type, w.cols, x), err_msg=w.name)
+        got = int8.matvec([w], qin, tier=tier)
+        wf = reference.dequantize(w)
+        _assert_close(got, int8.dequantized_input(qin, w.ggml_type), wf)
+        exact = x.astype(np.float64) @ wf.T.astype(np.float64)
+        assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name
+
+
+@pytest.mark.parametrize("tier", TIER_PARAMS)
+def test_mxfp4_matvec_covers_every_scale_a_quantizer_writes(tier):
+    # The kernels sum blocks with 4 * 2^(e-128) and scale the row by 1/4 (legacy.py): exact for e <= 253, the
+    # two subnormal scales (e = 0, 1) included; ggml's quantizer writes e <= 252. Small exponents meet large
+    # activations and large ones small activations, so every product stays a normal f32.
+    rng = np.random.default_rng(13)
+    for exps, size in (([0, 1, 2, 3], 100.0), ([120, 127, 134], 1.0), ([250, 252, 253], 1e-30)):
+        raw = rng.integers(0, 256, (6, 8 * 17), dtype=np.uint8)  # 8 blocks per row
+        blocks = raw.reshape(6, 8, 17)
+        blocks[:, :, 0] = rng.choice(exps, (6, 8))
+        blocks[0, :, 0] = exps[0]  # a row of the smallest scale alone
+        if exps[-1] == 253:  # 8 * 2^125 overflows f32 already in the weights: codes of |value| <= 1.5 there
+            codes = blocks[..., 1:]  # (E2M1: sign bit 3, exponent bits 1-2; their exponent's top bit moves down)
+            blocks[..., 1:] = (codes & 0x99) | ((codes & 0x44) >> 1)
+        x = (rng.standard_normal((2, 256)) * size).astype(np.float32)
+        qin = int8.quantize(x, [G.MXFP4])
+        w = reference.dequantize_raw(raw, G.MXFP4, 256)
+        assert np.isfinite(w).all()
+        _assert_close(int8.matvec([(raw, G.MXFP4)], qin, tier=tier), int8.dequantized_input(qin, G.MXFP4), w)
 
 
 # ---------------------------------------------------------------------------------------------------------

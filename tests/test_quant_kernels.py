@@ -13,10 +13,13 @@ from engine.kernels import reference
 from engine.kernels.cpu import exact
 from engine.kernels.cpu.matmul import ExactKernels, MatmulKernels, ReferenceKernels, kernels_for
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor, row_bytes
+from tests.conftest import SHARED
 from testdata import make_fixtures
 
 ALL_TYPES = list(GGMLType)
 K_TYPES = {GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
+# gpt-oss's MXFP4 expert stacks (3-D [in, out, n_expert] in GGUF): the families kit's tiny model
+GPT_OSS_MXFP4 = SHARED / "families" / "gpt_oss" / "tiny-gpt-oss-a.MXFP4_MOE.gguf"
 
 
 def _ids(types):
@@ -73,8 +76,10 @@ def _matrices(path) -> list[QTensor]:
 @pytest.fixture(scope="module")
 def fixture_matrices(tmp_path_factory) -> list[QTensor]:
     d = tmp_path_factory.mktemp("quant_fixtures")
+    mxfp4 = [t for t in _matrices(make_fixtures.write_mxfp4_fixture(d / "mxfp4.gguf"))
+             if t.ggml_type == GGMLType.MXFP4]  # the rest of that file repeats the llama fixture's types
     return (_matrices(make_fixtures.write_llama_fixture(d / "llama.gguf"))
-            + _matrices(make_fixtures.write_gemma3_fixture(d / "gemma3.gguf")))
+            + _matrices(make_fixtures.write_gemma3_fixture(d / "gemma3.gguf")) + mxfp4)
 
 
 def _head_rows(t: QTensor, n: int) -> QTensor:
@@ -261,6 +266,88 @@ def test_real_tensors_matmul_matches_reference(real_tensors):
         for T in (1, 4, 16):
             x = rng.standard_normal((T, t.cols)).astype(np.float32)
             _assert_close(be.matmul(x, t), x, w)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (iv b) MXFP4: known values, extreme exponents, gpt-oss's expert stacks
+# ---------------------------------------------------------------------------------------------------------
+
+# E2M1 code -> value (the OCP MX spec's FP4, not doubled): sign bit 3, exponent bits 1-2, mantissa bit 0.
+# Code 8 (-0) decodes to +0 in ggml (its table holds integers); _bits() in the tests below would tell them apart.
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _mxfp4_blocks(exponents) -> np.ndarray:
+    """One row per exponent e: 2 blocks with scale byte e whose 32 codes are 0..15, then 15..0 (every code in
+    both nibble halves)."""
+    codes = np.r_[np.arange(16), np.arange(15, -1, -1)].astype(np.uint8)  # weight j's code
+    qs = codes[:16] | (codes[16:] << 4)  # low nibbles = weights 0..15, high = 16..31
+    rows = [np.r_[e, qs, e, qs[::-1]].astype(np.uint8) for e in exponents]
+    return np.stack(rows)
+
+
+def test_mxfp4_reference_decodes_known_blocks():
+    # Independent of gguf: w = E2M1(code) * 2^(e - 127) (the MX spec's scale), exact in float64.
+    exps = [0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255]
+    raw = _mxfp4_blocks(exps)
+    codes = np.r_[np.arange(16), np.arange(15, -1, -1)]
+    codes = np.r_[codes, np.r_[np.arange(15, -1, -1), np.arange(16)]]  # block 2 has its qs bytes reversed
+    for row, e in zip(raw, exps):
+        want = np.array([np.ldexp(_E2M1[c], e - 127) for c in codes])
+        with np.errstate(over="ignore"):
+            want = want.astype(np.float32)  # beyond f32 range (e >= 253 with large codes): inf, as ggml
+        with np.errstate(over="ignore"):
+            got = reference.dequantize_raw(row[None], GGMLType.MXFP4, 64)[0]
+        np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"e={e}")
+    assert reference.dequantize_raw(raw[:1], GGMLType.MXFP4, 64)[0, 1] == 2.0**-128  # e = 0: a subnormal scale
+    with np.errstate(over="ignore"):
+        top = reference.dequantize_raw(raw[-1:], GGMLType.MXFP4, 64)[0]
+    assert top[1] == 2.0**127 and top[2] == np.inf  # e = 255 scales by 2^128 (no NaN); 2^128 overflows
+
+
+def test_mxfp4_extreme_exponents_match_gguf_and_the_cpu_decoder():
+    raw = _mxfp4_blocks([0, 1, 2, 3, 127, 251, 252, 253, 254, 255])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = _oracle(raw, GGMLType.MXFP4).reshape(raw.shape[0], 64)
+        got = reference.dequantize_raw(raw, GGMLType.MXFP4, 64)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    out = exact.dequantize_into(raw, GGMLType.MXFP4, np.empty((raw.shape[0], 64), np.float32))
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_experts() -> dict[str, QTensor]:
+    f = GGUFFile(GPT_OSS_MXFP4)
+    stacks = {name[: -len(".weight")]: f.tensor(name) for name, e in f.entries.items() if e.type_id == 39}
+    assert len(stacks) == 6  # ffn_gate_exps, ffn_up_exps, ffn_down_exps in each of 2 layers
+    return stacks
+
+
+def test_mxfp4_expert_stacks_load_and_decode_as_gguf(gpt_oss_experts):
+    # Our loader presents a 3-D stack [in, out, n_expert] (GGUF order) as (n_expert * out, in) rows; gguf's own
+    # reader and dequantizer must see the same weights there, expert by expert.
+    reader = gguf.GGUFReader(GPT_OSS_MXFP4)
+    theirs = {t.name[: -len(".weight")]: t for t in reader.tensors}
+    for name, t in gpt_oss_experts.items():
+        g = theirs[name]
+        n_in, n_out, n_expert = (int(n) for n in g.shape)
+        assert t.ggml_type == GGMLType.MXFP4 and t.shape == (n_expert * n_out, n_in), name
+        want = gguf.quants.dequantize(np.asarray(g.data), gguf.GGMLQuantizationType.MXFP4)  # (n_expert, out, in)
+        assert want.shape == (n_expert, n_out, n_in)
+        want = want.reshape(t.shape)
+        np.testing.assert_array_equal(_bits(reference.dequantize(t)), _bits(want), err_msg=name)
+        out = exact.dequantize_into(t.raw, t.ggml_type, np.empty(t.shape, np.float32))
+        np.testing.assert_array_equal(_bits(out), _bits(want), err_msg=name)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+
+
+def test_mxfp4_expert_stacks_matmul_matches_reference(gpt_oss_experts):
+    rng = np.random.default_rng(10)
+    for name, t in gpt_oss_experts.items():
+        w = reference.dequantize(t)
+        for T in (1, 4, 16):  # the fused matvec, then dequantize + sgemm
+            x = rng.standard_normal((T, t.cols)).astype(np.float32)
+            _assert_close(kernels_for("cpu").matmul(x, t), x, w)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ class GGMLType(IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    MXFP4 = 39  # gpt-oss's expert matrices (GGUF MXFP4_MOE files)
 
 
 # type -> (weights per block, bytes per block)
@@ -37,6 +38,7 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_K: (256, 2 + 2 + 12 + 128),
     GGMLType.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
     GGMLType.Q6_K: (256, 128 + 64 + 16 + 2),
+    GGMLType.MXFP4: (32, 1 + 16),
 }
 
 # Every type id ggml defines, so an unsupported one can be named in the error message.

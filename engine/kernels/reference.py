@@ -95,6 +95,26 @@ def _q8_0(b: np.ndarray) -> np.ndarray:
     return d * b[:, 2:34].view(np.int8).astype(np.float32)
 
 
+# E2M1 codes as llama.cpp's kvalues_mxfp4: the FP4 values doubled (so they are integers, -12..12); the block
+# scale is then halved to compensate (e8m0_half below).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """u8 E8M0 exponents -> f32 2^(e - 128) (half of 2^(e - 127)), exact for every byte as ggml's
+    GGML_E8M0_TO_FP32_HALF: e = 0, 1 give the subnormals 2^-128, 2^-127; 255 is 2^127, not NaN."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << (e & np.uint32(1)), (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _mxfp4(b: np.ndarray) -> np.ndarray:
+    # block_mxfp4 (17 B): u8 e (E8M0) | u8 qs[16] (4-bit E2M1 codes, nibble order as Q4_0)
+    #   w = e8m0_half(e) * MXFP4_VALUES[code]: exact, or +-inf where 12 * 2^(e-128) overflows (e >= 253)
+    d = e8m0_half(b[:, 0:1])
+    return d * MXFP4_VALUES[_nibbles(b[:, 1:17])].astype(np.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # K-quants: 256-weight super-blocks. Each decoder gets blocks (n, block_bytes) and returns (n, 256) f32.
 # ---------------------------------------------------------------------------------------------------------
@@ -168,6 +188,7 @@ _BLOCK_DECODERS = {
     GGMLType.Q4_K: _q4_k,
     GGMLType.Q5_K: _q5_k,
     GGMLType.Q6_K: _q6_k,
+    GGMLType.MXFP4: _mxfp4,
 }
 _FLOAT_DECODERS = {GGMLType.F32: _f32, GGMLType.F16: _f16_rows, GGMLType.BF16: _bf16}
 

@@ -20,6 +20,7 @@ _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0),
                                      int(GGMLType.Q5_1), int(GGMLType.Q8_0))
 _Q4_K, _Q5_K, _Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K)
+_MXFP4 = int(GGMLType.MXFP4)
 
 # =========================================================================================================
 # Block decoders in LLVM vector IR
@@ -166,6 +167,28 @@ def _dq_q8_0(typingctx, src, so, dst, do):
     return _decoder_sig(src, dst), _codegen(body)
 
 
+@intrinsic
+def _dq_mxfp4(typingctx, src, so, dst, do):
+    """block_mxfp4: u8 e | qs[16] (E2M1 codes); w = 2^(e-128) * (the code's value doubled, -12..12)."""
+    def body(k):
+        b = k.b
+        c = k.nibbles(k.bytes(1, 16))  # <32 x i32> codes: bit 3 sign, bits 1-2 exponent, bit 0 mantissa
+        m1 = b.and_(c, k.vec(_I32, [1] * 32))
+        e2 = b.and_(b.lshr(c, k.vec(_I32, [1] * 32)), k.vec(_I32, [3] * 32))
+        # doubled magnitude: m1 when e2 = 0 (subnormal), else (2 + m1) << (e2 - 1), written without a -1 shift
+        normal = b.lshr(b.shl(b.or_(m1, k.vec(_I32, [2] * 32)), e2), k.vec(_I32, [1] * 32))
+        mag = b.select(b.icmp_unsigned("==", e2, k.vec(_I32, [0] * 32)), m1, normal)
+        neg = b.icmp_unsigned("!=", b.and_(c, k.vec(_I32, [8] * 32)), k.vec(_I32, [0] * 32))
+        q = b.select(neg, b.sub(k.vec(_I32, [0] * 32), mag), mag)
+        # E8M0 half: e < 2 are the subnormals 2^-128, 2^-127; else the exponent field e - 1
+        e = b.zext(b.load(k._at(0), typ=_I8), _I32)
+        sub = b.shl(ir.Constant(_I32, 0x00200000), b.and_(e, ir.Constant(_I32, 1)))
+        norm = b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23))
+        d = b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(_I32, 2)), sub, norm), _F32)
+        k.store(k.scale(q, d))
+    return _decoder_sig(src, dst), _codegen(body)
+
+
 # --- K-quant pieces: numba code walks the super-block and passes offsets, shifts and f32 scales. ---------
 # Offsets qs/qh are relative to the block start so; shifts pick the nibble / bit field of each byte.
 
@@ -292,6 +315,12 @@ def _row_q8_0(src, dst):
         _dq_q8_0(src, b * 34, dst, b * 32)
 
 
+@njit(cache=True)
+def _row_mxfp4(src, dst):
+    for b in range(dst.shape[0] // 32):
+        _dq_mxfp4(src, b * 17, dst, b * 32)
+
+
 @njit(cache=True, inline="always")
 def k_scale_min(src, s, j):
     """6-bit (scale, min) of sub-block j from the 12 packed bytes at src[s:] (Q4_K/Q5_K; see reference)."""
@@ -350,6 +379,8 @@ def dequant_row(src, code, dst):
         _row_q5_1(src, dst)
     elif code == _Q8_0:
         _row_q8_0(src, dst)
+    elif code == _MXFP4:
+        _row_mxfp4(src, dst)
     elif code == _Q4_K:
         _row_q4_k(src, dst)
     elif code == _Q5_K:

@@ -31,15 +31,16 @@ from numba import njit, prange
 
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
-from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, F32_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE, Q5_0_CODE,
-                                   Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
+from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, F32_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE,
+                                   Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
 from engine.kernels.cpu.kquant import idots_q4_k, idots_q5_k, idots_q6_k, rows_q4_k, rows_q5_k, rows_q6_k
-from engine.kernels.cpu.legacy import (idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0, rows_q4_0,
-                                       rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
+from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
+                                       rows_mxfp4, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
 from engine.kernels.cpu.quantize import KB_SUMS, QK, QK_K, legacy_x_order, quantize_k_into, quantize_legacy_into
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes, type_name
 
-LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
+# The 32-weight block types, which read the legacy (Q8_0-style) activation blocks; MXFP4 has their shape.
+LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.MXFP4})
 K_TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
@@ -103,6 +104,8 @@ def rows_into(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, 
         rows_q5_1(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == Q8_0_CODE:
         rows_q8_0(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
+    elif code == MXFP4_CODE:
+        rows_mxfp4(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == Q4_K_CODE:
         rows_q4_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     elif code == Q5_K_CODE:
@@ -153,6 +156,8 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
                 idots_q5_1(raw, r * rb, xq8.shape[1] // 32, xq8, m * xq8.shape[1], out, oo, tier)
             elif code == Q8_0_CODE:
                 idots_q8_0(raw, r * rb, xq8.shape[1] // 32, xq8, m * xq8.shape[1], out, oo, tier)
+            elif code == MXFP4_CODE:
+                idots_mxfp4(raw, r * rb, xq8.shape[1] // 32, xq8, m * xq8.shape[1], out, oo, tier)
             else:
                 nsb = xqk.shape[1] // 256
                 bo = m * nsb * 24
@@ -326,7 +331,8 @@ def dequantized_input(qin: QInput, ggml_type: GGMLType | int) -> np.ndarray:
 
 def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
     """The kernels' integer dot products of every row against every input vector (tests, debugging):
-    legacy types (M, rows, K/32) = sum(u * x) per block, u the stored unsigned quant (signed q for Q8_0);
+    legacy types (M, rows, K/32) = sum(u * x) per block, u the stored unsigned quant (signed q for Q8_0;
+    for MXFP4 u = the E2M1 code's doubled value + 12, see legacy.py);
     K types (M, rows, K/256, 2) = [sum_s scale_s * sum(u * x), sum_s min_s * bsum_s] (Q6_K: offset included,
     second entry 0)."""
     p = prepare([w])

@@ -36,6 +36,7 @@ F32_CODE, F16_CODE, BF16_CODE = int(GGMLType.F32), int(GGMLType.F16), int(GGMLTy
 Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0),
                                                          int(GGMLType.Q5_1), int(GGMLType.Q8_0))
 Q4_K_CODE, Q5_K_CODE, Q6_K_CODE = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K)
+MXFP4_CODE = int(GGMLType.MXFP4)
 # Software prefetch distance along each weight row stream (about DRAM latency x one core's read rate). The
 # hardware prefetcher alone left compute and DRAM reads serialized: on the Zen 3 dev box prefetching every line
 # of each group took a SmolLM2 token's matvecs from 10.0 to 7.9 ms and Gemma's from 80 to 36 ms (1 thread, same
@@ -230,6 +231,19 @@ class Emitter:
 
     def nib_hi(self, v) -> ir.Value:
         return self.b.lshr(v, self.splat_c(I8, 4, v.type.count))
+
+    def lut16(self, idx, table) -> ir.Value:
+        """<32 x i8> indices 0..15 -> table[idx] lane-wise (table: 16 ints in i8 range): one vpshufb on AVX2
+        (the table in both 128-bit halves). Generic IR has no variable lookup: a tree of selects on the index
+        bits there, 15 selects and 4 bit tests (a compare-select per entry took twice as long)."""
+        if self.tier != "generic":
+            return self.call("llvm.x86.avx2.pshuf.b", idx.type, [self.vc(I8, list(table) * 2), idx])
+        level = [self.splat_c(I8, val, 32) for val in table]
+        for bit in range(4):  # pick between neighbours by bit 0, then pairs of those by bit 1, ...
+            on = self.b.icmp_unsigned("!=", self.b.and_(idx, self.splat_c(I8, 1 << bit, 32)),
+                                      ir.Constant(idx.type, None))
+            level = [self.b.select(on, level[k + 1], level[k]) for k in range(0, len(level), 2)]
+        return level[0]
 
     def bits_to_16(self, h, sel) -> ir.Value:
         """<32 x i8>: 16 where bit (lane % 8) of byte h[sel[lane]] is set, else 0 (a Q5 fifth bit)."""

@@ -1,11 +1,18 @@
-"""Integer kernels of the legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against Q8_0-style activations
-(quantize.py: xq8 int8 in pair-interleaved order, xs8 [dx, xsum] per block): LLVM-IR intrinsics for the row dot
-products and the per-block integer dots (idots_*, the same IR: int8.integer_dots, tests), and the njit row
-functions rows_q4_0 .. rows_q8_0 that int8.rows_into dispatches to.
+"""Integer kernels of the legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and MXFP4, which has their
+shape) against Q8_0-style activations (quantize.py: xq8 int8 in pair-interleaved order, xs8 [dx, xsum] per
+block): LLVM-IR intrinsics for the row dot products and the per-block integer dots (idots_*, the same IR:
+int8.integer_dots, tests), and the njit row functions rows_q4_0 .. rows_mxfp4 that int8.rows_into dispatches to.
 
 Integer algebra per block (u = stored unsigned quant, x = int8 activation, exact in int32):
   Q4_0: d*dx*sum(u x) - 8 d*xsum      Q4_1: d*dx*sum(u x) + m*xsum     Q8_0: d*dx*sum(q x)
   Q5_0: d*dx*sum(u x) - 16 d*xsum     Q5_1: d*dx*sum(u x) + m*xsum
+  MXFP4: d*dx*sum(u x) - 12 d*xsum, u = the E2M1 code's doubled value + 12 (0..24, one vpshufb of the nibbles),
+         d = 2^(e-128) (the doubled values' 1/2 folded in). The +12 keeps u unsigned for vpmaddubsw/vpdpbusd,
+         as Q4_0's stored nibble is; the offset comes back through xsum like Q4_0's -8. The blocks are summed
+         with 4d = 2^(e-126) (the exponent field e + 1: two integer ops, where the exact 2^(e-128) with its two
+         subnormals takes six and cost 13 % of the kernel) and the row's sum is multiplied by 1/4 (exact).
+         That is 2^(e-128) exactly for e <= 253, subnormal scales included; ggml's quantizer never writes
+         more (its e <= 252 for any finite weight). e = 254 and 255 come out as inf and -0.
 Blocks are read in pairs whose activations are stored with their halves interleaved, so one 32-byte load of two
 blocks' nibbles meets its activations in one register; each row loop prefetches PREFETCH_BYTES ahead.
 """
@@ -16,12 +23,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from engine.kernels.cpu.ir import (FLT, I8, I16, I32, PREFETCH_BYTES, Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE,
-                                   Q8_0_CODE, Emitter, V, is_arr, tier_of)
+from engine.kernels.cpu.ir import (FLT, I8, I16, I32, MXFP4_CODE, PREFETCH_BYTES, Q4_0_CODE, Q4_1_CODE, Q5_0_CODE,
+                                   Q5_1_CODE, Q8_0_CODE, Emitter, V, is_arr, tier_of)
 from engine.kernels.quant_types import type_name
 
 # =========================================================================================================
-# Legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+# Legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4)
 # =========================================================================================================
 
 # code -> (block bytes, qs offset, qh offset or None, has min, factor on sum(d or m * xsum))
@@ -31,7 +38,10 @@ _LEGACY = {
     Q5_0_CODE: (22, 6, 2, False, -16.0),
     Q5_1_CODE: (24, 8, 4, True, 1.0),
     Q8_0_CODE: (34, 2, None, False, 0.0),
+    MXFP4_CODE: (17, 1, None, False, -12.0),
 }
+# MXFP4 code -> u: ggml's kvalues_mxfp4 (E2M1 doubled, -12..12) plus 12 (see the banner)
+MXFP4_U = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
 _LO_SEL = [0] * 8 + [1] * 8 + [4] * 8 + [5] * 8  # fifth-bit bytes of a pair: low halves of A, then of B
 _HI_SEL = [2] * 8 + [3] * 8 + [6] * 8 + [7] * 8
 
@@ -51,6 +61,8 @@ def _pair_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
         return e.dot4(e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, u1, s1), u2, s2)
     v = e.shuf(e.ld(wp, e.add(o, qs), V(I8, 16)), e.ld(wp, e.add(o, bb + qs), V(I8, 16)), range(32))
     lo, hi = e.nib_lo(v), e.nib_hi(v)
+    if code == MXFP4_CODE:
+        lo, hi = e.lut16(lo, MXFP4_U), e.lut16(hi, MXFP4_U)
     if qh is not None:
         h = e.shuf(e.ld(wp, e.add(o, qh), V(I8, 4)), e.ld(wp, e.add(o, bb + qh), V(I8, 4)), range(8))
         lo, hi = b.or_(lo, e.bits_to_16(h, _LO_SEL)), b.or_(hi, e.bits_to_16(h, _HI_SEL))
@@ -66,6 +78,8 @@ def _single_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
         return e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, u, s)
     q = e.ld(wp, e.add(o, qs), V(I8, 16))
     v = e.shuf(e.nib_lo(q), e.nib_hi(q), range(32))
+    if code == MXFP4_CODE:
+        v = e.lut16(v, MXFP4_U)
     if qh is not None:
         v = e.b.or_(v, e.bits_to_16(e.ld(wp, e.add(o, qh), V(I8, 4)), [j // 8 for j in range(32)]))
     return e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, v, x)
@@ -77,11 +91,21 @@ def _group_scales(e: Emitter, code, wp, o, sp, i, g) -> ir.Value:
     offs = [e.add(o, bb * j) for j in range(g)]
     if has_min:  # f16 d and f16 m are adjacent: one 32-bit load per block
         dm = e.halves(e.b.bitcast(e.gather(wp, offs, I32), V(I16, 2 * g)))
+    elif code == MXFP4_CODE:  # 4d (see the banner)
+        dm = e.shuf(_e8m0_quad(e, e.gather(wp, offs, I8)), None, [j // 2 for j in range(2 * g)])
     else:
         d = e.halves(e.gather(wp, offs, I16))
         dm = e.shuf(d, None, [j // 2 for j in range(2 * g)])
     xs = e.ld(sp, e.mul(i, 8), V(FLT, 2 * g), align=4)
     return e.b.fmul(dm, xs)
+
+
+def _e8m0_quad(e: Emitter, v) -> ir.Value:
+    """<g x i8> E8M0 exponents -> <g x float> 4 * 2^(e-128) = 2^(e-126), the float with exponent field e + 1
+    (exact for e <= 253; see the banner)."""
+    b, g = e.b, v.type.count
+    x = b.add(b.zext(v, V(I32, g)), e.splat_c(I32, 1, g))
+    return b.bitcast(b.shl(x, e.splat_c(I32, 23, g)), V(FLT, g))
 
 
 def _legacy_rowdot_r(code, R):
@@ -147,7 +171,10 @@ def _legacy_rowdot_r(code, R):
                 tot = b.fadd(b.load(acc0), b.load(acc1))
                 if factor:
                     tot = e.call("llvm.fmuladd.v8f32", tot.type, [b.load(corr), e.vc(FLT, [0.0, factor] * 4), tot])
-                e.st(op, 4 * j, e.hsum_f(tot))
+                res = e.hsum_f(tot)
+                if code == MXFP4_CODE:  # the blocks were summed with 4d
+                    res = b.fmul(res, ir.Constant(FLT, 0.25))
+                e.st(op, 4 * j, res)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -191,10 +218,11 @@ def _legacy_idots(code):
     return intrinsic(impl)
 
 
-_CODES = (Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE)
-_rd_q4_0, _rd_q4_1, _rd_q5_0, _rd_q5_1, _rd_q8_0 = (_legacy_rowdot_r(c, 1) for c in _CODES)
-_rd2_q4_0, _rd2_q4_1, _rd2_q8_0 = (_legacy_rowdot_r(c, 2) for c in (Q4_0_CODE, Q4_1_CODE, Q8_0_CODE))
-idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0 = (_legacy_idots(c) for c in _CODES)
+_CODES = (Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE, MXFP4_CODE)
+_rd_q4_0, _rd_q4_1, _rd_q5_0, _rd_q5_1, _rd_q8_0, _rd_mxfp4 = (_legacy_rowdot_r(c, 1) for c in _CODES)
+_rd2_q4_0, _rd2_q4_1, _rd2_q8_0, _rd2_mxfp4 = (_legacy_rowdot_r(c, 2) for c in (Q4_0_CODE, Q4_1_CODE, Q8_0_CODE,
+                                                                                  MXFP4_CODE))
+idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0, idots_mxfp4 = (_legacy_idots(c) for c in _CODES)
 
 
 # =========================================================================================================
@@ -264,3 +292,16 @@ def rows_q8_0(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
         for m in range(M):
             _rd_q8_0(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
+
+@njit(cache=True)
+def rows_mxfp4(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
+    K, ns = xq.shape[1], xs.shape[1]
+    M, R = out.shape
+    r = r0
+    while r + 1 < r1:  # two rows per call
+        for m in range(M):  # the rows stay in L1 across the M vectors
+            _rd2_mxfp4(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
+        r += 2
+    if r < r1:
+        for m in range(M):
+            _rd_mxfp4(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)

@@ -2,7 +2,7 @@
 blocks the integer kernels read, once per input, in numba (exact f32 arithmetic, so the numpy reference matches
 bit for bit).
 
-  legacy blocks of 32 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; legacy.py), "Q8_0-style":
+  legacy blocks of 32 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4; legacy.py), "Q8_0-style":
     xq8 (M, K) int8    q = rint(x / dx), dx = amax / 127 per block, so |q| <= 127
     xs8 (M, 2 * nb) f32 per block [dx, xsum] with xsum = dx * sum(q) (the min / offset term)
     Blocks are stored in pairs with their halves interleaved (x[A 0:16], x[B 0:16], x[A 16:32], x[B 16:32]),

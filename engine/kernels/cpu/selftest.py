@@ -78,6 +78,9 @@ def fixed_weight(ggml_type: GGMLType, rows: int = ROWS, cols: int = COLS, seed: 
     elif ggml_type == GGMLType.BF16:
         f = rng.normal(0, 0.5, (rows, cols)).astype(np.float32)
         raw = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    elif ggml_type == GGMLType.MXFP4:  # u8 E8M0 exponent | 16 code bytes: scales 2^-8 .. 2^-2
+        raw = rng.integers(0, 256, (rows, cols // 32, 17), dtype=np.uint8)
+        raw[:, :, 0] = rng.integers(120, 127, (rows, cols // 32))
     else:
         block, size = BLOCK_GEOMETRY[ggml_type]
         n_blocks = cols // block
