@@ -87,8 +87,10 @@ def test_step_stays_within_int8_noise_of_the_exact_path_on_real_models(request, 
         assert float(np.sum(p * (rows["exact"] - rows["fast"]))) < 0.02, text
 
 
-def test_a_batch_equals_single_steps_bit_for_bit(fixtures):
-    model = engine.load_model(fixtures["gemma3"], selftest=False)  # sliding-window layers too
+@pytest.mark.parametrize("which", ["gemma3", "qwen3_moe", "gpt_oss"])
+def test_a_batch_equals_single_steps_bit_for_bit(fixtures, which):
+    # sliding-window layers; MoE layers whose sequences route to different experts
+    model = engine.load_model(_kit_or_fixture(fixtures, which), selftest=False)
     prompts = [PROMPT, PROMPT[:3], PROMPT[2:] + PROMPT]
     singles, batched = [model.new_cache(64) for _ in prompts], [model.new_cache(64) for _ in prompts]
     for p, s, b in zip(prompts, singles, batched):
@@ -123,14 +125,19 @@ def test_the_step_embeds_tokens_as_the_prompt_path_does(fixtures, arch):
             decode_step._embed(st.table, st.pbuf, st.embd, np.array([bad]), st.embed_scale, got)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def _kit_or_fixture(fixtures, name):
+    return fixtures[name] if name in fixtures else \
+        SHARED / "families" / name / f"tiny-{name.replace('_', '-')}-a.Q8_0.gguf"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss"])  # gpt-oss: the MoE phases (moe_step.py)
 def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     # The step is one parallel region whose threads claim tasks from shared counters (kernels/atomics.py): one
     # worker alone, or more workers than threads (some then find every task taken), must give the same logits
     # bit for bit and never wait forever, however many row ranges the matvecs are cut into. The llama
     # fixture's MLP (512 wide) also splits its activation into column ranges from 2 workers on (legacy and
     # K-quant down projections).
-    model = engine.load_model(fixtures[family], selftest=False)
+    model = engine.load_model(_kit_or_fixture(fixtures, family), selftest=False)
     st = model.backend.step
     cache = model.new_cache(64)
     model.prefill(PROMPT, cache)
@@ -138,14 +145,14 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     pos = np.array([cache.length])
     args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.qkv_bias,
             st.out_norm, st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos, (cache.k,), (cache.v,))
-    runs = [decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers)
+    runs = [decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers, st.biases)
             for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
     for got in runs[1:]:
         np.testing.assert_array_equal(got, runs[0])
     # n_split 0: the step picks the key ranges itself, as attention.n_split says
     auto = attention.n_split(1, model.config.n_head_kv, cache.length + 1, 2)
-    np.testing.assert_array_equal(decode_step.decode_step(*args, 8, 0, st.tier, 2),
-                                  decode_step.decode_step(*args, 8, auto, st.tier, 2))
+    np.testing.assert_array_equal(decode_step.decode_step(*args, 8, 0, st.tier, 2, st.biases),
+                                  decode_step.decode_step(*args, 8, auto, st.tier, 2, st.biases))
 
 
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(
@@ -177,12 +184,13 @@ def test_the_exact_path_has_no_step(fixtures):
     assert model.backend.path == "exact" and model.backend.step is None
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "qwen3_moe", "gpt_oss"])
 def test_step_agrees_with_the_layerwise_pass_on_the_kit(family):
     # The kit's tiny models of the families that only the kit holds (q/k/v biases, QK-norm with a head dim
-    # apart from n_embd / n_head, fused matrices and LongRoPE, attention soft-capping): the step against the
+    # apart from n_embd / n_head, fused matrices and LongRoPE, attention soft-capping, MoE routing and expert
+    # stacks: kernels/cpu/moe_step.py; gpt-oss's sinks, biases, YaRN and clamped SwiGLU): the step against the
     # family's forward pass.
-    model = engine.load_model(SHARED / "families" / family / f"tiny-{family}-a.Q8_0.gguf", selftest=False)
+    model = engine.load_model(_kit_or_fixture({}, family), selftest=False)
     _compare(model, PROMPT)
 
 

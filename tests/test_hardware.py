@@ -112,8 +112,8 @@ def test_health_carries_the_selftest(fresh_selftest, tmp_path):
         body = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    # the int8 path's kernels: matvec_q8, dequantize and embed for 11 types, packed_q8 for 5
-    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 38
+    # the int8 path's kernels: matvec_q8, dequantize and embed for 12 types (MXFP4 the 12th), packed_q8 for 5
+    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 41
     assert body["selftest"]["failed"] == []
 
 

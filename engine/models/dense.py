@@ -94,4 +94,4 @@ def gated_mlp(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str
 def step_flags(cfg: ModelConfig) -> dict:
     """What a backend's compiled decode step needs to know of a dense model's blocks (Backend.prepare)."""
     return {"qk_norm": cfg.qk_norm, "post_norms": cfg.post_norms, "act": cfg.act, "qkv_bias": cfg.qkv_bias,
-            "fused_qkv": cfg.fused_qkv, "fused_gate_up": cfg.fused_gate_up}
+            "fused_qkv": cfg.fused_qkv, "fused_gate_up": cfg.fused_gate_up, "moe": bool(cfg.n_expert)}

@@ -2,7 +2,7 @@
 with a sparse MoE MLP in every block (models/moe.py): a softmax router over `expert_count` experts, the top
 `expert_used_count` of them renormalized, SwiGLU experts of width `expert_feed_forward_length`.
 
-No compiled decode step yet: a decoded token runs the forward pass (its k experts' rows only).
+The compiled decode step runs it (kernels/cpu/moe_step.py): a decoded token reads its k experts' rows only.
 """
 
 from __future__ import annotations
@@ -40,4 +40,4 @@ def hf_keys(config: dict[str, Any]) -> dict[str, Any]:
 FAMILY = Family(name="qwen3moe", gguf_archs=("qwen3moe",), hf_model_types=("qwen3_moe",), read_config=read_config,
                 layer_tensors=("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                                "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
-                forward=dense.forward, step_flags=None, hf_keys=hf_keys)
+                forward=dense.forward, step_flags=dense.step_flags, hf_keys=hf_keys)

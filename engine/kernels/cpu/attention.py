@@ -418,17 +418,18 @@ def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, out, n_
 
 
 @njit(cache=True)
-def merge(part_max, part_sum, part_acc, out):
+def merge(part_max, part_sum, part_acc, sinks, out):
     """out (M, H D) from the tasks' partial softmaxes (part_* (M, H, n_split[, D]); a range with part_sum 0 is
-    empty), exactly as one softmax over all positions: ranges reweighted by exp(their max - the max)."""
+    empty), exactly as one softmax over all positions: ranges reweighted by exp(their max - the max); a head's
+    sink logit (sinks (H,), -inf: none) joins the denominator."""
     M, H, n_split, D = part_acc.shape
     for m in range(M):
         for h in range(H):
-            mx = -np.inf
+            mx = sinks[h]
             for sp in range(n_split):
                 if part_sum[m, h, sp] > 0:
                     mx = max(mx, part_max[m, h, sp])
-            total = np.float32(0.0)
+            total = np.float32(np.exp(sinks[h] - mx)) if sinks[h] > -np.inf else np.float32(0.0)
             o = out[m, h * D : (h + 1) * D]
             o[:] = 0.0
             for sp in range(n_split):

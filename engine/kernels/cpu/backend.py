@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent
+from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_roles
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
@@ -57,11 +57,11 @@ class CpuBackend:
         built. Not for split models (no single buffer): those decode layer by layer. Prompts take the int8 GEMM
         where it carries most of the layers' matrix work (gemm8.carries_most)."""
         if self.path == "fast" and hasattr(self.kernels, "use_prompt_gemm8"):
-            names = [n for i in range(config.n_layer) for n in decode_step.role_tensors(i, step_flags or {}) if n]
+            names = [n for i in range(config.n_layer) for n in step_roles.role_tensors(i, step_flags or {}) if n]
             self.kernels.use_prompt_gemm8(gemm8.carries_most([weights.tensor(n) for n in names if weights.has(n)]))
         if self.path != "fast" or not decode_step.supported(config, weights, step_flags):
             return
-        self.packed_buffer = layout.pack(weights, decode_step.matrix_names(config, weights, step_flags))
+        self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
         self.step = decode_step.build(config, weights, step_flags, self.packed_buffer)
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:

@@ -4,9 +4,9 @@ Python glue per layer costs as much as the matvecs at decode (../shared/research
 decode step — norms, the int8 matvecs over the GGUF blocks in place, RoPE, the KV write, attention,
 activations, residuals, the final norm and the output head — is one compiled function. Every weight is read
 once per step whatever M is (the matvec reuses each row from L1 for the M activation vectors), which is what
-lets concurrent generations decode together. Both supported families run through it, told apart by the flags
-their step flags tell (models/dense.step_flags: q/k/v biases, per-head q/k norms, post norms, GELU or SiLU; RoPE
-style from the config).
+lets concurrent generations decode together. The dense families and qwen3moe run through it, told apart by their
+step flags (models/dense.step_flags: q/k/v biases, per-head q/k norms, post norms, GELU or SiLU, a MoE MLP:
+moe_step.py; RoPE style from the config). Which tensor each slot reads: step_roles.py.
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
 row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
@@ -28,19 +28,20 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
-from engine.kernels.cpu import atomics, attention, dequant, int8, ir, ops, packed, quantize, rowops
+from engine.kernels.cpu import atomics, attention, dequant, int8, ir, moe_step, ops, packed, quantize, rowops
+from engine.kernels.cpu.step_roles import ROLES, role_tensors
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.threads import get_threads
 
 
-ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # rows of mats[l]
 _EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
 # iparams slots
-_H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS = range(9)
+_H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS, _N_EXPERT, _N_USED = range(11)
 _LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
 _K_CODES = tuple(int(t) for t in int8.K_TYPES)
 _NO_PACKED = np.empty(0, np.uint8)
+_ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # iparams[_GELU]: the MLP's activation
 
 
 # =========================================================================================================
@@ -193,13 +194,13 @@ def _act_tasks(F, n_workers):
 # lets a thread that finishes early take over. Same-process A/B (ms per step, 1 / 2 / 4 ranges per thread):
 # SmolLM2 4.41 / 4.59 / 4.70, Gemma-3 9.54 / 9.65 / 9.68.
 ROW_RANGES_PER_THREAD = 2
-PHASES_PER_LAYER = 10  # serial and parallel phases per layer in _worker (the counters it needs)
+PHASES_PER_LAYER = 12  # the most serial and parallel phases a layer has in _worker (the counters it needs)
 
 
 @njit(cache=True)
 def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
             pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-            n_split, tier, n_workers):
+            n_split, tier, n_workers, moe, biases):
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
@@ -211,10 +212,13 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
     n_act = _act_tasks(F, n_workers)
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
-    gelu, neox, bias = iparams[_GELU] != 0, iparams[_NEOX] != 0, iparams[_QKV_BIAS] != 0
+    gelu, clamped = iparams[_GELU] == 1, iparams[_GELU] == 2  # the activation: SiLU, GELU, gpt-oss's clamped SwiGLU
+    neox, bias = iparams[_NEOX] != 0, iparams[_QKV_BIAS] != 0
     eps, scale, softcap = fparams[0], np.float32(fparams[1]), np.float32(fparams[3])
     n_layer = mats.shape[0]
     n_tasks = M * Hkv * n_split
+    n_expert, chosen, weight, rl, dn_jobs, n_up, n_down = moe
+    sinks, o_bias, router_bias, gu_bias, down_bias = biases  # gpt-oss's; placeholders of width 1 otherwise
     p = 0
     for layer in range(n_layer + 1):
         if atomics.claim(ctr, p) == 0:
@@ -245,17 +249,35 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, n_tasks)
         if atomics.claim(ctr, p) == 0:
-            attention.merge(part_max, part_sum, part_acc, a)
+            attention.merge(part_max, part_sum, part_acc, sinks[layer], a)
             _quantize(mats[layer, 3:4], a, qa, col0, a.shape[1])
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
+            if o_bias.shape[1] > 1:
+                o += o_bias[layer]
             _add_normed(x, o, norms[layer, 2], eps, post)
             _norm_rows_into(x, norms[layer, 1], eps, h)
-            _quantize(mats[layer, 4:6], h, qe, col0, E)
+            _quantize(mats[layer, 4:8], h, qe, col0, E)
+            if n_expert:
+                moe_step.router(buf, mats[layer, 7], qe, h, rl, tier)
+                moe_step.route(rl, router_bias, layer, chosen.shape[1], chosen, weight)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
+        if n_expert:  # the chosen experts' gate|up, activation, down, their weighted sum
+            p = moe_step.gate_up_phase(ctr, p, buf, mats[layer, 4], mats[layer, 5], chosen, qe, h, gu, n_up, tier)
+            if atomics.claim(ctr, p) == 0:
+                moe_step.activate(gu, chosen, gu_bias, layer, clamped, gelu, g)
+                _quantize(mats[layer, 6:7], g, qf, col0, F)
+                atomics.finish(ctr, p)
+            p = atomics.next_phase(ctr, p, 1)
+            p = moe_step.down_phase(ctr, p, buf, mats[layer, 6], chosen, qf, g, dn_jobs, n_down, tier)
+            if atomics.claim(ctr, p) == 0:
+                moe_step.weighted_sum(dn_jobs, chosen, weight, down_bias, layer, dn)
+                atomics.finish(ctr, p)
+            p = atomics.next_phase(ctr, p, 1)
+            continue
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
         while True:  # the activation and its quantization, column ranges in parallel
             t = atomics.claim(ctr, p)
@@ -305,7 +327,7 @@ def _embed(table, pbuf, entry, ids, scale, x):
 
 @njit(parallel=True, cache=True)
 def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, qkv_bias, out_norm, inv_freq,
-                windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers):
+                windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers, biases):
     """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
     cache arrays (keys (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D); capacity > pos),
     written at pos. Returns the head's logits (M, head rows).
@@ -322,17 +344,21 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
         for m in range(M):
             longest = max(longest, pos[m] + 1)
         n_split = attention.n_split(M, Hkv, longest, n_workers)
-    F = _rows(mats[0, 4:6]) // 2  # gate and up side by side
+    n_expert, k = iparams[_N_EXPERT], max(iparams[_N_USED], 1)
+    J = M * k if n_expert else M  # MLP jobs: a sequence's k experts, or its dense MLP
+    F = _rows(mats[0, 4:5]) // n_expert if n_expert else _rows(mats[0, 4:6]) // 2  # gate and up side by side
     cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2], fparams[4])
     h = np.empty((M, E), np.float32)
     qkv = np.empty((M, _rows(mats[0, 0:3])), np.float32)
     a = np.empty((M, H * D), np.float32)
     o = np.empty((M, _rows(mats[0, 3:4])), np.float32)
-    gu = np.empty((M, 2 * F), np.float32)
-    g = np.empty((M, F), np.float32)
-    dn = np.empty((M, _rows(mats[0, 6:7])), np.float32)
+    gu = np.empty((J, 2 * F), np.float32)
+    g = np.empty((J, F), np.float32)
+    dn = np.empty((M, E), np.float32)
     logits = np.empty((M, _rows(head)), np.float32)
-    qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(M, F)
+    qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(J, F)
+    moe = (n_expert, np.zeros((M, k), np.int64), np.empty((M, k), np.float32), np.empty((M, max(n_expert, 1)), np.float32),
+           np.empty((J, E), np.float32), moe_step.job_chunks(2 * F, J, n_workers), moe_step.job_chunks(E, J, n_workers))
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.empty((M, H, n_split), np.float32)  # zeroed by each layer's serial phase before attention
     part_acc = np.empty((M, H, n_split, D), np.float32)
@@ -340,7 +366,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
         _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
                 pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-                n_split, tier, n_workers)
+                n_split, tier, n_workers, moe, biases)
     return logits
 
 
@@ -364,7 +390,8 @@ class DecodeStep:
         self.qk_norms = np.zeros((L, 2, D), np.float32)
         for i in range(L):
             for j, n in enumerate(_NORMS):
-                if w.has(f"blk.{i}.{n}"):
+                n = flags.get("ffn_norm", n) if n == "ffn_norm" else n  # gpt-oss names it post_attention_norm
+                if w.has(f"blk.{i}.{n}") and not (j == 2 and not flags["post_norms"]):
                     self.norms[i, j] = w.vector(f"blk.{i}.{n}")
             if flags["qk_norm"]:
                 self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
@@ -374,14 +401,21 @@ class DecodeStep:
             for i in range(L):
                 self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
         self.out_norm = w.vector("output_norm")
+        sinks = np.full((L, cfg.n_head), -np.inf, np.float32)  # attention sinks (gpt-oss), -inf: none
+        o_bias = np.zeros((L, 1), np.float32)
+        if cfg.attn_sinks:
+            sinks[:] = [w.vector(f"blk.{i}.attn_sinks") for i in range(L)]
+        if cfg.attn_out_bias:
+            o_bias = np.stack([w.bias(f"blk.{i}.attn_output") for i in range(L)])
+        self.biases = (sinks, o_bias) + moe_step.bias_tables(cfg, w, flags)
         factors, rel = frequency_divisors(cfg, w), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
         self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
         self.windows = np.array(cfg.layer_window, np.int64)
         self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor, cfg.attn_softcap,
                                  cfg.rope_attn_factor], np.float64)
         self.iparams = np.array([cfg.n_head, cfg.n_head_kv, D, cfg.rope_dim, flags["qk_norm"], flags["post_norms"],
-                                 flags["act"] == "gelu_tanh", cfg.rope_style == "neox", bool(flags.get("qkv_bias"))],
-                                np.int64)
+                                 _ACTS.index(flags["act"]), cfg.rope_style == "neox", bool(flags.get("qkv_bias")),
+                                 cfg.n_expert if flags.get("moe") else 0, cfg.n_expert_used], np.int64)
         self.table = w.tensor("token_embd").raw  # (rows, row bytes): the rows past its packed groups
         self.embd = np.array(self._entry(w, "token_embd"), np.int64)
         self.embed_scale = np.float32(cfg.embed_scale)
@@ -406,7 +440,7 @@ class DecodeStep:
                              self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
                              self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches),
                              tuple(c.v for c in caches),
-                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads)
+                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases)
         for c in caches:
             c.advance(1)
         return logits
@@ -427,23 +461,6 @@ def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.nd
     if not supported(cfg, w, flags):
         return None
     return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
-
-
-def role_tensors(layer: int, flags: dict) -> list[str | None]:
-    """The tensor each of ROLES reads in a layer. A fused tensor (phi3: attn_qkv = q|k|v rows, ffn_up = gate|up
-    rows) stands in for the roles it holds side by side: the first role reads it whole, the others are empty."""
-    names: list[str | None] = [f"blk.{layer}.{r}" for r in ROLES]
-    if flags.get("fused_qkv"):
-        names[0:3] = [f"blk.{layer}.attn_qkv", None, None]
-    if flags.get("fused_gate_up"):
-        names[4:6] = [f"blk.{layer}.ffn_up", None]
-    return names
-
-
-def matrix_names(cfg: ModelConfig, w: Weights, flags: dict) -> list[str]:
-    """The matrices the step reads: each layer's and the head (the embedding table where it is tied)."""
-    return ([n for i in range(cfg.n_layer) for n in role_tensors(i, flags) if n]
-            + ["output" if w.has("output") else "token_embd"])
 
 
 def supported(cfg: ModelConfig, w: Weights, flags: dict | None) -> bool:

@@ -1,0 +1,36 @@
+"""Which tensor each slot of the compiled decode step reads (decode_step.py's `mats` rows per layer), and which
+of them the CPU backend may repack (layout.pack)."""
+
+from __future__ import annotations
+
+from engine.kernels.backend import ModelConfig, Weights
+
+# rows of mats[l]; a MoE layer's gate/up/down are its expert stacks and the router is the last (moe_step.py)
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp")
+
+
+def role_tensors(layer: int, flags: dict) -> list[str | None]:
+    """The tensor each of ROLES reads in a layer. A fused tensor (phi3: attn_qkv = q|k|v rows, ffn_up = gate|up
+    rows) stands in for the roles it holds side by side: the first role reads it whole, the others are empty."""
+    names: list[str | None] = [f"blk.{layer}.{r}" for r in ROLES]
+    if flags.get("fused_qkv"):
+        names[0:3] = [f"blk.{layer}.attn_qkv", None, None]
+    if flags.get("fused_gate_up"):
+        names[4:6] = [f"blk.{layer}.ffn_up", None]
+    if flags.get("moe"):
+        names[4:7] = [f"blk.{layer}.{r}_exps" for r in ("ffn_gate", "ffn_up", "ffn_down")]
+    else:
+        names[7] = None
+    return names
+
+
+def matrix_names(cfg: ModelConfig, w: Weights, flags: dict) -> list[str]:
+    """The matrices of the step that layout.pack may repack: each layer's but the MoE ones, and the head (the
+    embedding table where it is tied)."""
+    return ([n for i in range(cfg.n_layer) for n in role_tensors(i, flags) if n and not _moe_role(n)]
+            + ["output" if w.has("output") else "token_embd"])
+
+
+def _moe_role(name: str) -> bool:
+    """Expert stacks and routers stay as stored: moe_step addresses an expert's rows in the GGUF blocks."""
+    return name.endswith(("_exps", "ffn_gate_inp"))
