@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.kernels.cpu import attention, ir
+from engine.kernels.cpu import attention, hybrid_step, ir
 from engine.kernels.cpu import decode_step
 from engine.kernels.quant_types import GGMLType
 from engine.models.base import log_softmax
@@ -53,9 +53,11 @@ def _compare(model, prompt, n_steps=4, rtol=2e-2):
         scale = np.abs(slow).max()
         assert np.abs(fast - slow).max() <= rtol * scale, (np.abs(fast - slow).max(), scale)
         tok = int(slow[0].argmax())
-    for layer in range(model.config.n_layer):  # the caches hold the same keys and values
-        for got, want in ((a.keys(layer), b.keys(layer)), (a.values(layer), b.values(layer))):
+    for slot in range(len(model.config.kv_layers)):  # the caches hold the same keys and values
+        for got, want in ((a.keys(slot), b.keys(slot)), (a.values(slot), b.values(slot))):
             np.testing.assert_allclose(got, want, atol=2.5 * rtol * np.abs(want).max())  # one int8 flip moves a key more
+    for name, want in b.state.items():  # and a hybrid's the same recurrent state
+        np.testing.assert_allclose(a.state[name], want, atol=2.5 * rtol * np.abs(want).max())
     return a, b
 
 
@@ -87,7 +89,7 @@ def test_step_stays_within_int8_noise_of_the_exact_path_on_real_models(request, 
         assert float(np.sum(p * (rows["exact"] - rows["fast"]))) < 0.02, text
 
 
-@pytest.mark.parametrize("which", ["gemma3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("which", ["gemma3", "qwen3_moe", "gpt_oss", "qwen3_5_moe"])
 def test_a_batch_equals_single_steps_bit_for_bit(fixtures, which):
     # sliding-window layers; MoE layers whose sequences route to different experts
     model = engine.load_model(_kit_or_fixture(fixtures, which), selftest=False)
@@ -104,9 +106,11 @@ def test_a_batch_equals_single_steps_bit_for_bit(fixtures, which):
         toks = [int(r.argmax()) for r in want]
     for s, b in zip(singles, batched):
         assert s.length == b.length
-        for layer in range(model.config.n_layer):
-            np.testing.assert_array_equal(s.keys(layer), b.keys(layer))
-            np.testing.assert_array_equal(s.values(layer), b.values(layer))
+        for slot in range(len(model.config.kv_layers)):
+            np.testing.assert_array_equal(s.keys(slot), b.keys(slot))
+            np.testing.assert_array_equal(s.values(slot), b.values(slot))
+        for name in s.state:  # a hybrid's recurrent state, sequence by sequence
+            np.testing.assert_array_equal(s.state[name], b.state[name])
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -130,7 +134,8 @@ def _kit_or_fixture(fixtures, name):
         SHARED / "families" / name / f"tiny-{name.replace('_', '-')}-a.Q8_0.gguf"
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss"])  # gpt-oss: the MoE phases (moe_step.py)
+# gpt-oss: the MoE phases (moe_step.py); Qwen3.5-MoE: the DeltaNet tasks and the shared expert (hybrid_step.py)
+@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss", "qwen3_5_moe"])
 def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     # The step is one parallel region whose threads claim tasks from shared counters (kernels/atomics.py): one
     # worker alone, or more workers than threads (some then find every task taken), must give the same logits
@@ -145,14 +150,20 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     pos = np.array([cache.length])
     args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.qkv_bias,
             st.out_norm, st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos, (cache.k,), (cache.v,))
-    runs = [decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers, st.biases)
+    snap = cache.snapshot()
+
+    def run(n_chunks, n_split, workers):  # from the same recurrent state each time (a hybrid's step advances it)
+        cache.restore(snap)
+        return decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers, st.biases, st.rec,
+                                       *hybrid_step.states([cache]))
+
+    runs = [run(n_chunks, n_split, workers)
             for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
     for got in runs[1:]:
         np.testing.assert_array_equal(got, runs[0])
     # n_split 0: the step picks the key ranges itself, as attention.n_split says
     auto = attention.n_split(1, model.config.n_head_kv, cache.length + 1, 2)
-    np.testing.assert_array_equal(decode_step.decode_step(*args, 8, 0, st.tier, 2, st.biases),
-                                  decode_step.decode_step(*args, 8, auto, st.tier, 2, st.biases))
+    np.testing.assert_array_equal(run(8, 0, 2), run(8, auto, 2))
 
 
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.skipif(
@@ -184,12 +195,13 @@ def test_the_exact_path_has_no_step(fixtures):
     assert model.backend.path == "exact" and model.backend.step is None
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "qwen3_moe", "gpt_oss", "qwen3_5",
+                                    "qwen3_5_moe"])
 def test_step_agrees_with_the_layerwise_pass_on_the_kit(family):
     # The kit's tiny models of the families that only the kit holds (q/k/v biases, QK-norm with a head dim
     # apart from n_embd / n_head, fused matrices and LongRoPE, attention soft-capping, MoE routing and expert
-    # stacks: kernels/cpu/moe_step.py; gpt-oss's sinks, biases, YaRN and clamped SwiGLU): the step against the
-    # family's forward pass.
+    # stacks: kernels/cpu/moe_step.py; gpt-oss's sinks, biases, YaRN and clamped SwiGLU; Qwen3.5's DeltaNet
+    # layers, output gates and shared expert: hybrid_step.py): the step against the family's forward pass.
     model = engine.load_model(_kit_or_fixture({}, family), selftest=False)
     _compare(model, PROMPT)
 

@@ -81,11 +81,14 @@ def test_the_router_takes_the_top_k_renormalized():
     np.testing.assert_allclose(weight, [[0.5, 0.5], [1 / (1 + np.exp(-1)), 1 - 1 / (1 + np.exp(-1))]], rtol=1e-6)
 
 
-def test_a_decoded_token_reads_only_its_experts(monkeypatch):
+def test_a_token_through_the_forward_pass_reads_only_its_experts(monkeypatch):
+    # the prompt path's grouping: one token, k experts per layer (the compiled step addresses the chosen
+    # experts' rows itself: moe_step.py; tests/test_decode_step.py holds it to this pass)
     model = _model(REFS[0], "auto")
     read = []
     real = model.weights.expert
     monkeypatch.setattr(model.weights, "expert", lambda name, e, n: read.append((name, int(e))) or real(name, e, n))
+    monkeypatch.setattr(model.backend, "step", None)
     cache = model.new_cache(16)
     model.prefill([5, 6, 7], cache)
     read.clear()

@@ -89,7 +89,9 @@ def _copy_kit(tmp_path, **config_changes):
 
 @pytest.mark.parametrize("changes,error,message", [
     ({"model_type": "bert"}, UnsupportedModel, "model_type 'bert' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, UnsupportedModel, "'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}}, UnsupportedModel, "'dynamic'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, ModelLoadError,
+     "lacks 'original_max_position_embeddings'"),  # YaRN needs the window it stretches
     ({"hidden_size": None}, ModelLoadError, "lacks 'hidden_size'"),
     ({"num_hidden_layers": "many"}, ModelLoadError, "config.json"),
 ])

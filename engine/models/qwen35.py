@@ -92,6 +92,12 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
     return be.rms_norm(x, w.vector("output_norm"), eps)
 
 
+def step_flags(cfg: ModelConfig) -> dict:
+    """The compiled step's flags: the dense ones, the layer kinds, the FFN's norm's name, a shared expert."""
+    return {**dense.step_flags(cfg), "ffn_norm": "post_attention_norm", "recurrent": cfg.layer_recurrent,
+            "shared_expert": bool(cfg.n_ff_shared)}
+
+
 def hf_keys(config: dict[str, Any]) -> dict[str, Any]:
     arch = "qwen35moe" if "moe" in str(config.get("model_type", "")) else "qwen35"
     p = arch + "."
@@ -143,7 +149,7 @@ _HF = dict(hf_keys=hf_keys, hf_norm_offset=1.0, hf_reshaped=frozenset(("ssm_a", 
            "attn_gate", "ssm_out", "attn_qkv", "ssm_conv1d")), hf_aliases=((".dt_bias", ".dt_proj.bias"),),
            hf_tensor=hf_tensor, hf_plain_norms=frozenset(("ssm_norm",)))
 FAMILY = Family(name="qwen35", gguf_archs=("qwen35",), hf_model_types=("qwen3_5_text", "qwen3_5"), read_config=read_config,
-                layer_tensors=(), forward=forward, step_flags=None, block_tensors=block_tensors, **_HF)
+                layer_tensors=(), forward=forward, step_flags=step_flags, block_tensors=block_tensors, **_HF)
 MOE_FAMILY = Family(name="qwen35moe", gguf_archs=("qwen35moe",), hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
-                    read_config=read_config, layer_tensors=(), forward=forward, step_flags=None,
+                    read_config=read_config, layer_tensors=(), forward=forward, step_flags=step_flags,
                     block_tensors=block_tensors, **_HF)

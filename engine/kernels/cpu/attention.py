@@ -414,7 +414,7 @@ def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, out, n_
     part_acc = np.empty((M, H, n_split, D), np.float32)
     _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max,
            part_sum, part_acc)
-    merge(part_max, part_sum, part_acc, out)
+    merge(part_max, part_sum, part_acc, np.full(H, -np.inf, np.float32), out)
 
 
 @njit(cache=True)

@@ -28,7 +28,8 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
-from engine.kernels.cpu import atomics, attention, dequant, int8, ir, moe_step, ops, packed, quantize, rowops
+from engine.kernels.cpu import atomics, attention, dequant, hybrid_step, int8, ir, moe_step, ops, packed, quantize, \
+    rowops
 from engine.kernels.cpu.step_roles import ROLES, role_tensors
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.threads import get_threads
@@ -152,9 +153,9 @@ def _norm_rows_into(x, w, eps, out):
 
 
 @njit(cache=True)
-def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, qkv_bias, cos, sin, H, Hkv, D, qk_norm, bias, neox, eps):
+def _qk_rope_kv(qkv, kcs, vcs, layer, slot, pos, qk_norms, qkv_bias, cos, sin, H, Hkv, D, qk_norm, bias, neox, eps):
     """The q/k/v biases (Qwen2), per-head q/k norms (Gemma, Qwen3), RoPE on queries and keys, then the keys and
-    values into each cache at pos."""
+    values into each cache at pos (its `slot`: the layer's place among those that keep keys)."""
     for m in range(qkv.shape[0]):
         row = qkv[m]
         if bias:
@@ -168,9 +169,9 @@ def _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, qkv_bias, cos, sin, H, Hkv,
         kc, vc = kcs[m], vcs[m]
         for kh in range(Hkv):
             for d in range(D):
-                kc[layer, kh, pos[m] // attention.TILE, d, pos[m] % attention.TILE] = attention.kv_value(
+                kc[slot, kh, pos[m] // attention.TILE, d, pos[m] % attention.TILE] = attention.kv_value(
                     row[(H + kh) * D + d], kc)
-                vc[layer, kh, pos[m], d] = attention.kv_value(row[(H + Hkv + kh) * D + d], vc)
+                vc[slot, kh, pos[m], d] = attention.kv_value(row[(H + Hkv + kh) * D + d], vc)
 
 
 @njit(cache=True)
@@ -194,13 +195,13 @@ def _act_tasks(F, n_workers):
 # lets a thread that finishes early take over. Same-process A/B (ms per step, 1 / 2 / 4 ranges per thread):
 # SmolLM2 4.41 / 4.59 / 4.70, Gemma-3 9.54 / 9.65 / 9.68.
 ROW_RANGES_PER_THREAD = 2
-PHASES_PER_LAYER = 12  # the most serial and parallel phases a layer has in _worker (the counters it needs)
+PHASES_PER_LAYER = 15  # the most serial and parallel phases a layer has in _worker (the counters it needs)
 
 
 @njit(cache=True)
 def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
             pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-            n_split, tier, n_workers, moe, biases):
+            n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs):
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
@@ -219,6 +220,8 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
     n_tasks = M * Hkv * n_split
     n_expert, chosen, weight, rl, dn_jobs, n_up, n_down = moe
     sinks, o_bias, router_bias, gu_bias, down_bias = biases  # gpt-oss's; placeholders of width 1 otherwise
+    kinds, dims, ar, gate = hyb[0], hyb[8], hyb[9], hyb[10]  # Qwen3.5's (hybrid_step.py)
+    gus, gs, dns, sg = shared  # a shared expert's (Qwen3.5-MoE), width 0 without one
     p = 0
     for layer in range(n_layer + 1):
         if atomics.claim(ctr, p) == 0:
@@ -227,6 +230,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             if layer < n_layer:
                 _norm_rows_into(x, norms[layer, 0], eps, h)
                 _quantize(mats[layer, 0:3], h, qe, col0, E)
+                _quantize(mats[layer, 8:10], h, qe, col0, E)  # a DeltaNet layer's alpha and beta
             else:
                 _norm_rows_into(x, out_norm, eps, h)
                 _quantize(head, h, qe, col0, E)
@@ -235,31 +239,52 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
         if layer == n_layer:
             break
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
+        recur, slot, row = kinds[layer, 0] != 0, kinds[layer, 1], kinds[layer, 2]
         if atomics.claim(ctr, p) == 0:
-            _qk_rope_kv(qkv, kcs, vcs, layer, pos, qk_norms, qkv_bias, cos, sin, H, Hkv, D, qk_norm, bias, neox, eps)
-            part_sum[:] = 0.0  # a key range left empty keeps 0: the merge skips it
+            if recur:
+                hybrid_step.recurrent_inputs(buf, mats[layer, 8:10], qe, h, qkv, hyb, convs, row, eps, tier)
+            else:
+                if gate.shape[1]:
+                    hybrid_step.split_gate(qkv, gate, H, D)
+                _qk_rope_kv(qkv, kcs, vcs, layer, slot, pos, qk_norms, qkv_bias, cos, sin, H, Hkv, D, qk_norm, bias,
+                            neox, eps)
+                part_sum[:] = 0.0  # a key range left empty keeps 0: the merge skips it
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        while True:
+        n_mix = M * dims[1] if recur else n_tasks
+        while True:  # attention tasks, or a DeltaNet layer's delta rule per (sequence, value head)
             t = atomics.claim(ctr, p)
-            if t >= n_tasks:
+            if t >= n_mix:
                 break
-            attention.task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, windows[layer], scale, softcap, n_split, part_max,
-                           part_sum, part_acc)
+            if recur:
+                hybrid_step.delta_task(t, dims[0], dims[1], dims[2], hyb[5], hyb[7], ssms, row, ar)
+            else:
+                attention.task(t, qkv, kcs, vcs, slot, pos, H, Hkv, D, windows[layer], scale, softcap, n_split,
+                               part_max, part_sum, part_acc)
             atomics.finish(ctr, p)
-        p = atomics.next_phase(ctr, p, n_tasks)
+        p = atomics.next_phase(ctr, p, n_mix)
         if atomics.claim(ctr, p) == 0:
-            attention.merge(part_max, part_sum, part_acc, sinks[layer], a)
-            _quantize(mats[layer, 3:4], a, qa, col0, a.shape[1])
+            if recur:
+                hybrid_step.gated_norm(ar, qkv, hyb[5].shape[1], dims[1], dims[2], hyb[4][row], eps, ar)
+                _quantize(mats[layer, 3:4], ar, qar, col0, ar.shape[1])
+            else:
+                attention.merge(part_max, part_sum, part_acc, sinks[layer], a)
+                if gate.shape[1]:
+                    hybrid_step.apply_gate(a, gate)
+                _quantize(mats[layer, 3:4], a, qa, col0, a.shape[1])
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
+        if recur:
+            p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qar, ar, o, n_chunks, tier)
+        else:
+            p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
             if o_bias.shape[1] > 1:
                 o += o_bias[layer]
             _add_normed(x, o, norms[layer, 2], eps, post)
             _norm_rows_into(x, norms[layer, 1], eps, h)
             _quantize(mats[layer, 4:8], h, qe, col0, E)
+            _quantize(mats[layer, 10:14], h, qe, col0, E)  # a shared expert's
             if n_expert:
                 moe_step.router(buf, mats[layer, 7], qe, h, rl, tier)
                 moe_step.route(rl, router_bias, layer, chosen.shape[1], chosen, weight)
@@ -273,8 +298,19 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
             p = moe_step.down_phase(ctr, p, buf, mats[layer, 6], chosen, qf, g, dn_jobs, n_down, tier)
+            if gs.shape[1]:  # the shared expert: gate|up, activation, down (as a dense MLP)
+                p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 10:12], qe, h, gus, n_chunks, tier)
+                if atomics.claim(ctr, p) == 0:
+                    _act_into(gus, gs, gelu, col0, gs.shape[1])
+                    _quantize(mats[layer, 12:13], gs, qfs, col0, gs.shape[1])
+                    atomics.finish(ctr, p)
+                p = atomics.next_phase(ctr, p, 1)
+                p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 12:13], qfs, gs, dns, n_chunks, tier)
             if atomics.claim(ctr, p) == 0:
                 moe_step.weighted_sum(dn_jobs, chosen, weight, down_bias, layer, dn)
+                if gs.shape[1]:
+                    hybrid_step.shared_expert_gate(buf, mats[layer, 13], qe, h, sg, tier)
+                    hybrid_step.add_shared(dn, dns, sg)
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
             continue
@@ -327,7 +363,8 @@ def _embed(table, pbuf, entry, ids, scale, x):
 
 @njit(parallel=True, cache=True)
 def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, qkv_bias, out_norm, inv_freq,
-                windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers, biases):
+                windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers, biases, rec, convs,
+                ssms):
     """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
     cache arrays (keys (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D); capacity > pos),
     written at pos. Returns the head's logits (M, head rows).
@@ -349,7 +386,10 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     F = _rows(mats[0, 4:5]) // n_expert if n_expert else _rows(mats[0, 4:6]) // 2  # gate and up side by side
     cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2], fparams[4])
     h = np.empty((M, E), np.float32)
-    qkv = np.empty((M, _rows(mats[0, 0:3])), np.float32)
+    width = 0
+    for layer in range(mats.shape[0]):  # a hybrid's layers differ: the widest
+        width = max(width, _rows(mats[layer, 0:3]))
+    qkv = np.empty((M, width), np.float32)
     a = np.empty((M, H * D), np.float32)
     o = np.empty((M, _rows(mats[0, 3:4])), np.float32)
     gu = np.empty((J, 2 * F), np.float32)
@@ -359,6 +399,16 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(J, F)
     moe = (n_expert, np.zeros((M, k), np.int64), np.empty((M, k), np.float32), np.empty((M, max(n_expert, 1)), np.float32),
            np.empty((J, E), np.float32), moe_step.job_chunks(2 * F, J, n_workers), moe_step.job_chunks(E, J, n_workers))
+    kinds, convw, ssm_a, dt_bias, ssm_norm, dims, gated = rec  # a hybrid's tables (hybrid_step.py), else stubs
+    C, Hv, Ds = convw.shape[1], dims[1], dims[2]
+    hyb = (kinds, convw, ssm_a, dt_bias, ssm_norm, np.empty((M, C), np.float32),
+           np.empty((M, 2 * Hv), np.float32), np.empty((M, 2 * Hv), np.float32), dims, np.empty((M, Hv * Ds), np.float32),
+           np.empty((M, H * D if gated else 0), np.float32))
+    qar = _quant_buffers(M, Hv * Ds)  # (no tuple inside the tuples the parallel region gets: numba refuses it)
+    Fs = _rows(mats[0, 10:11])  # a shared expert's width (Qwen3.5-MoE), 0: none
+    shared = (np.empty((M, 2 * Fs), np.float32), np.empty((M, Fs), np.float32), np.empty((M, E), np.float32),
+              np.empty((M, 1), np.float32))
+    qfs = _quant_buffers(M, Fs)
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.empty((M, H, n_split), np.float32)  # zeroed by each layer's serial phase before attention
     part_acc = np.empty((M, H, n_split, D), np.float32)
@@ -366,7 +416,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
         _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
                 pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-                n_split, tier, n_workers, moe, biases)
+                n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs)
     return logits
 
 
@@ -393,7 +443,7 @@ class DecodeStep:
                 n = flags.get("ffn_norm", n) if n == "ffn_norm" else n  # gpt-oss names it post_attention_norm
                 if w.has(f"blk.{i}.{n}") and not (j == 2 and not flags["post_norms"]):
                     self.norms[i, j] = w.vector(f"blk.{i}.{n}")
-            if flags["qk_norm"]:
+            if flags["qk_norm"] and w.has(f"blk.{i}.attn_q_norm"):  # (a hybrid's recurrent layers have none)
                 self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
         self.qkv_bias = np.zeros((L, 1), np.float32)  # q|k|v biases, where the family has them
         if flags.get("qkv_bias"):
@@ -408,6 +458,7 @@ class DecodeStep:
         if cfg.attn_out_bias:
             o_bias = np.stack([w.bias(f"blk.{i}.attn_output") for i in range(L)])
         self.biases = (sinks, o_bias) + moe_step.bias_tables(cfg, w, flags)
+        self.rec = hybrid_step.tables(cfg, w)
         factors, rel = frequency_divisors(cfg, w), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
         self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
         self.windows = np.array(cfg.layer_window, np.int64)
@@ -440,7 +491,8 @@ class DecodeStep:
                              self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
                              self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches),
                              tuple(c.v for c in caches),
-                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases)
+                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases, self.rec,
+                             *hybrid_step.states(caches))
         for c in caches:
             c.advance(1)
         return logits

@@ -27,35 +27,40 @@ def causal_conv(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndar
     return out
 
 
-@njit(parallel=True, cache=True, fastmath=False)
+@njit(cache=True)
+def delta_token(q, k, v, g, beta, S, out, mem, delta):
+    """One token of one value head: S (Dk, Dv) = exp(g) S; S += k (beta (v - S^T k))^T; out (Dv,) = S^T q.
+    mem, delta: (Dv,) scratch. Shared by prompts (delta_rule) and the compiled decode step."""
+    Dk, Dv = S.shape
+    decay = np.float32(math.exp(g))
+    for c in range(Dv):
+        mem[c] = 0.0
+    for a in range(Dk):  # decay the state and read what it holds for this key
+        ka = k[a]
+        for c in range(Dv):
+            s = S[a, c] * decay
+            S[a, c] = s
+            mem[c] += s * ka
+    for c in range(Dv):
+        delta[c] = (v[c] - mem[c]) * beta
+        out[c] = 0.0
+    for a in range(Dk):  # write the correction, then read the query out of the new state
+        ka, qa = k[a], q[a]
+        for c in range(Dv):
+            s = S[a, c] + ka * delta[c]
+            S[a, c] = s
+            out[c] += s * qa
+
+
+@njit(parallel=True, cache=True)
 def _delta_rule(q, k, v, g, beta, state, out):
-    T, Hk, Dk = q.shape
+    T, Hk = q.shape[0], q.shape[1]
     Hv, Dv = v.shape[1], v.shape[2]
     for h in prange(Hv):
-        j = h % Hk  # the key head this value head reads (GGUF's head order)
-        S = state[h]  # (Dk, Dv)
         mem = np.empty(Dv, np.float32)
         delta = np.empty(Dv, np.float32)
-        for t in range(T):
-            decay = np.float32(math.exp(g[t, h]))
-            for c in range(Dv):
-                mem[c] = 0.0
-            for a in range(Dk):  # decay the state and read what it holds for this key
-                ka = k[t, j, a]
-                for c in range(Dv):
-                    s = S[a, c] * decay
-                    S[a, c] = s
-                    mem[c] += s * ka
-            b = beta[t, h]
-            for c in range(Dv):
-                delta[c] = (v[t, h, c] - mem[c]) * b
-                out[t, h, c] = 0.0
-            for a in range(Dk):  # write the correction, then read the query out of the new state
-                ka, qa = k[t, j, a], q[t, j, a]
-                for c in range(Dv):
-                    s = S[a, c] + ka * delta[c]
-                    S[a, c] = s
-                    out[t, h, c] += s * qa
+        for t in range(T):  # value head h reads key head h % Hk (GGUF's head order)
+            delta_token(q[t, h % Hk], k[t, h % Hk], v[t, h], g[t, h], beta[t, h], state[h], out[t, h], mem, delta)
 
 
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from engine.kernels.backend import ModelConfig, Weights
 
-# rows of mats[l]; a MoE layer's gate/up/down are its expert stacks and the router is the last (moe_step.py)
-ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp")
+# rows of mats[l]; a MoE layer's gate/up/down are its expert stacks, with its router (moe_step.py) and a shared
+# expert (Qwen3.5-MoE); a DeltaNet layer's q|k|v and z take the first two, its output the fourth, and its alpha
+# and beta two of their own (hybrid_step.py)
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ssm_alpha",
+         "ssm_beta", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
 
 
 def role_tensors(layer: int, flags: dict) -> list[str | None]:
@@ -21,6 +24,12 @@ def role_tensors(layer: int, flags: dict) -> list[str | None]:
         names[4:7] = [f"blk.{layer}.{r}_exps" for r in ("ffn_gate", "ffn_up", "ffn_down")]
     else:
         names[7] = None
+    if not flags.get("shared_expert"):
+        names[10:14] = [None] * 4
+    if flags.get("recurrent") and flags["recurrent"][layer]:
+        names[0:4] = [f"blk.{layer}.attn_qkv", f"blk.{layer}.attn_gate", None, f"blk.{layer}.ssm_out"]
+    else:
+        names[8:10] = [None, None]
     return names
 
 
@@ -32,5 +41,6 @@ def matrix_names(cfg: ModelConfig, w: Weights, flags: dict) -> list[str]:
 
 
 def _moe_role(name: str) -> bool:
-    """Expert stacks and routers stay as stored: moe_step addresses an expert's rows in the GGUF blocks."""
-    return name.endswith(("_exps", "ffn_gate_inp"))
+    """Expert stacks and routers stay as stored: moe_step addresses an expert's rows in the GGUF blocks; so do
+    the one-thread matrices (DeltaNet's alpha and beta, a shared expert's gate)."""
+    return name.endswith(("_exps", "ffn_gate_inp", "ssm_alpha", "ssm_beta", "ffn_gate_inp_shexp"))

@@ -1,0 +1,178 @@
+"""A hybrid's layers inside the compiled decode step (decode_step.py): the gated DeltaNet layers of Qwen3.5
+(models/deltanet.py is the prompt path's version) and its attention layers' output gate, as pieces the step's
+worker runs between its phases.
+
+A DeltaNet layer at one token: q|k|v and z from the step's first matvec phase (`attn_qkv`, `attn_gate` side
+by side), alpha and beta from two tiny matrices (serial: `inputs`), then per sequence the convolution over
+its state's last K-1 inputs, SiLU, L2-normed q and k, the decay and the write strength (`prepare`); the delta
+rule per (sequence, value head) as parallel tasks (`delta_task`, recurrent.delta_token: the prompt path's
+own arithmetic); the per-head RMSNorm gated by SiLU(z) (`gated_norm`). The states are each sequence's cache
+arrays (`state["conv"]`, `state["ssm"]`, a row per recurrent layer), updated in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from engine.kernels.cpu import int8, recurrent, rowops
+
+
+@njit(cache=True)
+def inputs(buf, entries, qh, h, ab, tier):
+    """ab (M, 2 Hv) = [alpha | beta] rows (entries: the two matrices' mats rows), h quantized in qh."""
+    xq8, xqn, xs8, xqk, xdk, xbk = qh
+    start = np.int64(0)
+    for i in range(entries.shape[0]):
+        e = entries[i]
+        int8.rows_into(e[3], buf, e[0], e[2], np.int64(0), e[1], xq8, xs8, xqk, xdk, xbk, h, ab, start, tier)
+        start += e[1]
+
+
+@njit(cache=True)
+def _silu(x):
+    return x / (np.float32(1) + np.float32(math.exp(-x)))
+
+
+@njit(cache=True)
+def _l2_normalize(v, eps, scale):
+    s = np.float32(0)
+    for i in range(v.shape[0]):
+        s += v[i] * v[i]
+    inv = scale / max(np.float32(math.sqrt(s)), np.float32(eps))
+    for i in range(v.shape[0]):
+        v[i] *= inv
+
+
+@njit(cache=True)
+def prepare(qkvz, ab, conv_state, conv_w, ssm_a, dt_bias, Hk, Hv, D, eps, dq, gb):
+    """One sequence: dq (C,) = SiLU(conv(state, q|k|v)) with q, k L2-normed (q times 1/sqrt(D)); the state
+    shifted by one input; gb (2 Hv,) = [decay g | beta]. qkvz: [q|k|v (C) | z], ab: [alpha | beta] logits."""
+    C, K = conv_w.shape
+    for c in range(C):
+        acc = np.float32(0)
+        for i in range(K - 1):
+            acc += conv_state[i, c] * conv_w[c, i]
+        acc += qkvz[c] * conv_w[c, K - 1]
+        dq[c] = _silu(acc)
+        for i in range(K - 2):
+            conv_state[i, c] = conv_state[i + 1, c]
+        if K > 1:
+            conv_state[K - 2, c] = qkvz[c]
+    for j in range(2 * Hk):  # q heads, then k heads
+        _l2_normalize(dq[j * D : (j + 1) * D], eps, np.float32(1 / math.sqrt(D)) if j < Hk else np.float32(1))
+    for h in range(Hv):
+        a = ab[h] + dt_bias[h]
+        softplus = a if a > 20 else np.float32(math.log1p(math.exp(a)))
+        gb[h] = ssm_a[h] * softplus
+        gb[Hv + h] = np.float32(1) / (np.float32(1) + np.float32(math.exp(-ab[Hv + h])))
+
+
+@njit(cache=True)
+def delta_task(t, Hk, Hv, D, dq, gb, ssms, row, out):
+    """Task t of the delta-rule phase: sequence t // Hv, value head t % Hv (key head h % Hk): out (M, Hv D)."""
+    m, h = t // Hv, t % Hv
+    kq = 2 * Hk * D
+    q = dq[m, (h % Hk) * D : (h % Hk + 1) * D]
+    k = dq[m, (Hk + h % Hk) * D : (Hk + h % Hk + 1) * D]
+    v = dq[m, kq + h * D : kq + (h + 1) * D]
+    mem, delta = np.empty(D, np.float32), np.empty(D, np.float32)
+    recurrent.delta_token(q, k, v, gb[m, h], gb[m, Hv + h], ssms[m][row, h], out[m, h * D : (h + 1) * D], mem, delta)
+
+
+@njit(cache=True)
+def gated_norm(o, qkvz, C, Hv, D, norm_w, eps, out):
+    """out (M, Hv D) = RMSNorm of each head of o by norm_w, times SiLU(z), z = qkvz[:, C:]."""
+    for m in range(o.shape[0]):
+        for h in range(Hv):
+            rowops.rms_norm_into(o[m], h * D, D, norm_w, eps, out[m], h * D)
+            for d in range(D):
+                out[m, h * D + d] *= _silu(qkvz[m, C + h * D + d])
+
+
+@njit(cache=True)
+def split_gate(qkv, gate, H, D):
+    """Attention with an output gate (Qwen3.5): q rows come as [q_h | gate_h] per head. Moves the gates to
+    gate (M, H D) and closes the row up to [q | k | v] as the step's RoPE and attention read it."""
+    M, W = qkv.shape
+    for m in range(M):
+        row = qkv[m]
+        for h in range(H):
+            for d in range(D):
+                gate[m, h * D + d] = row[(2 * h + 1) * D + d]
+        for h in range(1, H):  # q heads to their place, in order (each moves left)
+            for d in range(D):
+                row[h * D + d] = row[2 * h * D + d]
+        for j in range(2 * H * D, W):  # k | v after them
+            row[j - H * D] = row[j]
+
+
+@njit(cache=True)
+def apply_gate(a, gate):
+    """a *= sigmoid(gate), the attention output's gate."""
+    for m in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            a[m, i] /= np.float32(1) + np.float32(math.exp(-gate[m, i]))
+
+
+@njit(cache=True)
+def recurrent_inputs(buf, entries, qh, h, qkv, hyb, convs, row, eps, tier):
+    """The serial phase before the delta rule: alpha and beta, then every sequence's convolution (convs: its
+    state arrays), norms, decay and write strength (prepare). hyb: decode_step's tuple (kinds, conv weights,
+    ssm_a, dt biases, output norms, dq, ab, gb, dims, ...)."""
+    convw, ssm_a, dt_bias, dq, ab, gb, dims = hyb[1], hyb[2], hyb[3], hyb[5], hyb[6], hyb[7], hyb[8]
+    inputs(buf, entries, qh, h, ab, tier)
+    for m in range(qkv.shape[0]):
+        prepare(qkv[m], ab[m], convs[m][row], convw[row], ssm_a[row], dt_bias[row], dims[0], dims[1], dims[2], eps,
+                dq[m], gb[m])
+
+
+@njit(cache=True)
+def shared_expert_gate(buf, entry, qh, h, sg, tier):
+    """sg (M, 1) = the shared expert's gate logit (`ffn_gate_inp_shexp`, one row)."""
+    xq8, xqn, xs8, xqk, xdk, xbk = qh
+    int8.rows_into(entry[3], buf, entry[0], entry[2], np.int64(0), entry[1], xq8, xs8, xqk, xdk, xbk, h, sg,
+                   np.int64(0), tier)
+
+
+@njit(cache=True)
+def add_shared(dn, dns, sg):
+    """dn += sigmoid(sg) * dns: the shared expert's output, scaled by its gate."""
+    for m in range(dn.shape[0]):
+        s = np.float32(1) / (np.float32(1) + np.float32(math.exp(-sg[m, 0])))
+        for i in range(dn.shape[1]):
+            dn[m, i] += s * dns[m, i]
+
+
+_NO_CONV, _NO_SSM = np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32)
+
+
+def tables(cfg, w) -> tuple:
+    """The step's hybrid tables, built once: per layer [recurrent, KV cache slot, state row]; the recurrent
+    layers' conv weights (R, C, K), ssm_a and dt biases (R, Hv), output norms (R, D); [Hk, Hv, D]; whether
+    attention has an output gate. Stubs for a model without recurrent layers (every layer its own slot)."""
+    L, s = cfg.n_layer, cfg.deltanet
+    recurrent = cfg.layer_recurrent or (False,) * L
+    slot = {layer: n for n, layer in enumerate(cfg.kv_layers)}
+    rows = [i for i in range(L) if recurrent[i]]
+    kinds = np.array([[recurrent[i], slot.get(i, 0), rows.index(i) if recurrent[i] else 0] for i in range(L)],
+                     np.int64)
+    gated = bool(cfg.attn_output_gate)
+    if s is None:
+        z = np.zeros((1, 1), np.float32)
+        return kinds, _NO_CONV, z, z, z, np.zeros(3, np.int64), gated
+    conv = np.stack([w.vector(f"blk.{i}.ssm_conv1d").reshape(s.conv_channels, s.conv_kernel) for i in rows])
+    ssm_a = np.stack([w.parameter(f"blk.{i}.ssm_a") for i in rows])
+    dt = np.stack([w.bias(f"blk.{i}.ssm_dt") for i in rows])
+    norm = np.stack([w.vector(f"blk.{i}.ssm_norm") for i in rows])
+    dims = np.array([s.k_heads, s.v_heads, s.head_v_dim], np.int64)
+    return kinds, conv.astype(np.float32), ssm_a, dt, norm, dims, gated
+
+
+def states(caches) -> tuple[tuple, tuple]:
+    """Each sequence's recurrent state arrays (conv, ssm), updated in place by the step; stubs without them."""
+    convs = tuple(c.state.get("conv", _NO_CONV) for c in caches)
+    ssms = tuple(c.state.get("ssm", _NO_SSM) for c in caches)
+    return convs, ssms
