@@ -16,7 +16,7 @@ import pytest
 
 import engine
 from engine.kernels.cpu import attention, hybrid_step, ir
-from engine.kernels.cpu import decode_step
+from engine.kernels.cpu import decode_step, step_tables
 from engine.kernels.quant_types import GGMLType
 from engine.models.base import log_softmax
 from engine.models import dense, registry
@@ -170,8 +170,8 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     t not in ir.available_tiers(), reason=f"this CPU cannot run the {t} kernels")) for t in ir.TIERS])
 def test_every_tier_gives_the_same_step(fixtures, tier):
     model = engine.load_model(fixtures["llama"], selftest=False)
-    forced = decode_step.build(model.config, model.weights, dense.step_flags(model.config),
-                              model.backend.packed_buffer, tier=tier)
+    forced = step_tables.build(model.config, model.weights, dense.step_flags(model.config),
+                               model.backend.packed_buffer, tier=tier)
     a, b = model.new_cache(64), model.new_cache(64)
     model.prefill(PROMPT, a)
     model.prefill(PROMPT, b)

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_roles
+from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_roles, step_tables
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
@@ -38,7 +38,7 @@ class CpuBackend:
         self.path = path
         self.kernels = kernels if kernels is not None else kernels_for(KERNEL_SET[path])
         self.stepped_down = stepped_down  # GGML type codes the self-test sent to the reference tier
-        self.step: decode_step.DecodeStep | None = None  # the compiled one-token step (prepare), or None
+        self.step: step_tables.DecodeStep | None = None  # the compiled one-token step (prepare), or None
         self.packed_buffer: np.ndarray | None = None  # every packed copy of the model (prepare), one buffer
 
     @property
@@ -59,10 +59,10 @@ class CpuBackend:
         if self.path == "fast" and hasattr(self.kernels, "use_prompt_gemm8"):
             names = [n for i in range(config.n_layer) for n in step_roles.role_tensors(i, step_flags or {}) if n]
             self.kernels.use_prompt_gemm8(gemm8.carries_most([weights.tensor(n) for n in names if weights.has(n)]))
-        if self.path != "fast" or not decode_step.supported(config, weights, step_flags):
+        if self.path != "fast" or not step_tables.supported(config, weights, step_flags):
             return
         self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
-        self.step = decode_step.build(config, weights, step_flags, self.packed_buffer)
+        self.step = step_tables.build(config, weights, step_flags, self.packed_buffer)
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:
         return KVCache(len(config.kv_layers), config.n_head_kv, config.head_dim, max_tokens, self.kv_dtype,

@@ -14,7 +14,8 @@ small serial phases run on whichever thread claims them (docs/design-log.md has 
 
 Prompts take the families' forward passes over the backend's ops (dequantize per layer + BLAS sgemm); at one
 token the two agree up to float summation order (tests/test_decode_step.py). The CPU backend (backend.py)
-builds the step at load (build) and runs it as its `decode`.
+builds the step at load (step_tables.build: the tables it reads, built once per model) and runs it as its
+`decode`.
 
 Weights are addressed as rows [byte offset, rows, row bytes, type, packed offset] into the one buffer of the
 mapped file and the one buffer of packed copies (packed.py: the 4- and 5-bit legacy types, 8 rows interleaved,
@@ -27,22 +28,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
-from engine.kernels.cpu import atomics, attention, dequant, hybrid_step, int8, ir, moe_step, ops, packed, quantize, \
-    rowops
-from engine.kernels.cpu.step_roles import ROLES, role_tensors
-from engine.kernels.cpu.kv_cache import KVCache
-from engine.kernels.cpu.threads import get_threads
+from engine.kernels.cpu import atomics, attention, dequant, hybrid_step, int8, moe_step, packed, quantize, rowops
 
 
-_EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
-_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
 # iparams slots
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS, _N_EXPERT, _N_USED = range(11)
 _LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
 _K_CODES = tuple(int(t) for t in int8.K_TYPES)
-_NO_PACKED = np.empty(0, np.uint8)
-_ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # iparams[_GELU]: the MLP's activation
 
 
 # =========================================================================================================
@@ -418,102 +410,3 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
                 pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
                 n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs)
     return logits
-
-
-# =========================================================================================================
-# Python side: the tables, built once per model
-# =========================================================================================================
-
-
-class DecodeStep:
-    """Callable (ids (M,), caches) -> raw head logits (M, head rows); appends one token to each cache."""
-
-    def __init__(self, cfg: ModelConfig, w: Weights, flags: dict, buf: np.ndarray, pbuf: np.ndarray | None,
-                 tier: str | None = None):
-        self.buf = buf
-        self.pbuf = pbuf if pbuf is not None else _NO_PACKED  # the packed copies (layout.pack)
-        E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
-        self.mats = np.array([[self._entry(w, n) if n else _EMPTY for n in role_tensors(i, flags)] for i in range(L)],
-                             np.int64)
-        self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
-        self.norms = np.zeros((L, len(_NORMS), E), np.float32)
-        self.qk_norms = np.zeros((L, 2, D), np.float32)
-        for i in range(L):
-            for j, n in enumerate(_NORMS):
-                n = flags.get("ffn_norm", n) if n == "ffn_norm" else n  # gpt-oss names it post_attention_norm
-                if w.has(f"blk.{i}.{n}") and not (j == 2 and not flags["post_norms"]):
-                    self.norms[i, j] = w.vector(f"blk.{i}.{n}")
-            if flags["qk_norm"] and w.has(f"blk.{i}.attn_q_norm"):  # (a hybrid's recurrent layers have none)
-                self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
-        self.qkv_bias = np.zeros((L, 1), np.float32)  # q|k|v biases, where the family has them
-        if flags.get("qkv_bias"):
-            self.qkv_bias = np.zeros((L, sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])), np.float32)
-            for i in range(L):
-                self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
-        self.out_norm = w.vector("output_norm")
-        sinks = np.full((L, cfg.n_head), -np.inf, np.float32)  # attention sinks (gpt-oss), -inf: none
-        o_bias = np.zeros((L, 1), np.float32)
-        if cfg.attn_sinks:
-            sinks[:] = [w.vector(f"blk.{i}.attn_sinks") for i in range(L)]
-        if cfg.attn_out_bias:
-            o_bias = np.stack([w.bias(f"blk.{i}.attn_output") for i in range(L)])
-        self.biases = (sinks, o_bias) + moe_step.bias_tables(cfg, w, flags)
-        self.rec = hybrid_step.tables(cfg, w)
-        factors, rel = frequency_divisors(cfg, w), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
-        self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
-        self.windows = np.array(cfg.layer_window, np.int64)
-        self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor, cfg.attn_softcap,
-                                 cfg.rope_attn_factor], np.float64)
-        self.iparams = np.array([cfg.n_head, cfg.n_head_kv, D, cfg.rope_dim, flags["qk_norm"], flags["post_norms"],
-                                 _ACTS.index(flags["act"]), cfg.rope_style == "neox", bool(flags.get("qkv_bias")),
-                                 cfg.n_expert if flags.get("moe") else 0, cfg.n_expert_used], np.int64)
-        self.table = w.tensor("token_embd").raw  # (rows, row bytes): the rows past its packed groups
-        self.embd = np.array(self._entry(w, "token_embd"), np.int64)
-        self.embed_scale = np.float32(cfg.embed_scale)
-        self.tier = ir.tier_token(tier)
-
-    def _entry(self, w: Weights, name: str) -> list[int]:
-        """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
-        t = w.tensor(name)
-        off = _offset(t.raw, self.buf, name)
-        packed_off = -1 if t.packed is None else _offset(t.packed, self.pbuf, name)
-        return [off, t.rows, t.raw.shape[1], int(t.ggml_type), packed_off]
-
-    def __call__(self, ids, caches: list[KVCache]) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) != len(caches) or not len(ids):
-            raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
-        for c in caches:
-            c.reserve(1)
-        pos = np.array([c.length for c in caches], np.int64)
-        threads = get_threads()
-        logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
-                             self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
-                             self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches),
-                             tuple(c.v for c in caches),
-                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases, self.rec,
-                             *hybrid_step.states(caches))
-        for c in caches:
-            c.advance(1)
-        return logits
-
-
-def _offset(a: np.ndarray, buf: np.ndarray, name: str) -> int:
-    off = a.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
-    if not 0 <= off <= buf.size - a.nbytes or not a.flags.c_contiguous:
-        raise ValueError(f"{name} does not lie in the model buffer")
-    return off
-
-
-def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.ndarray | None,
-          tier: str | None = None) -> DecodeStep | None:
-    """The compiled step for this model (its packed copies in packed_buffer, from layout.pack), or None where it
-    cannot run: a split model (no single buffer), a family without step flags, or a head size that is not a
-    multiple of 16."""
-    if not supported(cfg, w, flags):
-        return None
-    return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
-
-
-def supported(cfg: ModelConfig, w: Weights, flags: dict | None) -> bool:
-    return w.buffer() is not None and flags is not None and cfg.head_dim % attention.TILE == 0  # attention tiles
