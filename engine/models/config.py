@@ -141,7 +141,8 @@ def common_fields(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
                                                 float(get(meta, p + "rope.scaling.yarn_beta_fast", 32.0)),
                                                 float(get(meta, p + "rope.scaling.yarn_beta_slow", 1.0))),
                     rope_attn_factor=0.1 * math.log(factor) + 1.0)
-    scaling = RopeScaling(kind=scaling_kind, factor=1.0 if scaling_kind == "yarn" else factor, original_context=original)
+    scaling = RopeScaling(kind=scaling_kind, factor=1.0 if scaling_kind == "yarn" else factor,
+                          original_context=original)
     return dict(
         arch=arch,
         n_layer=n_layer,

@@ -34,7 +34,8 @@ def mix(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str, row:
     """The layer's output (T, n_embd) for normed h (T, n_embd); row: this layer's row of the cache's states."""
     s = cfg.deltanet
     T, Hk, Hv, Dk, Dv = len(h), s.k_heads, s.v_heads, s.head_k_dim, s.head_v_dim
-    qkv, z, alpha, b = be.matmul_many(h, [w.tensor(blk + n) for n in ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta")])
+    qkv, z, alpha, b = be.matmul_many(h, [w.tensor(blk + n)
+                                          for n in ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta")])
     conv_w = w.vector(blk + "ssm_conv1d").reshape(s.conv_channels, s.conv_kernel)
     x = _silu(be.causal_conv(qkv, conv_w, cache.state["conv"][row]))
     q = _l2_normalized(x[:, : Hk * Dk].reshape(T, Hk, Dk), cfg.rms_eps) * np.float32(Dk ** -0.5)

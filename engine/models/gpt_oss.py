@@ -32,7 +32,8 @@ def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
     sliding = get(meta, _P + "attention.sliding_window_pattern")  # per layer, where a config.json states it
     if sliding is None or len(sliding) != f["n_layer"]:
         sliding = [i % 2 == 0 for i in range(f["n_layer"])]
-    n_expert, used = int(get(meta, _P + "expert_count", required=True)), int(get(meta, _P + "expert_used_count", required=True))
+    n_expert = int(get(meta, _P + "expert_count", required=True))
+    used = int(get(meta, _P + "expert_used_count", required=True))
     if not 0 < used <= n_expert:
         raise ModelLoadError(f"{_P}expert_used_count {used} is not in 1..expert_count ({n_expert})")
     f["layer_window"] = tuple(window if s else 0 for s in sliding)

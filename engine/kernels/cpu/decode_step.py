@@ -187,7 +187,7 @@ def _act_tasks(F, n_workers):
 # lets a thread that finishes early take over. Same-process A/B (ms per step, 1 / 2 / 4 ranges per thread):
 # SmolLM2 4.41 / 4.59 / 4.70, Gemma-3 9.54 / 9.65 / 9.68.
 ROW_RANGES_PER_THREAD = 2
-PHASES_PER_LAYER = 15  # the most serial and parallel phases a layer has in _worker (the counters it needs)
+PHASES_PER_LAYER = 17  # the most serial and parallel phases a layer has in _worker (the counters it needs)
 
 
 @njit(cache=True)
@@ -277,12 +277,15 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             _norm_rows_into(x, norms[layer, 1], eps, h)
             _quantize(mats[layer, 4:8], h, qe, col0, E)
             _quantize(mats[layer, 10:14], h, qe, col0, E)  # a shared expert's
-            if n_expert:
-                moe_step.router(buf, mats[layer, 7], qe, h, rl, tier)
-                moe_step.route(rl, router_bias, layer, chosen.shape[1], chosen, weight)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        if n_expert:  # the chosen experts' gate|up, activation, down, their weighted sum
+        if n_expert:  # the router (both threads: 1 MB of f32 per layer in Qwen3-30B-A3B), the top-k; the chosen
+            # experts' gate|up, activation, down, their weighted sum
+            p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 7:8], qe, h, rl, n_chunks, tier)
+            if atomics.claim(ctr, p) == 0:
+                moe_step.route(rl, router_bias, layer, chosen.shape[1], chosen, weight)
+                atomics.finish(ctr, p)
+            p = atomics.next_phase(ctr, p, 1)
             p = moe_step.gate_up_phase(ctr, p, buf, mats[layer, 4], mats[layer, 5], chosen, qe, h, gu, n_up, tier)
             if atomics.claim(ctr, p) == 0:
                 moe_step.activate(gu, chosen, gu_bias, layer, clamped, gelu, g)
@@ -389,12 +392,14 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     dn = np.empty((M, E), np.float32)
     logits = np.empty((M, _rows(head)), np.float32)
     qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(J, F)
-    moe = (n_expert, np.zeros((M, k), np.int64), np.empty((M, k), np.float32), np.empty((M, max(n_expert, 1)), np.float32),
+    moe = (n_expert, np.zeros((M, k), np.int64), np.empty((M, k), np.float32),
+           np.empty((M, max(n_expert, 1)), np.float32),
            np.empty((J, E), np.float32), moe_step.job_chunks(2 * F, J, n_workers), moe_step.job_chunks(E, J, n_workers))
     kinds, convw, ssm_a, dt_bias, ssm_norm, dims, gated = rec  # a hybrid's tables (hybrid_step.py), else stubs
     C, Hv, Ds = convw.shape[1], dims[1], dims[2]
     hyb = (kinds, convw, ssm_a, dt_bias, ssm_norm, np.empty((M, C), np.float32),
-           np.empty((M, 2 * Hv), np.float32), np.empty((M, 2 * Hv), np.float32), dims, np.empty((M, Hv * Ds), np.float32),
+           np.empty((M, 2 * Hv), np.float32), np.empty((M, 2 * Hv), np.float32), dims,
+           np.empty((M, Hv * Ds), np.float32),
            np.empty((M, H * D if gated else 0), np.float32))
     qar = _quant_buffers(M, Hv * Ds)  # (no tuple inside the tuples the parallel region gets: numba refuses it)
     Fs = _rows(mats[0, 10:11])  # a shared expert's width (Qwen3.5-MoE), 0: none

@@ -1,5 +1,6 @@
-"""The MoE MLP inside the compiled decode step (decode_step.py): router, top-k, the chosen experts' matvecs,
-the weighted sum; run by the step's threads as phases of its one parallel region (atomics.py).
+"""The MoE MLP inside the compiled decode step (decode_step.py): top-k of the router's logits (the router is
+one of the step's matvec phases), the chosen experts' matvecs, the weighted sum; run by the step's threads as
+phases of its one parallel region (atomics.py).
 
 Each of the M sequences' k chosen experts is a job: its gate and up rows (expert e's rows e F..(e+1) F of the
 stacked `ffn_gate_exps` / `ffn_up_exps`) against that sequence's input, then its down rows against the job's
@@ -24,8 +25,9 @@ SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # gpt-oss's clamped SwiGLU (as models/m
 
 @njit(cache=True)
 def route(logits, bias, layer, k, chosen, weight):
-    """Per sequence, after the router's bias (gpt-oss; bias[layer] (n_expert,), else (L, 1)): the k largest logits (ties to the lower expert id, as the prompt path's stable
-    sort) and their softmax (= the softmax over all experts renormalized over the chosen)."""
+    """Per sequence, after the router's bias (gpt-oss; bias[layer] (n_expert,), else (L, 1)): the k largest
+    logits (ties to the lower expert id, as the prompt path's stable sort) and their softmax (= the softmax over
+    all experts renormalized over the chosen)."""
     M, n = logits.shape
     for m in range(M):
         row = logits[m]
@@ -140,15 +142,6 @@ def weighted_sum(dn_jobs, chosen, weight, bias, layer, dn):
             e = chosen[m, j]
             for i in range(dn.shape[1]):
                 dn[m, i] += w * (row[i] + (bias[layer, e, i] if bias.shape[1] > 1 else np.float32(0)))
-
-
-@njit(cache=True)
-def router(buf, entry, qh, h, logits, tier):
-    """logits (M, n_expert) = h @ router.T (h quantized in qh where the router's type needs it). Small (F32 in
-    llama.cpp's files, 1 MB for Qwen3-30B-A3B): one thread."""
-    xq8, xqn, xs8, xqk, xdk, xbk = qh
-    int8.rows_into(entry[3], buf, entry[0], entry[2], np.int64(0), entry[1], xq8, xs8, xqk, xdk, xbk, h, logits,
-                   np.int64(0), tier)
 
 
 @njit(cache=True)

@@ -142,8 +142,8 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
 
 
 KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace an entry to force a mismatch
-# What each configuration of the CPU backend runs, so what a load checks: the fast path's matvecs (plain and packed), or the exact
-# path's f32 one; both dequantize prompt weights and look up embeddings.
+# What each configuration of the CPU backend runs, so what a load checks: the fast path's matvecs (plain and
+# packed), or the exact path's f32 one; both dequantize prompt weights and look up embeddings.
 PATH_KERNELS = {"fast": ("matvec_q8", "packed_q8", "dequantize", "embed"), "exact": ("matvec", "dequantize", "embed")}
 
 
