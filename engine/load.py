@@ -61,7 +61,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     fam = family(config.arch)
     weights = Weights(source)
     config = with_context(config, context, weights.has)
-    weights.require(["token_embd", "output_norm"]
+    weights.require(["token_embd", fam.final_norm]
                     + [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.tensors_of(config, i)])
     if tokenizer is None:
         tokenizer = Tokenizer.from_gguf_metadata(meta)

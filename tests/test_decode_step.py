@@ -135,7 +135,7 @@ def _kit_or_fixture(fixtures, name):
 
 
 # gpt-oss: the MoE phases (moe_step.py); Qwen3.5-MoE: the DeltaNet tasks and the shared expert (hybrid_step.py)
-@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss", "qwen3_5_moe", "lfm2"])
 def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     # The step is one parallel region whose threads claim tasks from shared counters (kernels/atomics.py): one
     # worker alone, or more workers than threads (some then find every task taken), must give the same logits
@@ -196,12 +196,13 @@ def test_the_exact_path_has_no_step(fixtures):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "qwen3_moe", "gpt_oss", "qwen3_5",
-                                    "qwen3_5_moe"])
+                                    "qwen3_5_moe", "lfm2"])
 def test_step_agrees_with_the_layerwise_pass_on_the_kit(family):
     # The kit's tiny models of the families that only the kit holds (q/k/v biases, QK-norm with a head dim
     # apart from n_embd / n_head, fused matrices and LongRoPE, attention soft-capping, MoE routing and expert
     # stacks: kernels/cpu/moe_step.py; gpt-oss's sinks, biases, YaRN and clamped SwiGLU; Qwen3.5's DeltaNet
-    # layers, output gates and shared expert: hybrid_step.py): the step against the family's forward pass.
+    # layers, output gates and shared expert, LFM2's short convolutions: hybrid_step.py): the step against the
+    # family's forward pass.
     model = engine.load_model(_kit_or_fixture({}, family), selftest=False)
     _compare(model, PROMPT)
 

@@ -1,7 +1,8 @@
-"""The dense Qwen3.5 hybrid (gated DeltaNet layers beside gated attention) against ../shared/families, as
-tests/test_families.py checks the dense families (the MoE variant, qwen3_5_moe, runs in test_families_moe.py with
-the router rule), and what a recurrent state adds: it lives in the sequence's cache, survives being decoded one
-token at a time, and is snapshotted and restored where keys and values are merely truncated.
+"""The dense hybrids against ../shared/families, as tests/test_families.py checks the dense families: Qwen3.5
+(gated DeltaNet layers beside gated attention; the MoE variant, qwen3_5_moe, runs in test_families_moe.py with the
+router rule) and LFM2 (gated short convolutions beside attention); and what a recurrent state adds: it lives in
+the sequence's cache, survives being decoded one token at a time, and is snapshotted and restored where keys and
+values are merely truncated.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ from tests.fidelity import CASE_MEAN_DIFF, MODEL_MEAN_KL, POSITION_MAX_DIFF, Kit
     vs_llama_cpp
 
 KIT = SHARED / "families"
-REFS = sorted((KIT / "qwen3_5").glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/
+FAMILIES = ("qwen3_5", "lfm2")
+REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/ each
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS
           for c in json.loads(r.read_text())["cases"]]
-GGUF = KIT / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf"
+QWEN35 = KIT / "qwen3_5" / "tiny-qwen3-5-a.Q4_K_M.json"
 
 _kit = KitReferences()
 _ref, _model, _case, _rows_of = _kit.ref, _kit.model, _kit.case, _kit.rows
 
 
 def test_the_kit_is_there():
-    assert len(REFS) == 3, [r.name for r in REFS]
+    assert len(REFS) == 3 * len(FAMILIES), [r.name for r in REFS]
 
 
 @pytest.mark.parametrize("ref,case_name", PARAMS)
@@ -45,6 +47,8 @@ def test_exact_path_matches_the_f32_oracle(ref, case_name):
 @pytest.mark.parametrize("ref,case_name", PARAMS)
 def test_default_path_within_llama_cpp_noise(ref, case_name, how):
     case = _case(ref, case_name)
+    if how == "decode":
+        assert _model(ref, "auto").backend.step is not None  # the compiled step is what runs
     mean, worst, misses, _ = vs_llama_cpp(_rows_of(ref, "auto", case, how), case)
     assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
     assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"
@@ -60,7 +64,7 @@ def test_default_path_mean_kl_per_file(ref, how):
     assert np.mean(kls) <= MODEL_MEAN_KL, f"mean KL(llama.cpp || ours) {np.mean(kls):.4f} > {MODEL_MEAN_KL}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "lfm2"])
 def test_a_checkpoint_directory_is_configured_as_its_gguf(family):
     from dataclasses import replace
 
@@ -70,21 +74,26 @@ def test_a_checkpoint_directory_is_configured_as_its_gguf(family):
 
     converted = config_from_gguf(HFCheckpoint(KIT / family / "hf", quantize=False).metadata, 2048)
     stored = config_from_gguf(GGUFFile(next((KIT / family).glob("*.Q8_0.gguf"))).metadata, 2048)
-    assert converted.layer_recurrent == (True, False) and converted.deltanet.v_heads == 4
+    assert converted.layer_recurrent == ((True, True, False, True) if family == "lfm2" else (True, False))
+    assert converted.rms_eps == pytest.approx(stored.rms_eps, rel=1e-6)  # the GGUF stores it as f32
     assert replace(converted, rms_eps=0) == replace(stored, rms_eps=0)
 
 
 def test_the_cache_keeps_keys_for_attention_layers_and_state_for_the_recurrent_ones():
-    model = _model(REFS[0], "auto")
+    model = _model(QWEN35, "auto")
     cfg, cache = model.config, model.new_cache(64)
     assert cfg.kv_layers == (1,) and cache.k.shape[0] == 1  # no keys or values for the DeltaNet layer
     assert cache.state["ssm"].shape == (1, 4, 64, 64) and cache.state["conv"].shape == (1, 3, 512)
     model.prefill([5, 6, 7, 8], cache)
     assert np.abs(cache.state["ssm"]).max() > 0 and np.abs(cache.state["conv"]).max() > 0
+    lfm2 = _model(KIT / "lfm2" / "tiny-lfm2-a.Q8_0.json", "auto")
+    cache = lfm2.new_cache(64)  # three convolution layers of 3 taps over n_embd 256, one attention layer
+    assert lfm2.config.kv_layers == (2,) and cache.k.shape[0] == 1 and cache.state["conv"].shape == (3, 2, 256)
 
 
-def test_a_snapshot_brings_a_sequence_back_where_truncation_cannot():
-    model = _model(REFS[0], "auto")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_snapshot_brings_a_sequence_back_where_truncation_cannot(family):
+    model = _model(next(r for r in REFS if r.parent.name == family), "auto")
     prompt, more = [40, 41, 42, 43, 44, 45], [50, 51, 52]
     cache = model.new_cache(64)
     model.prefill(prompt, cache)
@@ -96,14 +105,15 @@ def test_a_snapshot_brings_a_sequence_back_where_truncation_cannot():
     assert cache.length == len(prompt)
     np.testing.assert_array_equal(model.prefill(more, cache)[-1], first)  # the same continuation, bit for bit
     cache.truncate(0)  # back to the start: the state is zeroed
-    assert cache.length == 0 and not np.abs(cache.state["ssm"]).any()
+    assert cache.length == 0 and not any(np.abs(a).any() for a in cache.state.values())
     fresh = model.new_cache(64)
     np.testing.assert_array_equal(model.prefill(prompt, cache), model.prefill(prompt, fresh))
 
 
-def test_prompt_in_pieces_equals_prompt_at_once():
-    # the convolution's and the delta rule's state carry across calls exactly as within one
-    model = _model(REFS[0], "f32")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_in_pieces_equals_prompt_at_once(family):
+    # the convolutions' and the delta rule's state carry across calls exactly as within one
+    model = _model(next(r for r in REFS if r.parent.name == family), "f32")
     ids = list(range(30, 70))
     whole = model.logprobs(ids, start=len(ids) - 1)[0]
     cache = model.new_cache(64)

@@ -87,11 +87,13 @@ class ModelConfig:
     # gpt-oss: attention sinks (a logit per head in the softmax's denominator), a bias on the attention output
     attn_sinks: bool = False
     attn_out_bias: bool = False
-    # Hybrids (Qwen3.5): per layer, True where a gated DeltaNet layer replaces attention; its shape. Their
-    # attention layers gate their output per head by sigmoid(a second half of each q head's rows).
+    # Hybrids: per layer, True where a recurrent layer replaces attention: a gated DeltaNet (Qwen3.5; its shape;
+    # the attention layers gate their output per head by sigmoid(a second half of each q head's rows)) or a
+    # gated short convolution of shortconv_kernel taps (LFM2, models/lfm2.py).
     layer_recurrent: tuple[bool, ...] = ()
     deltanet: DeltaNetShape | None = None
     attn_output_gate: bool = False
+    shortconv_kernel: int = 0
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -101,11 +103,12 @@ class ModelConfig:
     @property
     def state_shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """The recurrent state a sequence carries beside its KV cache, as (name, shape) f32 arrays: a hybrid's
-        convolution inputs (the last conv_kernel - 1 of them) and delta-rule state, one row per recurrent layer."""
-        s = self.deltanet
+        convolution inputs (the last kernel - 1 of them) and delta-rule state, one row per recurrent layer."""
+        s, n = self.deltanet, sum(self.layer_recurrent)
+        if self.shortconv_kernel:
+            return (("conv", (n, self.shortconv_kernel - 1, self.n_embd)),)
         if s is None:
             return ()
-        n = sum(self.layer_recurrent)
         return (("conv", (n, s.conv_kernel - 1, s.conv_channels)), ("ssm", (n, s.v_heads, s.head_k_dim, s.head_v_dim)))
 
 

@@ -29,6 +29,7 @@ class Family:
     # (models/hf_config.py maps the shared ones); None: safetensors directories of this family are refused.
     hf_keys: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     hf_norm_offset: float = 0.0  # added to RMSNorm weights (Gemma stores w where GGUF holds 1 + w)
+    final_norm: str = "output_norm"  # the norm after the last block (LFM2: token_embd_norm)
     # Blocks of more than one kind (hybrids): the tensors block i must have, in place of layer_tensors.
     block_tensors: Callable[[ModelConfig, int], tuple[str, ...]] | None = None
     # Hugging Face tensors the converter reshapes or reorders for the family's GGUF layout: those whose GGUF

@@ -42,7 +42,7 @@ for _names, _spec in [
     (("default",), ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"), False)),
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
      ((r"\p{N}", _GPT2), False)),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3"), ((_LLAMA3,), True)),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2"), ((_LLAMA3,), True)),
     (("dbrx", "smaug-bpe"), ((_LLAMA3,), False)),
     (("qwen2", "stablelm2", "megrez"), ((_QWEN2,), False)),
     (("qwen35",), ((_QWEN35,), False)),

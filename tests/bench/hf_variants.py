@@ -2,7 +2,8 @@
 """Hugging Face checkpoints of the dense families with other shapes than ../shared/families' (not a test: it needs
 torch and transformers, which the project does not depend on). Two steps, two pythons:
 
-  SCRATCH_PY tests/bench/hf_variants.py make DIR    # a venv with torch (CPU) + transformers: writes DIR/<family>/
+  SCRATCH_PY tests/bench/hf_variants.py make DIR [FAMILY ...]   # a venv with torch (CPU) + transformers:
+                                                    # writes DIR/<family>/
                                                     # (bf16 safetensors, the kit's tokenizer files) and the
                                                     # float64 log-probabilities of a 64-token prompt
   .venv/bin/python tests/bench/hf_variants.py check DIR   # goinfer, exact and default path, against them
@@ -14,7 +15,8 @@ window of 16, query_pre_attn_scalar 128 != head width, other soft-caps, 3 layers
 pattern, local RoPE base 20000, linear RoPE scaling on the global layer, one KV head; qwen3_5 and qwen3_5_moe
 with 3 value heads per key head, head width 32, a conv kernel of 3, 5 layers in the pattern D,A,D,A,D, half the
 head rotated, 12 experts top-3 and a shared expert of another width; gpt_oss with 3 layers (full, sliding,
-sliding), a window of 8, YaRN factor 8 over an original window of 32, 6 experts top-3, head width 32.
+sliding), a window of 8, YaRN factor 8 over an original window of 32, 6 experts top-3, head width 32; lfm2 with
+5 layers C,A,C,C,A, convolutions of 4 taps, 8/2 heads of width 32, an MLP sized by transformers' rule to 384.
 docs/models.md gives the result.
 """
 
@@ -81,6 +83,12 @@ def _variants(T) -> dict:
             tie_word_embeddings=False, bos_token_id=2040, eos_token_id=2045, pad_token_id=2041,
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16.0,
                              "beta_slow": 1.0, "original_max_position_embeddings": 32, "truncate": True})),
+        "lfm2": ("lfm2", T.Lfm2Config, dict(
+            small, intermediate_size=512, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+            block_multiple_of=128, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2,
+            vocab_size=2048, norm_eps=1e-5, conv_L_cache=4, conv_bias=False, bos_token_id=2044, eos_token_id=2047,
+            pad_token_id=2043, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     }
 
 
@@ -96,12 +104,14 @@ _QWEN35 = dict(hidden_size=256, max_position_embeddings=4096, num_hidden_layers=
                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True})
 
 
-def make(out: Path) -> None:
+def make(out: Path, only: list[str]) -> None:
     import torch
     import transformers as T
 
     torch.manual_seed(0)
     for fam, (kit_fam, cls, kw) in _variants(T).items():
+        if only and fam not in only:
+            continue
         model = T.AutoModelForCausalLM.from_config(cls(**kw), attn_implementation="eager")
         with torch.no_grad():  # peaked distributions: every weight moves the logits
             for name, p in model.named_parameters():
@@ -149,6 +159,9 @@ def check(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("make", "check"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("make", "check"):
         sys.exit(__doc__)
-    (make if sys.argv[1] == "make" else check)(Path(sys.argv[2]))
+    if sys.argv[1] == "make":
+        make(Path(sys.argv[2]), sys.argv[3:])
+    else:
+        check(Path(sys.argv[2]))

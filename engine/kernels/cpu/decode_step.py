@@ -232,8 +232,11 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             break
         p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
         recur, slot, row = kinds[layer, 0] != 0, kinds[layer, 1], kinds[layer, 2]
+        conv_block = kinds[layer, 0] == 2  # LFM2's: no delta rule, no gated norm
         if atomics.claim(ctr, p) == 0:
-            if recur:
+            if conv_block:
+                hybrid_step.short_conv(qkv, convs, row, hyb[1][row], ar)
+            elif recur:
                 hybrid_step.recurrent_inputs(buf, mats[layer, 8:10], qe, h, qkv, hyb, convs, row, eps, tier)
             else:
                 if gate.shape[1]:
@@ -243,7 +246,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
                 part_sum[:] = 0.0  # a key range left empty keeps 0: the merge skips it
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        n_mix = M * dims[1] if recur else n_tasks
+        n_mix = 0 if conv_block else M * dims[1] if recur else n_tasks
         while True:  # attention tasks, or a DeltaNet layer's delta rule per (sequence, value head)
             t = atomics.claim(ctr, p)
             if t >= n_mix:
@@ -257,7 +260,8 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
         p = atomics.next_phase(ctr, p, n_mix)
         if atomics.claim(ctr, p) == 0:
             if recur:
-                hybrid_step.gated_norm(ar, qkv, hyb[5].shape[1], dims[1], dims[2], hyb[4][row], eps, ar)
+                if not conv_block:
+                    hybrid_step.gated_norm(ar, qkv, hyb[5].shape[1], dims[1], dims[2], hyb[4][row], eps, ar)
                 _quantize(mats[layer, 3:4], ar, qar, col0, ar.shape[1])
             else:
                 attention.merge(part_max, part_sum, part_acc, sinks[layer], a)

@@ -150,16 +150,21 @@ _NO_CONV, _NO_SSM = np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.f
 
 
 def tables(cfg, w) -> tuple:
-    """The step's hybrid tables, built once: per layer [recurrent, KV cache slot, state row]; the recurrent
-    layers' conv weights (R, C, K), ssm_a and dt biases (R, Hv), output norms (R, D); [Hk, Hv, D]; whether
-    attention has an output gate. Stubs for a model without recurrent layers (every layer its own slot)."""
+    """The step's hybrid tables, built once: per layer [recurrent kind (0 attention), KV cache slot, state row]; the
+    recurrent layers' conv weights (R, C, K), ssm_a and dt biases (R, Hv), output norms (R, D); [Hk, Hv, D];
+    whether attention has an output gate. Stubs for a model without recurrent layers (every layer its own slot)."""
     L, s = cfg.n_layer, cfg.deltanet
     recurrent = cfg.layer_recurrent or (False,) * L
     slot = {layer: n for n, layer in enumerate(cfg.kv_layers)}
     rows = [i for i in range(L) if recurrent[i]]
-    kinds = np.array([[recurrent[i], slot.get(i, 0), rows.index(i) if recurrent[i] else 0] for i in range(L)],
+    kind = 2 if cfg.shortconv_kernel else 1  # a recurrent layer's kind: DeltaNet 1, LFM2's short conv 2
+    kinds = np.array([[kind * recurrent[i], slot.get(i, 0), rows.index(i) if recurrent[i] else 0] for i in range(L)],
                      np.int64)
     gated = bool(cfg.attn_output_gate)
+    if cfg.shortconv_kernel:  # (C, K) taps per layer; dims [0, 1, E]: its output is one "head" of n_embd
+        conv = np.stack([w.vector(f"blk.{i}.shortconv.conv").reshape(cfg.n_embd, -1) for i in rows])
+        z = np.zeros((1, 1), np.float32)
+        return kinds, conv.astype(np.float32), z, z, z, np.array([0, 1, cfg.n_embd], np.int64), gated
     if s is None:
         z = np.zeros((1, 1), np.float32)
         return kinds, _NO_CONV, z, z, z, np.zeros(3, np.int64), gated
@@ -176,3 +181,22 @@ def states(caches) -> tuple[tuple, tuple]:
     convs = tuple(c.state.get("conv", _NO_CONV) for c in caches)
     ssms = tuple(c.state.get("ssm", _NO_SSM) for c in caches)
     return convs, ssms
+
+
+@njit(cache=True)
+def short_conv(bcx, convs, row, conv_w, out):
+    """LFM2's convolution block at one token, every sequence: bcx (M, 3E) = [B | C | x]; out (M, E) =
+    C * conv(state, B * x); each sequence's state (convs[m][row], (K-1, E)) shifted by that input."""
+    E, K = conv_w.shape
+    for m in range(bcx.shape[0]):
+        state = convs[m][row]
+        for c in range(E):
+            bx = bcx[m, c] * bcx[m, 2 * E + c]
+            acc = bx * conv_w[c, K - 1]
+            for i in range(K - 1):
+                acc += state[i, c] * conv_w[c, i]
+            for i in range(K - 2):
+                state[i, c] = state[i + 1, c]
+            if K > 1:
+                state[K - 2, c] = bx
+            out[m, c] = bcx[m, E + c] * acc

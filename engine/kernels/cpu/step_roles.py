@@ -26,7 +26,10 @@ def role_tensors(layer: int, flags: dict) -> list[str | None]:
         names[7] = None
     if not flags.get("shared_expert"):
         names[10:14] = [None] * 4
-    if flags.get("recurrent") and flags["recurrent"][layer]:
+    if flags.get("recurrent") and flags["recurrent"][layer] and flags.get("shortconv"):  # LFM2
+        names[0:4] = [f"blk.{layer}.shortconv.in_proj", None, None, f"blk.{layer}.shortconv.out_proj"]
+        names[8:10] = [None, None]
+    elif flags.get("recurrent") and flags["recurrent"][layer]:
         names[0:4] = [f"blk.{layer}.attn_qkv", f"blk.{layer}.attn_gate", None, f"blk.{layer}.ssm_out"]
     else:
         names[8:10] = [None, None]

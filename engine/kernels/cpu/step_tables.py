@@ -45,7 +45,7 @@ class DecodeStep:
             self.qkv_bias = np.zeros((L, sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])), np.float32)
             for i in range(L):
                 self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
-        self.out_norm = w.vector("output_norm")
+        self.out_norm = w.vector(flags.get("final_norm", "output_norm"))
         sinks = np.full((L, cfg.n_head), -np.inf, np.float32)  # attention sinks (gpt-oss), -inf: none
         o_bias = np.zeros((L, 1), np.float32)
         if cfg.attn_sinks:
