@@ -293,3 +293,18 @@ def test_known_pre_tokenizers_build_without_warning(request):
             warnings.simplefilter("error")
             tok = Tokenizer.from_gguf_metadata(meta)
         assert tok.decode(tok.encode("It's 2024: naïve café!", add_bos=False)) == "It's 2024: naïve café!"
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_a_gemma4_vocabulary_tokenizes_as_llama_cpp(quant):
+    # GGUF tokenizer model `gemma4` (../shared/families/gemma4): BPE over U+2581-spaced text with byte fallback,
+    # split only at newlines; the kit's four prompts (the chat one full of <|turn> specials) as llama.cpp's ids
+    from tests.conftest import SHARED
+
+    kit = SHARED / "families" / "gemma4"
+    tok = Tokenizer.from_gguf_metadata(dict(GGUFFile(kit / f"tiny-gemma4-a.{quant}.gguf").metadata))
+    assert tok.kind == "gemma4" and tok.add_bos
+    for case in json.loads((kit / f"tiny-gemma4-a.{quant}.json").read_text())["cases"]:
+        assert tok.encode(case["prompt"], add_bos=case["add_bos"]) == case["tokens"], case["name"]
+    text = "Zürich\n\n  naïve 😀 tabs\there"  # characters outside the 2k vocabulary come back from their bytes
+    assert tok.decode(tok.encode(text, add_bos=False)) == text

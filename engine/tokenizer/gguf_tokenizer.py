@@ -38,7 +38,8 @@ _FIM_OTHER = {  # FIM prefix / suffix / middle: not end-of-generation, but contr
     "tokenizer.ggml.fim_mid_token_id": ("<|fim_middle|>", "<fim-middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>"),
 }
 
-_SUPPORTED = ("gpt2", "llama")
+_SUPPORTED = ("gpt2", "llama", "gemma4")
+_SPACES_AS_U2581 = ("llama", "gemma4")  # vocabularies that write spaces as U+2581 and bytes as <0xNN>
 _HIDDEN = (CONTROL, UNKNOWN, UNUSED)  # token types llama.cpp's token_to_piece drops unless asked for specials
 
 
@@ -65,7 +66,7 @@ class Tokenizer:
                  bos_id: int | None, eos_id: int | None, eog_ids: frozenset[int], add_bos: bool,
                  add_eos: bool, add_space_prefix: bool, rstrip_ids: frozenset[int] = frozenset(),
                  parses_specials: bool = False):
-        self.kind = kind  # "gpt2" | "llama"
+        self.kind = kind  # "gpt2" | "llama" | "gemma4"
         self._tokens = tokens
         self._attrs = attrs  # (n_vocab,) int32, GGUF token types after llama.cpp's fix-ups
         self._hf = hf
@@ -109,9 +110,9 @@ class Tokenizer:
                           "token ids may differ from the model's own tokenizer", stacklevel=2)
         pre = str(pre or "default")
         # defaults when a key is absent are llama.cpp's (per vocabulary type)
-        if kind == "llama":
+        if kind in _SPACES_AS_U2581:
             bos, eos = key_id("tokenizer.ggml.bos_token_id", 1), key_id("tokenizer.ggml.eos_token_id", 2)
-            add_bos, space_prefix = True, True
+            add_bos, space_prefix = True, kind == "llama"
         else:
             bos, eos = key_id("tokenizer.ggml.bos_token_id", 11), key_id("tokenizer.ggml.eos_token_id", 11)
             add_bos, space_prefix = pre in hf_build.PRE_ADDS_BOS, False
@@ -126,6 +127,12 @@ class Tokenizer:
             if merges is None:
                 raise ModelLoadError("gpt2 tokenizer without tokenizer.ggml.merges")
             hf = hf_build.build_gpt2(vocab, list(merges), pre)
+        elif kind == "gemma4":
+            merges = meta.get("tokenizer.ggml.merges")
+            if merges is None:
+                raise ModelLoadError("gemma4 tokenizer without tokenizer.ggml.merges")
+            unk = key_id("tokenizer.ggml.unknown_token_id", None)
+            hf = hf_build.build_gemma4(vocab, list(merges), tokens[unk] if unk is not None else None)
         else:
             scores = meta.get("tokenizer.ggml.scores")
             scores = np.zeros(n, dtype=np.float32) if scores is None else np.asarray(scores, dtype=np.float32)
@@ -188,7 +195,7 @@ class Tokenizer:
                 p = p.lstrip(_C_SPACE)
                 if not p:
                     continue  # nothing left of the fragment
-            if self.kind == "llama":
+            if self.kind in _SPACES_AS_U2581:
                 p = ((" " + p) if self._add_space_prefix and prev_special else p).replace(" ", SPACE)
             parts.append(p)
             prev_special = False
@@ -215,7 +222,7 @@ class Tokenizer:
         text, attr = self._tokens[token_id], int(self._attrs[token_id])
         if attr in (CONTROL, UNKNOWN, USER_DEFINED, UNUSED):
             return text.encode("utf-8")
-        if self.kind == "llama":
+        if self.kind in _SPACES_AS_U2581:
             if attr == BYTE and len(text) == 6 and text.startswith("<0x"):
                 return bytes([int(text[3:5], 16)])
             return text.replace(SPACE, " ").encode("utf-8")

@@ -75,6 +75,21 @@ def build_gpt2(vocab: dict[str, int], merges: list[str], pre: str) -> HFTokenize
     return tok
 
 
+def build_gemma4(vocab: dict[str, int], merges: list[str], unk: str | None) -> HFTokenizer:
+    """Gemma 4's vocabulary (GGUF `gemma4`): BPE over text whose spaces are U+2581 (the caller writes them),
+    ranked merges, byte fallback for characters outside the vocabulary; the text is split only at newlines
+    before the merges, as llama.cpp does."""
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if sep and a in vocab and b in vocab:
+            pairs.append((a, b))
+    tok = HFTokenizer(models.BPE(vocab, pairs, byte_fallback=True, unk_token=unk if unk in vocab else None,
+                                 fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated")
+    return tok
+
+
 def build_spm(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, attrs: np.ndarray,
               unk: str | None) -> HFTokenizer:
     """SentencePiece-style BPE: merges derived from the scores, byte fallback for characters not in the vocab."""
