@@ -94,11 +94,22 @@ class ModelConfig:
     deltanet: DeltaNetShape | None = None
     attn_output_gate: bool = False
     shortconv_kernel: int = 0
+    # Layers that differ in shape (Gemma 4): per layer its head width, KV heads, MLP width, rotary dims, and the
+    # layer whose keys and values it attends to (itself, or an earlier one it shares them with); its embeddings
+    # per layer (PLE) of this width (0: none). Empty: every layer as the shared fields say.
+    layer_head_dim: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_ff: tuple[int, ...] = ()
+    layer_rope_dim: tuple[int, ...] = ()
+    layer_kv_source: tuple[int, ...] = ()
+    per_layer_embd: int = 0
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep keys and values (all of them but a hybrid's recurrent ones), in cache order."""
-        return tuple(i for i in range(self.n_layer) if not (self.layer_recurrent and self.layer_recurrent[i]))
+        """The layers that keep keys and values (all of them but a hybrid's recurrent ones and the layers that
+        share an earlier one's), in cache order."""
+        return tuple(i for i in range(self.n_layer) if not (self.layer_recurrent and self.layer_recurrent[i])
+                     and not (self.layer_kv_source and self.layer_kv_source[i] != i))
 
     @property
     def state_shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -39,6 +39,7 @@ class Family:
     hf_reshaped: frozenset[str] = frozenset()
     hf_aliases: tuple[tuple[str, str], ...] = ()  # (Hugging Face name part, the spelling gguf's name map knows)
     hf_view: Callable[[Any], Any] | None = None  # the safetensors as the converter sees them (split fused tensors)
+    hf_generated: Callable[[dict[str, Any]], dict[str, np.ndarray]] | None = None  # tensors the converter makes
     hf_tensor: Callable[[str, np.ndarray, ModelConfig], np.ndarray] | None = None
     hf_plain_norms: frozenset[str] = frozenset()
 

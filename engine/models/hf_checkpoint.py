@@ -56,6 +56,8 @@ def read_metadata(directory: Path) -> tuple[dict[str, Any], Family, dict[str, An
     try:
         meta, generated = hf_config.gguf_metadata(config, arch, directory.name)
         meta.update(fam.hf_keys(config))
+        if fam.hf_generated is not None:
+            generated.update(fam.hf_generated(config))
     except (TypeError, ValueError) as e:  # a field of the wrong type: a number that is not one
         raise ModelLoadError(f"{directory.name}/config.json: {e}") from None
     except ModelLoadError as e:

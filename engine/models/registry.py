@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import UnsupportedModel
-from engine.models import gemma2, gemma3, gpt_oss, lfm2, llama, phi3, qwen2, qwen3, qwen3moe, qwen35
+from engine.models import gemma2, gemma3, gemma4, gpt_oss, lfm2, llama, phi3, qwen2, qwen3, qwen3moe, qwen35
 from engine.models.config import ModelConfig
 from engine.models.family import Family
 
 _ALL = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, qwen3moe.FAMILY,
-        qwen35.FAMILY, qwen35.MOE_FAMILY, gpt_oss.FAMILY, lfm2.FAMILY)
+        qwen35.FAMILY, qwen35.MOE_FAMILY, gpt_oss.FAMILY, lfm2.FAMILY, gemma4.FAMILY)
 FAMILIES: dict[str, Family] = {arch: f for f in _ALL for arch in f.gguf_archs}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # config.json model_type -> architecture, for the families whose safetensors checkpoints load (Family.hf_keys)

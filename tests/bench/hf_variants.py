@@ -16,7 +16,10 @@ pattern, local RoPE base 20000, linear RoPE scaling on the global layer, one KV 
 with 3 value heads per key head, head width 32, a conv kernel of 3, 5 layers in the pattern D,A,D,A,D, half the
 head rotated, 12 experts top-3 and a shared expert of another width; gpt_oss with 3 layers (full, sliding,
 sliding), a window of 8, YaRN factor 8 over an original window of 32, 6 experts top-3, head width 32; lfm2 with
-5 layers C,A,C,C,A, convolutions of 4 taps, 8/2 heads of width 32, an MLP sized by transformers' rule to 384.
+5 layers C,A,C,C,A, convolutions of 4 taps, 8/2 heads of width 32, an MLP sized by transformers' rule to 384;
+gemma4 without per-layer embeddings or KV sharing, keys = values on its global layers (one KV head), heads of
+32 / 64, window 8, half the global head rotated; gemma4_ple with per-layer embeddings of 32, the last 3 of 6
+layers sharing keys and values (double-wide MLPs), heads of 64 / 128.
 docs/models.md gives the result.
 """
 
@@ -89,6 +92,28 @@ def _variants(T) -> dict:
             vocab_size=2048, norm_eps=1e-5, conv_L_cache=4, conv_bias=False, bos_token_id=2044, eos_token_id=2047,
             pad_token_id=2043, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        "gemma4": ("gemma4", T.Gemma4TextConfig, dict(
+            small, intermediate_size=384, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, vocab_size=2048,
+            vocab_size_per_layer_input=2048, rms_norm_eps=1e-6, sliding_window=8, final_logit_softcapping=25.0,
+            hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1, pad_token_id=0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                         "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                "rope_theta": 1e6}})),
+        "gemma4_ple": ("gemma4", T.Gemma4TextConfig, dict(
+            small, intermediate_size=192, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=64, global_head_dim=128, hidden_size_per_layer_input=32, num_kv_shared_layers=3,
+            use_double_wide_mlp=True, vocab_size=2048, vocab_size_per_layer_input=2048, rms_norm_eps=1e-6,
+            sliding_window=16, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", bos_token_id=2,
+            eos_token_id=1, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                         "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                "rope_theta": 1e6}})),
     }
 
 
