@@ -36,6 +36,18 @@ def vs_llama_cpp(lp: np.ndarray, case: dict) -> tuple[float, float, list[int], l
 
 
 
+def assert_in_noise_band(mean: float, worst: float, misses: list[int]) -> None:
+    """A case inside llama.cpp's noise band: its mean, its worst position, top-1 where llama.cpp is confident."""
+    assert mean <= CASE_MEAN_DIFF, f"mean |logprob diff| {mean:.3f} > {CASE_MEAN_DIFF}"
+    assert worst <= POSITION_MAX_DIFF, f"max |logprob diff| {worst:.3f} > {POSITION_MAX_DIFF}"
+    assert not misses, f"top-1 differs from llama.cpp at confident positions {misses}"
+
+
+def assert_mean_kl(kls: list[float]) -> None:
+    """A file's (or model's) positions, on average, within the KL bound."""
+    assert np.mean(kls) <= MODEL_MEAN_KL, f"mean KL(llama.cpp || ours) {np.mean(kls):.4f} > {MODEL_MEAN_KL}"
+
+
 def exact_violations(lp: np.ndarray, case: dict) -> list[str]:
     """Where the exact path leaves the f32 oracle (`exact_top`): |logprob diff| over its top-20 ids above
     EXACT_MAX_DIFF, or another top-1 where the oracle's own top-1/top-2 gap is at least EXACT_TIE_MARGIN."""

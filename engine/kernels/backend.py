@@ -46,6 +46,8 @@ class ModelConfig(Protocol):
     embed_scale: float
     kv_layers: tuple[int, ...]  # the layers that keep keys and values (a hybrid's attention layers), cache order
     state_shapes: tuple[tuple[str, tuple[int, ...]], ...]  # recurrent state per sequence: (name, shape) f32
+    kv_slot: dict[int, int]  # layer -> the cache slot it attends to
+    state_row: dict[int, int]  # recurrent layer -> its row of the state arrays
 
 
 class Weights(Protocol):

@@ -112,6 +112,19 @@ class ModelConfig:
                      and not (self.layer_kv_source and self.layer_kv_source[i] != i))
 
     @property
+    def kv_slot(self) -> dict[int, int]:
+        """Layer -> the cache slot it attends to (its own; a sharing layer's: its source's)."""
+        own = {layer: n for n, layer in enumerate(self.kv_layers)}
+        return {i: own[self.layer_kv_source[i] if self.layer_kv_source else i] for i in range(self.n_layer)
+                if (self.layer_kv_source[i] if self.layer_kv_source else i) in own}
+
+    @property
+    def state_row(self) -> dict[int, int]:
+        """Recurrent layer -> its row of the cache's recurrent state arrays."""
+        return {layer: n for n, layer in enumerate(i for i in range(self.n_layer)
+                                                    if self.layer_recurrent and self.layer_recurrent[i])}
+
+    @property
     def state_shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """The recurrent state a sequence carries beside its KV cache, as (name, shape) f32 arrays: a hybrid's
         convolution inputs (the last kernel - 1 of them) and delta-rule state, one row per recurrent layer."""

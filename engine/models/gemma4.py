@@ -96,7 +96,7 @@ def _per_layer_inputs(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray
 def _attention(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, i: int, cache: KVCache, rope) -> np.ndarray:
     T, pos0, eps = len(h), cache.length, cfg.rms_eps
     H, D, Hkv = cfg.n_head, cfg.layer_head_dim[i], cfg.layer_kv_heads[i]
-    blk, slot = f"blk.{i}.", cfg.kv_layers.index(cfg.layer_kv_source[i])
+    blk, slot = f"blk.{i}.", cfg.kv_slot[i]
     cos, sin = rope
     q = be.rms_norm(be.matmul(h, w.tensor(blk + "attn_q")).reshape(T, H, D), w.vector(blk + "attn_q_norm"), eps)
     q = be.rope(q, cos, sin, "neox")

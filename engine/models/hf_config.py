@@ -82,8 +82,8 @@ def gguf_metadata(config: dict[str, Any], arch: str, name: str) -> tuple[dict[st
                      p + "rope.scaling.original_context_length": int(need(rope, "original_max_position_embeddings")),
                      p + "rope.scaling.yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
                      p + "rope.scaling.yarn_beta_slow": float(rope.get("beta_slow") or 1.0)})
-    elif kind == "proportional":  # Gemma 4's global layers: the family makes its own divisors (Family.hf_generated)
-        pass
+    elif kind == "proportional" and arch == "gemma4":  # its global layers: the family makes the divisors
+        pass  # (Family.hf_generated)
     elif kind != "default":
         raise UnsupportedModel(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, "
                                f"llama3, longrope, yarn)")

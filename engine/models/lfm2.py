@@ -60,8 +60,7 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
     T, pos0, eps = len(ids), cache.length, cfg.rms_eps
     x = be.embed(w.tensor("token_embd"), ids)
     rope = be.rope_tables(np.arange(pos0, pos0 + T), cfg.rope_dim, cfg.rope_base)
-    slot = {layer: n for n, layer in enumerate(cfg.kv_layers)}
-    row = {layer: n for n, layer in enumerate(i for i in range(cfg.n_layer) if cfg.layer_recurrent[i])}
+    slot, row = cfg.kv_slot, cfg.state_row
     for i in range(cfg.n_layer):
         blk = f"blk.{i}."
         h = be.rms_norm(x, w.vector(blk + "attn_norm"), eps)

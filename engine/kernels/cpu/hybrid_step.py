@@ -154,12 +154,10 @@ def tables(cfg, w) -> tuple:
     recurrent layers' conv weights (R, C, K), ssm_a and dt biases (R, Hv), output norms (R, D); [Hk, Hv, D];
     whether attention has an output gate. Stubs for a model without recurrent layers (every layer its own slot)."""
     L, s = cfg.n_layer, cfg.deltanet
-    recurrent = cfg.layer_recurrent or (False,) * L
-    slot = {layer: n for n, layer in enumerate(cfg.kv_layers)}
-    rows = [i for i in range(L) if recurrent[i]]
+    slot, row = cfg.kv_slot, cfg.state_row
+    rows = sorted(row, key=row.get)
     kind = 2 if cfg.shortconv_kernel else 1  # a recurrent layer's kind: DeltaNet 1, LFM2's short conv 2
-    kinds = np.array([[kind * recurrent[i], slot.get(i, 0), rows.index(i) if recurrent[i] else 0] for i in range(L)],
-                     np.int64)
+    kinds = np.array([[kind * (i in row), slot.get(i, 0), row.get(i, 0)] for i in range(L)], np.int64)
     gated = bool(cfg.attn_output_gate)
     if cfg.shortconv_kernel:  # (C, K) taps per layer; dims [0, 1, E]: its output is one "head" of n_embd
         conv = np.stack([w.vector(f"blk.{i}.shortconv.conv").reshape(cfg.n_embd, -1) for i in rows])
