@@ -89,7 +89,7 @@ def test_step_stays_within_int8_noise_of_the_exact_path_on_real_models(request, 
         assert float(np.sum(p * (rows["exact"] - rows["fast"]))) < 0.02, text
 
 
-@pytest.mark.parametrize("which", ["gemma3", "qwen3_moe", "gpt_oss", "qwen3_5_moe"])
+@pytest.mark.parametrize("which", ["gemma3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "gemma4"])
 def test_a_batch_equals_single_steps_bit_for_bit(fixtures, which):
     # sliding-window layers; MoE layers whose sequences route to different experts
     model = engine.load_model(_kit_or_fixture(fixtures, which), selftest=False)
@@ -135,7 +135,7 @@ def _kit_or_fixture(fixtures, name):
 
 
 # gpt-oss: the MoE phases (moe_step.py); Qwen3.5-MoE: the DeltaNet tasks and the shared expert (hybrid_step.py)
-@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss", "qwen3_5_moe", "lfm2"])
+@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt_oss", "qwen3_5_moe", "lfm2", "gemma4"])
 def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     # The step is one parallel region whose threads claim tasks from shared counters (kernels/atomics.py): one
     # worker alone, or more workers than threads (some then find every task taken), must give the same logits
@@ -155,7 +155,7 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     def run(n_chunks, n_split, workers):  # from the same recurrent state each time (a hybrid's step advances it)
         cache.restore(snap)
         return decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers, st.biases, st.rec,
-                                       *hybrid_step.states([cache]))
+                                       *hybrid_step.states([cache]), st.layers)
 
     runs = [run(n_chunks, n_split, workers)
             for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
@@ -196,13 +196,13 @@ def test_the_exact_path_has_no_step(fixtures):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "qwen3_moe", "gpt_oss", "qwen3_5",
-                                    "qwen3_5_moe", "lfm2"])
+                                    "qwen3_5_moe", "lfm2", "gemma4"])
 def test_step_agrees_with_the_layerwise_pass_on_the_kit(family):
     # The kit's tiny models of the families that only the kit holds (q/k/v biases, QK-norm with a head dim
     # apart from n_embd / n_head, fused matrices and LongRoPE, attention soft-capping, MoE routing and expert
     # stacks: kernels/cpu/moe_step.py; gpt-oss's sinks, biases, YaRN and clamped SwiGLU; Qwen3.5's DeltaNet
-    # layers, output gates and shared expert, LFM2's short convolutions: hybrid_step.py): the step against the
-    # family's forward pass.
+    # layers, output gates and shared expert, LFM2's short convolutions: hybrid_step.py; Gemma 4's per-layer
+    # widths, KV sharing, V-norm and per-layer embeddings: gemma4_step.py): the step against the forward pass.
     model = engine.load_model(_kit_or_fixture({}, family), selftest=False)
     _compare(model, PROMPT)
 

@@ -44,6 +44,8 @@ def test_exact_path_matches_the_f32_oracle(ref, case_name):
 @pytest.mark.parametrize("ref,case_name", PARAMS)
 def test_default_path_within_llama_cpp_noise(ref, case_name, how):
     case = _case(ref, case_name)
+    if how == "decode":
+        assert _model(ref, "auto").backend.step is not None  # the compiled step is what runs
     mean, worst, misses, _ = vs_llama_cpp(_rows_of(ref, "auto", case, how), case)
     assert_in_noise_band(mean, worst, misses)
 

@@ -208,3 +208,16 @@ def test_smollm2_template_read_from_the_gguf_file(smollm2_gguf):
     source = reader.fields["tokenizer.chat_template"].contents()
     case = _chat_case(SMOLLM2)
     assert ChatTemplate(source).render(case["messages"]) == case["prompt"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "lfm2", "gemma4"])
+def test_a_kit_chat_prompt_renders_from_its_gguf_template(family):
+    # each family's chat case: its messages through the template its GGUF carries give llama.cpp's prompt text
+    import engine
+    from conftest import SHARED
+
+    kit = SHARED / "families" / family
+    ref = json.loads(next(kit.glob("*.Q8_0.json")).read_text())
+    case = next(c for c in ref["cases"] if c["name"] == "chat")
+    model = engine.load_model(kit / ref["model_file"], selftest=False)
+    assert model.render_chat(case["messages"], add_generation_prompt=True) == case["prompt"]

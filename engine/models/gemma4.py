@@ -13,8 +13,9 @@ embeddings scaled by sqrt(n_embd), final-logit softcap, tied embeddings, and its
   x += post_norm(proj(gelu(inp_gate x) * slice)) after the block's MLP;
 - `layer_output_scale` multiplies the block's output (the whole residual stream).
 
-The cache keeps keys and values for the layers that compute them, padded to the widest head and the most KV
-heads (a layer's own are its leading heads and dims). No compiled decode step yet: decode runs this pass.
+The cache keeps keys and values for the layers that compute them, widened to the widest head with zeros and
+with each KV head repeated to the most KV heads: the compiled decode step's layout (kernels/cpu/gemma4_step.py),
+whose attention kernels then run unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from engine.errors import ModelLoadError
 from engine.kernels.backend import Backend, KVCache
+from engine.models import dense
 from engine.models.config import ModelConfig, common_fields, get
 from engine.models.family import Family
 from engine.models.weights import Weights
@@ -48,6 +50,8 @@ def read_config(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
     ff = tuple(int(f) for f in _per_layer(meta, "feed_forward_length", n_layer, None))
     f = common_fields({**meta, _P + "attention.head_count_kv": max(kv), _P + "feed_forward_length": max(ff)},
                       vocab_size)
+    if any(max(kv) % k for k in kv) or f["n_head"] % max(kv):  # (KV heads repeat to the most: gemma4_step.py)
+        raise ModelLoadError(f"gemma4: KV heads per layer {kv} must divide each other and the {f['n_head']} heads")
     sliding = tuple(bool(s) for s in _per_layer(meta, "attention.sliding_window_pattern", n_layer, False))
     d_global = int(get(meta, _P + "attention.key_length", f["head_dim"]))
     d_swa = int(get(meta, _P + "attention.key_length_swa", d_global))
@@ -105,13 +109,15 @@ def _attention(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, i: int,
         v = be.matmul(h, w.tensor(blk + "attn_v")).reshape(T, Hkv, D) if w.has(blk + "attn_v") else k  # K = V
         v = be.rms_norm(v, np.ones(D, np.float32), eps)  # the V-norm has no weights
         k = be.rope(be.rms_norm(k, w.vector(blk + "attn_k_norm"), eps), cos, sin, "neox")
-        pad = np.zeros((T, cfg.n_head_kv, cfg.head_dim), np.float32), np.zeros((T, cfg.n_head_kv, cfg.head_dim),
-                                                                                np.float32)
-        pad[0][:, :Hkv, :D], pad[1][:, :Hkv, :D] = k, v
-        keys, values = cache.write(slot, *pad)
+        # the cache's layout (the compiled step's, kernels/cpu/gemma4_step.py): heads widened with zeros to the
+        # widest, each KV head repeated to the most KV heads
+        wide = [np.zeros((T, cfg.n_head_kv, cfg.head_dim), np.float32) for _ in range(2)]
+        wide[0][:, :, :D] = np.repeat(k, cfg.n_head_kv // Hkv, axis=1)
+        wide[1][:, :, :D] = np.repeat(v, cfg.n_head_kv // Hkv, axis=1)
+        keys, values = cache.write(slot, *wide)
     else:  # a shared layer: the keys and values its source wrote in this same pass
         keys, values = cache.keys(slot, pos0 + T), cache.values(slot, pos0 + T)
-    keys, values = keys[:, :Hkv, :D], values[:, :Hkv, :D]
+    keys, values = keys[:, :: cfg.n_head_kv // Hkv, :D], values[:, :: cfg.n_head_kv // Hkv, :D]
     a = be.attention(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), pos0, cfg.attn_scale,
                      window=cfg.layer_window[i]).reshape(T, H * D)
     return be.matmul(a, w.tensor(blk + "attn_output"))
@@ -193,6 +199,11 @@ def hf_generated(config: dict[str, Any]) -> dict[str, np.ndarray]:
     return {"rope_freqs": np.array([1.0] * rotated + [1e30] * (pairs - rotated), np.float32)}
 
 
+def step_flags(cfg: ModelConfig) -> dict:
+    """The compiled step's flags: the dense ones (QK-norm, post norms, GELU), per-layer embeddings, KV sharing."""
+    return {**dense.step_flags(cfg), "per_layer_embd": bool(cfg.per_layer_embd), "kv_source": cfg.layer_kv_source}
+
+
 FAMILY = Family(name="gemma4", gguf_archs=("gemma4",), hf_model_types=("gemma4_text",), read_config=read_config,
-                layer_tensors=(), forward=forward, step_flags=None, block_tensors=block_tensors, hf_keys=hf_keys,
+                layer_tensors=(), forward=forward, step_flags=step_flags, block_tensors=block_tensors, hf_keys=hf_keys,
                 hf_generated=hf_generated, hf_aliases=((".layer_scalar", ".layer_scalar.weight"),))

@@ -147,7 +147,8 @@ def hf_tensor(name: str, values: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 _HF = dict(hf_keys=hf_keys, hf_norm_offset=1.0, hf_reshaped=frozenset(("ssm_a", "ssm_dt", "ssm_alpha", "ssm_beta",
            "attn_gate", "ssm_out", "attn_qkv", "ssm_conv1d")), hf_aliases=((".dt_bias", ".dt_proj.bias"),),
            hf_tensor=hf_tensor, hf_plain_norms=frozenset(("ssm_norm",)))
-FAMILY = Family(name="qwen35", gguf_archs=("qwen35",), hf_model_types=("qwen3_5_text", "qwen3_5"), read_config=read_config,
+FAMILY = Family(name="qwen35", gguf_archs=("qwen35",), hf_model_types=("qwen3_5_text", "qwen3_5"),
+                read_config=read_config,
                 layer_tensors=(), forward=forward, step_flags=step_flags, block_tensors=block_tensors, **_HF)
 MOE_FAMILY = Family(name="qwen35moe", gguf_archs=("qwen35moe",), hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
                     read_config=read_config, layer_tensors=(), forward=forward, step_flags=step_flags,

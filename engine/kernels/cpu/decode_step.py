@@ -4,9 +4,11 @@ Python glue per layer costs as much as the matvecs at decode (../shared/research
 decode step — norms, the int8 matvecs over the GGUF blocks in place, RoPE, the KV write, attention,
 activations, residuals, the final norm and the output head — is one compiled function. Every weight is read
 once per step whatever M is (the matvec reuses each row from L1 for the M activation vectors), which is what
-lets concurrent generations decode together. The dense families and qwen3moe run through it, told apart by their
-step flags (models/dense.step_flags: q/k/v biases, per-head q/k norms, post norms, GELU or SiLU, a MoE MLP:
-moe_step.py; RoPE style from the config). Which tensor each slot reads: step_roles.py.
+lets concurrent generations decode together. Every family runs through it, told apart by its step flags
+(models/dense.step_flags: q/k/v biases, per-head q/k norms, post norms, the activation, a MoE MLP) and its
+tables: MoE layers (moe_step.py), recurrent layers (hybrid_step.py: Qwen3.5's DeltaNet, LFM2's convolutions),
+per-layer widths, KV sharing and per-layer embeddings (gemma4_step.py). Which tensor each slot reads:
+step_roles.py; the matvec phases and input quantization: py.
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
 row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
@@ -20,7 +22,7 @@ builds the step at load (step_tables.build: the tables it reads, built once per 
 Weights are addressed as rows [byte offset, rows, row bytes, type, packed offset] into the one buffer of the
 mapped file and the one buffer of packed copies (packed.py: the 4- and 5-bit legacy types, 8 rows interleaved,
 2.4x faster per thread; layout.pack at load), so no tuple of hundreds of arrays is unboxed on every call. A split
-model has no such buffer and decodes layer by layer instead (build() returns None).
+model has no such buffer and decodes layer by layer instead (step_tables.build returns None).
 """
 
 from __future__ import annotations
@@ -28,99 +30,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.cpu import atomics, attention, dequant, hybrid_step, int8, moe_step, packed, quantize, rowops
+from engine.kernels.cpu import atomics, attention, dequant, gemma4_step, hybrid_step, moe_step, packed, rowops
+from engine.kernels.cpu.step_matvec import flat_quant, matvec_phase, quant_buffers, quant_view, quantize_input
 
 
 # iparams slots
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS, _N_EXPERT, _N_USED = range(11)
-_LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
-_K_CODES = tuple(int(t) for t in int8.K_TYPES)
 
 
 # =========================================================================================================
 # Compiled pieces (flat 1-D vectors with offsets: numba reshapes only contiguous arrays)
 # =========================================================================================================
-
-
-@njit(cache=True)
-def _needs(mats):
-    """Which activation quantizations the matrices of one group read: (legacy blocks in the pair-interleaved
-    order, legacy blocks in natural order (packed matrices), K super-blocks)."""
-    legacy = natural = kq = False
-    for i in range(mats.shape[0]):
-        c = mats[i, 3]
-        is_legacy = False
-        for t in _LEGACY_CODES:
-            is_legacy |= c == t
-        for t in _K_CODES:
-            kq |= c == t
-        if is_legacy and mats[i, 4] >= 0:
-            natural = True
-            legacy |= mats[i, 1] % packed.ROWS != 0  # rows past the last group stay in GGUF order
-        else:
-            legacy |= is_legacy
-    return legacy, natural, kq
-
-
-@njit(cache=True)
-def _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, lo, hi, tier):
-    """Rows [lo, hi) of the matrices side by side. A packed matrix's group of 8 rows belongs to the chunk that
-    holds its first row (so chunks may split groups and each group still runs once)."""
-    start = np.int64(0)  # not a literal 0: rows_into would compile a variant of its own for it
-    for i in range(mats.shape[0]):
-        rows = mats[i, 1]
-        a, z = max(lo, start) - start, min(hi, start + rows) - start
-        if a < z:
-            code, rb = mats[i, 3], mats[i, 2]
-            done = a
-            if mats[i, 4] >= 0:
-                n8 = rows // packed.ROWS * packed.ROWS
-                g0, g1 = -(-a // packed.ROWS), min(-(-z // packed.ROWS), n8 // packed.ROWS)
-                if g1 > g0:
-                    packed.groups_into(code, pbuf, mats[i, 4], xqn.shape[1] // 32, g0, g1, xqn, xs8, out, start,
-                                       tier)
-                done = max(a, n8)
-            if done < z:
-                int8.rows_into(code, buf, mats[i, 0], rb, done, z, xq8, xs8, xqk, xdk, xbk, x, out, start, tier)
-        start += rows
-
-
-@njit(cache=True)
-def _quant_buffers(M, K):
-    """Buffers for an input (M, K) quantized as each kind of matrix reads it: (legacy blocks, pair-interleaved;
-    natural order; their block scales, either order; K super-blocks: values, scales, block sums)."""
-    return (np.empty((M, K), np.int8), np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32),
-            np.empty((M, K), np.int8), np.empty((M, K // 256), np.float32), np.empty((M, K // 256, 24), np.int16))
-
-
-@njit(cache=True)
-def _quantize(mats, x, qb, c0, c1):
-    """Columns [c0, c1) of x (M, K) quantized into qb (_quant_buffers) in each form the matrices mats read
-    (c0, c1 multiples of 256, or 0 and K)."""
-    legacy, natural, kq = _needs(mats)
-    xq8, xqn, xs8, xqk, xdk, xbk = qb
-    if natural:
-        packed.quantize_natural_into(x, xqn, xs8, c0, c1)
-    if legacy:
-        quantize.quantize_legacy_into(x, xq8, xs8, c0, c1)
-    if kq:
-        quantize.quantize_k_into(x, xqk, xdk, xbk, c0, c1)
-
-
-@njit(cache=True)
-def _matvec_phase(ctr, phase, buf, pbuf, mats, qb, x, out, n_chunks, tier):
-    """out (M, sum of rows) = x @ W_i.T for the matrices mats side by side (x already quantized into qb), in
-    n_chunks row ranges claimed by whichever thread is free. Returns the next phase once all are done."""
-    xq8, xqn, xs8, xqk, xdk, xbk = qb
-    total = out.shape[1]
-    while True:
-        ch = atomics.claim(ctr, phase)
-        if ch >= n_chunks:
-            break
-        _chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, ch * total // n_chunks,
-               (ch + 1) * total // n_chunks, tier)
-        atomics.finish(ctr, phase)
-    return atomics.next_phase(ctr, phase, n_chunks)
 
 
 @njit(cache=True)
@@ -192,17 +112,15 @@ PHASES_PER_LAYER = 17  # the most serial and parallel phases a layer has in _wor
 
 @njit(cache=True)
 def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
-            pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-            n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs):
+            pos, kcs, vcs, x, h, qkv, a, o, dn, logits, qe, qa, qff, part_max, part_sum, part_acc, n_chunks,
+            n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs, g4, qaf, qp):
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
     ranges) by all, task by task. Each waits for the phase before it (atomics.py). Which thread runs
     what never changes a result."""
     M, E = x.shape
-    F = g.shape[1]
     col0 = np.int64(0)  # not a literal 0: _quantize would compile a variant of its own for it
-    n_act = _act_tasks(F, n_workers)
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
     gelu, clamped = iparams[_GELU] == 1, iparams[_GELU] == 2  # the activation: SiLU, GELU, gpt-oss's clamped SwiGLU
@@ -213,28 +131,48 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
     n_expert, chosen, weight, rl, dn_jobs, n_up, n_down = moe
     sinks, o_bias, router_bias, gu_bias, down_bias = biases  # gpt-oss's; placeholders of width 1 otherwise
     kinds, dims, ar, gate = hyb[0], hyb[8], hyb[9], hyb[10]  # Qwen3.5's (hybrid_step.py)
-    gus, gs, dns, sg = shared  # a shared expert's (Qwen3.5-MoE), width 0 without one
+    # per-layer widths and Gemma 4's (gemma4_step.py): shp[l] = [head width, KV heads, RoPE pairs, MLP width,
+    # flags, widened]; MLP buffers flat, viewed at each layer's widths
+    shp, scales, ple_norm, qw, anf, ple, pm, pg, pgo, pp, ones, guf, gf, pmp = g4
+    P = pg.shape[1]
+    J = chosen.shape[0] * chosen.shape[1] if n_expert else M  # MLP jobs: a sequence's k experts, or its MLP
     p = 0
+    if P:  # per-layer embeddings: the projection of the embeddings, before the first layer
+        if atomics.claim(ctr, p) == 0:
+            quantize_input(pmp, x, qe, col0, E)
+            atomics.finish(ctr, p)
+        p = atomics.next_phase(ctr, p, 1)
+        p = matvec_phase(ctr, p, buf, pbuf, pmp, qe, x, pm, n_chunks, tier)
+        if atomics.claim(ctr, p) == 0:
+            gemma4_step.ple_combine(pm, ple, ple_norm, P, eps, np.float32(1 / np.sqrt(np.float32(E))))
+            atomics.finish(ctr, p)
+        p = atomics.next_phase(ctr, p, 1)
+    gus, gs, dns, sg = shared  # a shared expert's (Qwen3.5-MoE), width 0 without one
     for layer in range(n_layer + 1):
         if atomics.claim(ctr, p) == 0:
-            if layer > 0:  # the previous layer's MLP output into the residual
+            if layer > 0 and not shp[layer - 1, 4] & gemma4_step.END:  # the previous layer's MLP output
                 _add_normed(x, dn, norms[layer - 1, 3], eps, post)
             if layer < n_layer:
                 _norm_rows_into(x, norms[layer, 0], eps, h)
-                _quantize(mats[layer, 0:3], h, qe, col0, E)
-                _quantize(mats[layer, 8:10], h, qe, col0, E)  # a DeltaNet layer's alpha and beta
+                quantize_input(mats[layer, 0:3], h, qe, col0, E)
+                quantize_input(mats[layer, 8:10], h, qe, col0, E)  # a DeltaNet layer's alpha and beta
             else:
                 _norm_rows_into(x, out_norm, eps, h)
-                _quantize(head, h, qe, col0, E)
+                quantize_input(head, h, qe, col0, E)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         if layer == n_layer:
             break
-        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
+        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
         recur, slot, row = kinds[layer, 0] != 0, kinds[layer, 1], kinds[layer, 2]
         conv_block = kinds[layer, 0] == 2  # LFM2's: no delta rule, no gated norm
+        Dl, wide = shp[layer, 0], shp[layer, 5] != 0  # Gemma 4: queries widened into qw for the attention tasks
         if atomics.claim(ctr, p) == 0:
-            if conv_block:
+            if wide:
+                gemma4_step.prepare(qkv, qw, kcs, vcs, slot, layer, pos, qk_norms, cos, sin, H, Dl, shp[layer, 1],
+                                    shp[layer, 2], D, Hkv, shp[layer, 4], ones, eps)
+                part_sum[:] = 0.0
+            elif conv_block:
                 hybrid_step.short_conv(qkv, convs, row, hyb[1][row], ar)
             elif recur:
                 hybrid_step.recurrent_inputs(buf, mats[layer, 8:10], qe, h, qkv, hyb, convs, row, eps, tier)
@@ -247,6 +185,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         n_mix = 0 if conv_block else M * dims[1] if recur else n_tasks
+        queries = qw if wide else qkv
         while True:  # attention tasks, or a DeltaNet layer's delta rule per (sequence, value head)
             t = atomics.claim(ctr, p)
             if t >= n_mix:
@@ -254,7 +193,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             if recur:
                 hybrid_step.delta_task(t, dims[0], dims[1], dims[2], hyb[5], hyb[7], ssms, row, ar)
             else:
-                attention.task(t, qkv, kcs, vcs, slot, pos, H, Hkv, D, windows[layer], scale, softcap, n_split,
+                attention.task(t, queries, kcs, vcs, slot, pos, H, Hkv, D, windows[layer], scale, softcap, n_split,
                                part_max, part_sum, part_acc)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, n_mix)
@@ -262,30 +201,40 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             if recur:
                 if not conv_block:
                     hybrid_step.gated_norm(ar, qkv, hyb[5].shape[1], dims[1], dims[2], hyb[4][row], eps, ar)
-                _quantize(mats[layer, 3:4], ar, qar, col0, ar.shape[1])
+                quantize_input(mats[layer, 3:4], ar, qar, col0, ar.shape[1])
             else:
                 attention.merge(part_max, part_sum, part_acc, sinks[layer], a)
                 if gate.shape[1]:
                     hybrid_step.apply_gate(a, gate)
-                _quantize(mats[layer, 3:4], a, qa, col0, a.shape[1])
+                if wide:
+                    gemma4_step.narrow(a, anf[: M * H * Dl].reshape((M, H * Dl)), H, D, Dl)
+                    quantize_input(mats[layer, 3:4], anf[: M * H * Dl].reshape((M, H * Dl)), quant_view(qaf, M, H * Dl),
+                              col0, H * Dl)
+                else:
+                    quantize_input(mats[layer, 3:4], a, qa, col0, a.shape[1])
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         if recur:
-            p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qar, ar, o, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qar, ar, o, n_chunks, tier)
+        elif wide:
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], quant_view(qaf, M, H * Dl),
+                              anf[: M * H * Dl].reshape((M, H * Dl)), o, n_chunks, tier)
         else:
-            p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
             if o_bias.shape[1] > 1:
                 o += o_bias[layer]
             _add_normed(x, o, norms[layer, 2], eps, post)
             _norm_rows_into(x, norms[layer, 1], eps, h)
-            _quantize(mats[layer, 4:8], h, qe, col0, E)
-            _quantize(mats[layer, 10:14], h, qe, col0, E)  # a shared expert's
+            quantize_input(mats[layer, 4:8], h, qe, col0, E)
+            quantize_input(mats[layer, 10:14], h, qe, col0, E)  # a shared expert's
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
+        F = shp[layer, 3]  # this layer's MLP width (an expert's in a MoE layer): the buffers viewed at it
+        gu, g, qf = guf[: J * 2 * F].reshape((J, 2 * F)), gf[: J * F].reshape((J, F)), quant_view(qff, J, F)
         if n_expert:  # the router (both threads: 1 MB of f32 per layer in Qwen3-30B-A3B), the top-k; the chosen
             # experts' gate|up, activation, down, their weighted sum
-            p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 7:8], qe, h, rl, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 7:8], qe, h, rl, n_chunks, tier)
             if atomics.claim(ctr, p) == 0:
                 moe_step.route(rl, router_bias, layer, chosen.shape[1], chosen, weight)
                 atomics.finish(ctr, p)
@@ -293,18 +242,18 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             p = moe_step.gate_up_phase(ctr, p, buf, mats[layer, 4], mats[layer, 5], chosen, qe, h, gu, n_up, tier)
             if atomics.claim(ctr, p) == 0:
                 moe_step.activate(gu, chosen, gu_bias, layer, clamped, gelu, g)
-                _quantize(mats[layer, 6:7], g, qf, col0, F)
+                quantize_input(mats[layer, 6:7], g, qf, col0, F)
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
             p = moe_step.down_phase(ctr, p, buf, mats[layer, 6], chosen, qf, g, dn_jobs, n_down, tier)
             if gs.shape[1]:  # the shared expert: gate|up, activation, down (as a dense MLP)
-                p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 10:12], qe, h, gus, n_chunks, tier)
+                p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 10:12], qe, h, gus, n_chunks, tier)
                 if atomics.claim(ctr, p) == 0:
                     _act_into(gus, gs, gelu, col0, gs.shape[1])
-                    _quantize(mats[layer, 12:13], gs, qfs, col0, gs.shape[1])
+                    quantize_input(mats[layer, 12:13], gs, qfs, col0, gs.shape[1])
                     atomics.finish(ctr, p)
                 p = atomics.next_phase(ctr, p, 1)
-                p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 12:13], qfs, gs, dns, n_chunks, tier)
+                p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 12:13], qfs, gs, dns, n_chunks, tier)
             if atomics.claim(ctr, p) == 0:
                 moe_step.weighted_sum(dn_jobs, chosen, weight, down_bias, layer, dn)
                 if gs.shape[1]:
@@ -313,7 +262,8 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
             continue
-        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
+        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
+        n_act = _act_tasks(F, n_workers)
         while True:  # the activation and its quantization, column ranges in parallel
             t = atomics.claim(ctr, p)
             if t >= n_act:
@@ -322,11 +272,42 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             if n_act == 1:
                 c0, c1 = col0, F
             _act_into(gu, g, gelu, c0, c1)
-            _quantize(mats[layer, 6:7], g, qf, c0, c1)
+            quantize_input(mats[layer, 6:7], g, qf, c0, c1)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, n_act)
-        p = _matvec_phase(ctr, p, buf, pbuf, mats[layer, 6:7], qf, g, dn, n_chunks, tier)
-    _matvec_phase(ctr, p, buf, pbuf, head, qe, h, logits, n_chunks, tier)
+        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 6:7], qf, g, dn, n_chunks, tier)
+        if shp[layer, 4] & gemma4_step.END:  # Gemma 4: the MLP's output in now, the PLE block, the output scale
+            p = _layer_end(ctr, p, buf, pbuf, mats[layer], layer, x, dn, norms, eps, post, g4, qe, qp, n_chunks, tier)
+    matvec_phase(ctr, p, buf, pbuf, head, qe, h, logits, n_chunks, tier)
+
+
+@njit(cache=True)
+def _layer_end(ctr, p, buf, pbuf, mats, layer, x, dn, norms, eps, post, g4, qe, qp, n_chunks, tier):
+    """Gemma 4's end of a layer: x += post-norm(MLP); with per-layer embeddings x += post_norm(proj(GELU(inp_gate
+    x) * this layer's input)); then x *= the layer's output scale. Returns the next phase."""
+    shp, scales, ple_norm, qw, anf, ple, pm, pg, pgo, pp, ones, guf, gf, pmp = g4
+    P, E, col0 = pg.shape[1], x.shape[1], np.int64(0)
+    if atomics.claim(ctr, p) == 0:
+        _add_normed(x, dn, norms[layer, 3], eps, post)
+        if P:
+            quantize_input(mats[14:15], x, qe, col0, E)
+        else:
+            gemma4_step.add_scaled(x, pp[:, :0], norms[layer, 4], eps, scales[layer])
+        atomics.finish(ctr, p)
+    p = atomics.next_phase(ctr, p, 1)
+    if not P:
+        return p
+    p = matvec_phase(ctr, p, buf, pbuf, mats[14:15], qe, x, pg, n_chunks, tier)
+    if atomics.claim(ctr, p) == 0:
+        gemma4_step.ple_gate(pg, ple, layer, P, pgo)
+        quantize_input(mats[15:16], pgo, qp, col0, P)
+        atomics.finish(ctr, p)
+    p = atomics.next_phase(ctr, p, 1)
+    p = matvec_phase(ctr, p, buf, pbuf, mats[15:16], qp, pgo, pp, n_chunks, tier)
+    if atomics.claim(ctr, p) == 0:
+        gemma4_step.add_scaled(x, pp, norms[layer, 4], eps, scales[layer])
+        atomics.finish(ctr, p)
+    return atomics.next_phase(ctr, p, 1)
 
 
 @njit(cache=True)
@@ -363,7 +344,7 @@ def _embed(table, pbuf, entry, ids, scale, x):
 @njit(parallel=True, cache=True)
 def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, qkv_bias, out_norm, inv_freq,
                 windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers, biases, rec, convs,
-                ssms):
+                ssms, layers):
     """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
     cache arrays (keys (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D); capacity > pos),
     written at pos. Returns the head's logits (M, head rows).
@@ -382,7 +363,10 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
         n_split = attention.n_split(M, Hkv, longest, n_workers)
     n_expert, k = iparams[_N_EXPERT], max(iparams[_N_USED], 1)
     J = M * k if n_expert else M  # MLP jobs: a sequence's k experts, or its dense MLP
-    F = _rows(mats[0, 4:5]) // n_expert if n_expert else _rows(mats[0, 4:6]) // 2  # gate and up side by side
+    shp, scales, ple_norm, ple_tab, pmp = layers  # per-layer widths and flags, Gemma 4's tables (step_tables.py)
+    F = 0
+    for layer in range(mats.shape[0]):
+        F = max(F, shp[layer, 3])
     cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2], fparams[4])
     h = np.empty((M, E), np.float32)
     width = 0
@@ -391,11 +375,17 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     qkv = np.empty((M, width), np.float32)
     a = np.empty((M, H * D), np.float32)
     o = np.empty((M, _rows(mats[0, 3:4])), np.float32)
-    gu = np.empty((J, 2 * F), np.float32)
-    g = np.empty((J, F), np.float32)
     dn = np.empty((M, E), np.float32)
     logits = np.empty((M, _rows(head)), np.float32)
-    qe, qa, qf = _quant_buffers(M, E), _quant_buffers(M, H * D), _quant_buffers(J, F)
+    qe, qa, qff = quant_buffers(M, E), quant_buffers(M, H * D), flat_quant(J * F)
+    P = ple_norm.shape[0] if pmp.shape[0] else 0
+    ple = np.empty((M, _rows(pmp)), np.float32)
+    if P:
+        gemma4_step.ple_tokens(buf, ple_tab, ids, np.float32(np.sqrt(np.float32(P))), ple)
+    g4 = (shp, scales, ple_norm, np.empty((M, H * D), np.float32), np.empty(M * H * D, np.float32), ple,
+          np.empty((M, _rows(pmp)), np.float32), np.empty((M, P), np.float32), np.empty((M, P), np.float32),
+          np.empty((M, E), np.float32), np.ones(D, np.float32), np.empty(J * 2 * F, np.float32),
+          np.empty(J * F, np.float32), pmp)
     moe = (n_expert, np.zeros((M, k), np.int64), np.empty((M, k), np.float32),
            np.empty((M, max(n_expert, 1)), np.float32),
            np.empty((J, E), np.float32), moe_step.job_chunks(2 * F, J, n_workers), moe_step.job_chunks(E, J, n_workers))
@@ -405,17 +395,19 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
            np.empty((M, 2 * Hv), np.float32), np.empty((M, 2 * Hv), np.float32), dims,
            np.empty((M, Hv * Ds), np.float32),
            np.empty((M, H * D if gated else 0), np.float32))
-    qar = _quant_buffers(M, Hv * Ds)  # (no tuple inside the tuples the parallel region gets: numba refuses it)
+    qar = quant_buffers(M, Hv * Ds)  # (no tuple inside the tuples the parallel region gets: numba refuses it)
     Fs = _rows(mats[0, 10:11])  # a shared expert's width (Qwen3.5-MoE), 0: none
     shared = (np.empty((M, 2 * Fs), np.float32), np.empty((M, Fs), np.float32), np.empty((M, E), np.float32),
               np.empty((M, 1), np.float32))
-    qfs = _quant_buffers(M, Fs)
+    qfs = quant_buffers(M, Fs)
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.empty((M, H, n_split), np.float32)  # zeroed by each layer's serial phase before attention
     part_acc = np.empty((M, H, n_split, D), np.float32)
-    ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 2)  # the last layer's serial phase, the head
+    # the last layer's serial phase, the head; 3 for the per-layer embeddings before the first layer
+    ctr = atomics.counters(PHASES_PER_LAYER * mats.shape[0] + 5)
+    qaf, qp = flat_quant(M * H * D), quant_buffers(M, P)
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
         _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
-                pos, kcs, vcs, x, h, qkv, a, o, gu, g, dn, logits, qe, qa, qf, part_max, part_sum, part_acc, n_chunks,
-                n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs)
+                pos, kcs, vcs, x, h, qkv, a, o, dn, logits, qe, qa, qff, part_max, part_sum, part_acc, n_chunks,
+                n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs, g4, qaf, qp)
     return logits

@@ -9,7 +9,8 @@ from engine.kernels.backend import ModelConfig, Weights
 # expert (Qwen3.5-MoE); a DeltaNet layer's q|k|v and z take the first two, its output the fourth, and its alpha
 # and beta two of their own (hybrid_step.py)
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ssm_alpha",
-         "ssm_beta", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
+         "ssm_beta", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp", "inp_gate", "proj")
+# (Gemma 4's per-layer embedding block takes the last two: gemma4_step.py)
 
 
 def role_tensors(layer: int, flags: dict) -> list[str | None]:
@@ -26,6 +27,12 @@ def role_tensors(layer: int, flags: dict) -> list[str | None]:
         names[7] = None
     if not flags.get("shared_expert"):
         names[10:14] = [None] * 4
+    if not flags.get("per_layer_embd"):
+        names[14:16] = [None, None]
+    if flags.get("kv_source") and flags["kv_source"][layer] != layer:  # Gemma 4: it reads an earlier layer's
+        names[1:3] = [None, None]
+    if flags.get("no_v") and flags["no_v"][layer]:  # Gemma 4's keys = values
+        names[2] = None
     if flags.get("recurrent") and flags["recurrent"][layer] and flags.get("shortconv"):  # LFM2
         names[0:4] = [f"blk.{layer}.shortconv.in_proj", None, None, f"blk.{layer}.shortconv.out_proj"]
         names[8:10] = [None, None]
@@ -39,7 +46,8 @@ def role_tensors(layer: int, flags: dict) -> list[str | None]:
 def matrix_names(cfg: ModelConfig, w: Weights, flags: dict) -> list[str]:
     """The matrices of the step that layout.pack may repack: each layer's but the MoE ones, and the head (the
     embedding table where it is tied)."""
-    return ([n for i in range(cfg.n_layer) for n in role_tensors(i, flags) if n and not _moe_role(n)]
+    return ([n for i in range(cfg.n_layer) for n in role_tensors(i, flags)
+             if n and not _moe_role(n) and w.has_weight(n)]
             + ["output" if w.has("output") else "token_embd"])
 
 

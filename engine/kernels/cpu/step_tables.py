@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
-from engine.kernels.cpu import attention, hybrid_step, ir, moe_step, ops
+from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step, ops
 from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, decode_step
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.step_roles import ROLES, role_tensors
 from engine.kernels.cpu.threads import get_threads
 
 _EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
-_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")  # rows of norms[l]
+_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "post_norm")  # rows of norms[l]
 _NO_PACKED = np.empty(0, np.uint8)
 _ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # iparams' activation slot: the MLP's activation
 
@@ -28,8 +28,9 @@ class DecodeStep:
         self.buf = buf
         self.pbuf = pbuf if pbuf is not None else _NO_PACKED  # the packed copies (layout.pack)
         E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
-        self.mats = np.array([[self._entry(w, n) if n else _EMPTY for n in role_tensors(i, flags)] for i in range(L)],
-                             np.int64)
+        # a role's tensor the layer lacks (Gemma 4: keys = values, no attn_v) stays empty
+        self.mats = np.array([[self._entry(w, n) if n and w.has_weight(n) else _EMPTY for n in role_tensors(i, flags)]
+                              for i in range(L)], np.int64)
         self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
         self.norms = np.zeros((L, len(_NORMS), E), np.float32)
         self.qk_norms = np.zeros((L, 2, D), np.float32)
@@ -38,8 +39,10 @@ class DecodeStep:
                 n = flags.get("ffn_norm", n) if n == "ffn_norm" else n  # gpt-oss names it post_attention_norm
                 if w.has(f"blk.{i}.{n}") and not (j == 2 and not flags["post_norms"]):
                     self.norms[i, j] = w.vector(f"blk.{i}.{n}")
-            if flags["qk_norm"] and w.has(f"blk.{i}.attn_q_norm"):  # (a hybrid's recurrent layers have none)
-                self.qk_norms[i] = [w.vector(f"blk.{i}.attn_q_norm"), w.vector(f"blk.{i}.attn_k_norm")]
+            for j, n in enumerate(("attn_q_norm", "attn_k_norm")):  # (a hybrid's recurrent layers have none)
+                if flags["qk_norm"] and w.has(f"blk.{i}.{n}"):
+                    v = w.vector(f"blk.{i}.{n}")
+                    self.qk_norms[i, j, : len(v)] = v  # a narrower layer's in its leading dims (Gemma 4)
         self.qkv_bias = np.zeros((L, 1), np.float32)  # q|k|v biases, where the family has them
         if flags.get("qkv_bias"):
             self.qkv_bias = np.zeros((L, sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])), np.float32)
@@ -56,6 +59,9 @@ class DecodeStep:
         self.rec = hybrid_step.tables(cfg, w)
         factors, rel = frequency_divisors(cfg, w), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
         self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
+        self.layers = gemma4_step.tables(cfg, w, flags, self._entry)
+        if cfg.layer_rope_dim:  # Gemma 4: each layer its own rotary dims (the rest of a row unused), divisors
+            self.inv_freq = gemma4_step.frequencies(cfg, w)  # on the global layers only
         self.windows = np.array(cfg.layer_window, np.int64)
         self.fparams = np.array([cfg.rms_eps, cfg.attn_scale, cfg.rope_scaling.factor, cfg.attn_softcap,
                                  cfg.rope_attn_factor], np.float64)
@@ -87,7 +93,7 @@ class DecodeStep:
                              self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches),
                              tuple(c.v for c in caches),
                              ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases, self.rec,
-                             *hybrid_step.states(caches))
+                             *hybrid_step.states(caches), self.layers)
         for c in caches:
             c.advance(1)
         return logits
