@@ -10,7 +10,7 @@ import pytest
 
 from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8
-from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels
+from engine.kernels.cpu.matmul import GEMM8_MIN_T, Int8Kernels
 from engine.kernels.quant_types import GGMLType, QTensor
 from testdata import make_fixtures
 
@@ -48,7 +48,7 @@ def test_the_fast_backend_runs_prompts_over_k_quants_through_it(monkeypatch):
     calls = []
     monkeypatch.setattr(gemm8, "matmul", lambda qin, w: calls.append(w.name) or np.zeros((qin.T, w.rows), np.float32))
     k = Int8Kernels()
-    prompt, token = np.ones((Q8_MATVEC_MAX_T + 1, 512), np.float32), np.ones((1, 512), np.float32)
+    prompt, token = np.ones((GEMM8_MIN_T + 1, 512), np.float32), np.ones((1, 512), np.float32)
     k.matmul(prompt, kq)
     k.matmul_many(prompt, [kq, kq])
     k.matmul(token, kq)  # decode: the matvec

@@ -147,6 +147,11 @@ def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarra
 # the Zen 3 dev box, 1 thread, 6 layers: SmolLM2 Q4_1 int8 13.8 vs 16.4 ms at T=16, 33.8 vs 24.7 at T=32;
 # Gemma (Q5_0/Q4_K/Q6_K) 33.4 vs 29.8 ms at T=16, 45.6 vs 42.1 at T=24; at T=8 int8 is 1.9x faster.
 Q8_MATVEC_MAX_T = 12
+# Over K-quants with the int8 GEMM available (gemm8.py), the matvec (the same integer math) still beats the GEMM's
+# fixed cost up to this many rows. Same box (AVX512-VNNI), 2 threads: a Qwen3-30B-A3B expert's gate+up (2 x 768 x
+# 2048, Q4_K) 1.10 vs 1.38 ms at T=32, 1.55 vs 1.99 at T=48; a 4096 x 2048 Q4_K 2.81 vs 2.74 ms at T=32, 4.05 vs
+# 3.29 at T=48. A MoE prompt routes a few tokens to each expert: most of its expert products fall under it.
+GEMM8_MIN_T = 32
 
 
 class Int8Kernels(ExactKernels):
@@ -178,7 +183,11 @@ class Int8Kernels(ExactKernels):
         self._gemm8 = on and self.tier == "vnni" and gemm8.available()
 
     def _prompt_gemm8(self, x: np.ndarray, ws: Sequence[QTensor]) -> bool:
-        return self._gemm8 and x.shape[0] > Q8_MATVEC_MAX_T and all(gemm8.usable(w) for w in ws)
+        return self._gemm8 and x.shape[0] > GEMM8_MIN_T and all(gemm8.usable(w) for w in ws)
+
+    def _matvec_max_t(self, ws: Sequence[QTensor]) -> int:
+        """The most input rows the integer matvec takes for these matrices (more: the GEMM or sgemm)."""
+        return GEMM8_MIN_T if self._gemm8 and all(gemm8.usable(w) for w in ws) else Q8_MATVEC_MAX_T
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         x = as_input(x, w)  # (T, cols)
@@ -186,7 +195,7 @@ class Int8Kernels(ExactKernels):
             return gemm8.matmul(gemm8.QuantizedInput(x), w)
         if w.packed is not None and x.shape[0] <= Q8_MATVEC_MAX_T:
             return packed.matvec(w, x, self.tier)
-        p = self._group((w,))[0] if x.shape[0] <= Q8_MATVEC_MAX_T else None
+        p = self._group((w,))[0] if x.shape[0] <= self._matvec_max_t((w,)) else None
         if p is None:
             return super().matmul(x, w)
         return int8.matvec(p, int8.quantize(x, p), tier=self.tier)
@@ -202,7 +211,7 @@ class Int8Kernels(ExactKernels):
             return [gemm8.matmul(qin, w) for w in ws]
         if any(w.packed is not None for w in ws) and x.shape[0] <= Q8_MATVEC_MAX_T:
             return [self.matmul(x, w) for w in ws]
-        p, slices = self._group(ws) if x.shape[0] <= Q8_MATVEC_MAX_T else (None, None)
+        p, slices = self._group(ws) if x.shape[0] <= self._matvec_max_t(ws) else (None, None)
         if p is None:
             if x.shape[0] > Q8_MATVEC_MAX_T:
                 return super().matmul_many(x, ws)  # prompts: one wide sgemm
