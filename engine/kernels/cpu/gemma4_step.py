@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import njit
 
-from engine.kernels.cpu import attention, dequant, rowops
+from engine.kernels.cpu import attention, dequant, ops, rowops
 
 VNORM, K_EQ_V, SHARED, END = 1, 2, 4, 8  # flags per layer (shp[layer, 4])
 
@@ -150,8 +150,6 @@ def _mlp_width(cfg, w, flags: dict, i: int) -> int:
 def frequencies(cfg, w) -> np.ndarray:
     """Per layer its rotary frequencies (L, most pairs): a sliding layer's base over its own dims, a global
     layer's divided by `rope_freqs` (proportional RoPE); rows padded with zeros past a layer's pairs."""
-    from engine.kernels.cpu import ops
-
     divisors = w.optional_vector("rope_freqs")
     rows = [ops.inv_freq(d, base, divisors if window == 0 else None)
             for d, base, window in zip(cfg.layer_rope_dim, cfg.layer_rope_base, cfg.layer_window)]
