@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.kernels.cpu import attention, hybrid_step, ir
+from engine.kernels.cpu import attention, ir
 from engine.kernels.cpu import decode_step, step_tables
 from engine.kernels.quant_types import GGMLType
 from engine.models.base import log_softmax
@@ -149,20 +149,21 @@ def test_any_number_of_workers_gives_the_same_step(fixtures, family):
     cache.reserve(1)
     pos = np.array([cache.length])
     args = (st.buf, st.pbuf, st.mats, st.head, st.table, st.embd, st.embed_scale, st.norms, st.qk_norms, st.qkv_bias,
-            st.out_norm, st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos, (cache.k,), (cache.v,))
+            st.out_norm, st.inv_freq, st.windows, st.fparams, st.iparams, np.array([5]), pos)
+    kcs, vcs, convs, ssms = step_tables.sequence_arrays([cache])
     snap = cache.snapshot()
 
     def run(n_chunks, n_split, workers):  # from the same recurrent state each time (a hybrid's step advances it)
         cache.restore(snap)
-        return decode_step.decode_step(*args, n_chunks, n_split, st.tier, workers, st.biases, st.rec,
-                                       *hybrid_step.states([cache]), st.layers)
+        return decode_step.decode_step(*args, kcs, vcs, n_chunks, n_split, st.tier, workers, st.biases, st.rec,
+                                       convs, ssms, st.layers)
 
     runs = [run(n_chunks, n_split, workers)
             for workers, n_chunks, n_split in ((1, 8, 2), (2, 8, 2), (5, 8, 2), (2, 64, 2), (3, 1, 2))]
     for got in runs[1:]:
         np.testing.assert_array_equal(got, runs[0])
     # n_split 0: the step picks the key ranges itself, as attention.n_split says
-    auto = attention.n_split(1, model.config.n_head_kv, cache.length + 1, 2)
+    auto = attention.n_split(model.config.n_head_kv, cache.length + 1, 2)
     np.testing.assert_array_equal(run(8, 0, 2), run(8, auto, 2))
 
 

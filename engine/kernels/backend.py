@@ -133,6 +133,9 @@ class Backend(Protocol):
     def end_prompt(self) -> None:
         """A prompt is done: let go of its scratch memory."""
 
+    def end_sequences(self) -> None:
+        """No sequence is decoding now: let go of anything the decode step keeps of the last ones."""
+
     # --- ops of a forward pass ---
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         """x (T, cols) -> x @ W.T, (T, rows)."""

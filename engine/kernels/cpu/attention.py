@@ -360,17 +360,21 @@ def _part(q, q0, group, D, kf, k0, vf, v0, lead, n, scale, softcap, s, acc, iscr
 
 
 @njit(cache=True)
-def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max, part_sum, part_acc):
-    """Work item t of attend: one sequence, one kv head (its group of query heads), one key range. Ranges
-    split the positions at whole key tiles, so only the first starts inside one."""
+def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum, part_acc):
+    """Work item t of attend: one sequence, one kv head (its group of query heads), one key range. Sequence m's
+    keys are cut into splits[m] ranges (the part_* arrays have room for the most; a task past a sequence's
+    last range has nothing to do), at whole key tiles, so only the first starts inside one."""
+    n_split = part_max.shape[2]
     m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
+    if sp >= splits[m]:
+        return
     kc, vc = kcs[m], vcs[m]
     group = H // Hkv
     p = pos[m]
     first = max(0, p - window + 1) if window > 0 else 0
     base = first // TILE * TILE
     n_tiles = (p + 1 - base + TILE - 1) // TILE
-    t0, t1 = sp * n_tiles // n_split, (sp + 1) * n_tiles // n_split
+    t0, t1 = sp * n_tiles // splits[m], (sp + 1) * n_tiles // splits[m]
     j0, j1 = max(first, base + t0 * TILE), min(p + 1, base + t1 * TILE)  # positions [j0, j1)
     if j0 >= j1:
         return  # more ranges than tiles: part_sum stays 0 and the merge skips it
@@ -391,12 +395,12 @@ def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_spli
 
 
 @njit(parallel=True, cache=True)
-def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max, part_sum,
+def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum,
            part_acc):
     # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
     # launched once per iteration (that cost 45 us per layer).
     for t in prange(n_tasks):
-        task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max, part_sum, part_acc)
+        task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum, part_acc)
 
 
 @njit(cache=True)
@@ -412,8 +416,8 @@ def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, out, n_
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.zeros((M, H, n_split), np.float32)
     part_acc = np.empty((M, H, n_split, D), np.float32)
-    _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, n_split, part_max,
-           part_sum, part_acc)
+    _tasks(M * Hkv * n_split, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap,
+           np.full(M, n_split, np.int64), part_max, part_sum, part_acc)
     merge(part_max, part_sum, part_acc, np.full(H, -np.inf, np.float32), out)
 
 
@@ -443,6 +447,8 @@ def merge(part_max, part_sum, part_acc, sinks, out):
 
 
 @njit(cache=True)
-def n_split(M, Hkv, longest, threads):
-    """Key ranges per (sequence, kv head): about two tasks per thread, ranges of at least 64 keys."""
-    return max(1, min(-(-2 * threads // (M * Hkv)), longest // 64))
+def n_split(Hkv, length, threads):
+    """Key ranges per kv head of a sequence of `length` keys: about two tasks per thread for it alone, ranges of
+    at least 64 keys. A function of the sequence alone, never of the batch it decodes in: a different cut changes
+    the float sums, and a reply must not depend on who else is being served."""
+    return max(1, min(-(-2 * threads // Hkv), length // 64))

@@ -82,6 +82,10 @@ class CpuBackend:
         if release is not None:
             release()
 
+    def end_sequences(self) -> None:
+        if self.step is not None:
+            self.step.release()
+
     # --- ops --------------------------------------------------------------------------------------------------
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:

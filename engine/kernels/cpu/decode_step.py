@@ -113,7 +113,7 @@ PHASES_PER_LAYER = 17  # the most serial and parallel phases a layer has in _wor
 @njit(cache=True)
 def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
             pos, kcs, vcs, x, h, qkv, a, o, dn, logits, qe, qa, qff, part_max, part_sum, part_acc, n_chunks,
-            n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs, g4, qaf, qp):
+            splits, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs, g4, qaf, qp):
     """What every thread of the step's one parallel region runs: the phases of each layer in order. A serial
     phase (norms, RoPE, the KV write, the attention merge, quantizing the next input) is run by whichever
     thread claims it first; a parallel one (matvec row ranges, attention tasks, the MLP activation's column
@@ -127,7 +127,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
     neox, bias = iparams[_NEOX] != 0, iparams[_QKV_BIAS] != 0
     eps, scale, softcap = fparams[0], np.float32(fparams[1]), np.float32(fparams[3])
     n_layer = mats.shape[0]
-    n_tasks = M * Hkv * n_split
+    n_tasks = M * Hkv * part_max.shape[2]  # (sequence, kv head, key range); splits[m] ranges of sequence m
     n_expert, chosen, weight, rl, dn_jobs, n_up, n_down = moe
     sinks, o_bias, router_bias, gu_bias, down_bias = biases  # gpt-oss's; placeholders of width 1 otherwise
     kinds, dims, ar, gate = hyb[0], hyb[8], hyb[9], hyb[10]  # Qwen3.5's (hybrid_step.py)
@@ -193,7 +193,7 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             if recur:
                 hybrid_step.delta_task(t, dims[0], dims[1], dims[2], hyb[5], hyb[7], ssms, row, ar)
             else:
-                attention.task(t, queries, kcs, vcs, slot, pos, H, Hkv, D, windows[layer], scale, softcap, n_split,
+                attention.task(t, queries, kcs, vcs, slot, pos, H, Hkv, D, windows[layer], scale, softcap, splits,
                                part_max, part_sum, part_acc)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, n_mix)
@@ -348,7 +348,7 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     """The new tokens ids (M,) of M sequences at positions pos (M,) through the model; kcs/vcs: each sequence's
     cache arrays (keys (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D); capacity > pos),
     written at pos. Returns the head's logits (M, head rows).
-    n_chunks: row ranges per matvec; n_split: key ranges per attention head (0: about two tasks per thread);
+    n_chunks: row ranges per matvec; n_split: key ranges per attention head (0: attention.n_split's, per sequence);
     n_workers: threads of the parallel region. Everything from the embedding lookup on is compiled, in one
     function, not a chain of calls (docs/design-log.md: the cold interpreter between steps; compile time)."""
     M = ids.shape[0]
@@ -356,11 +356,11 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     H, Hkv, D = iparams[_H], iparams[_HKV], iparams[_D]
     x = np.empty((M, E), np.float32)
     _embed(table, pbuf, embd, ids, embed_scale, x)
+    splits = np.full(M, max(n_split, 1), np.int64)
     if n_split <= 0:
-        longest = 0
         for m in range(M):
-            longest = max(longest, pos[m] + 1)
-        n_split = attention.n_split(M, Hkv, longest, n_workers)
+            splits[m] = attention.n_split(Hkv, pos[m] + 1, n_workers)
+        n_split = splits.max()
     n_expert, k = iparams[_N_EXPERT], max(iparams[_N_USED], 1)
     J = M * k if n_expert else M  # MLP jobs: a sequence's k experts, or its dense MLP
     shp, scales, ple_norm, ple_tab, pmp = layers  # per-layer widths and flags, Gemma 4's tables (step_tables.py)
@@ -409,5 +409,5 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
     for w in prange(n_workers):  # nothing else in the parallel body (see attention._tasks)
         _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos, sin, windows, fparams, iparams,
                 pos, kcs, vcs, x, h, qkv, a, o, dn, logits, qe, qa, qff, part_max, part_sum, part_acc, n_chunks,
-                n_split, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs, g4, qaf, qp)
+                splits, tier, n_workers, moe, biases, hyb, qar, convs, ssms, shared, qfs, g4, qaf, qp)
     return logits

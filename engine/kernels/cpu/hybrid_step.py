@@ -174,11 +174,9 @@ def tables(cfg, w) -> tuple:
     return kinds, conv.astype(np.float32), ssm_a, dt, norm, dims, gated
 
 
-def states(caches) -> tuple[tuple, tuple]:
+def states(caches) -> tuple[list, list]:
     """Each sequence's recurrent state arrays (conv, ssm), updated in place by the step; stubs without them."""
-    convs = tuple(c.state.get("conv", _NO_CONV) for c in caches)
-    ssms = tuple(c.state.get("ssm", _NO_SSM) for c in caches)
-    return convs, ssms
+    return [c.state.get("conv", _NO_CONV) for c in caches], [c.state.get("ssm", _NO_SSM) for c in caches]
 
 
 @njit(cache=True)

@@ -5,6 +5,7 @@ and hybrid tables), and the callable that runs one step over M sequences' caches
 from __future__ import annotations
 
 import numpy as np
+from numba import typed
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
 from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step, ops
@@ -72,6 +73,7 @@ class DecodeStep:
         self.embd = np.array(self._entry(w, "token_embd"), np.int64)
         self.embed_scale = np.float32(cfg.embed_scale)
         self.tier = ir.tier_token(tier)
+        self._arrays = SequenceArrays()
 
     def _entry(self, w: Weights, name: str) -> list[int]:
         """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
@@ -88,15 +90,48 @@ class DecodeStep:
             c.reserve(1)
         pos = np.array([c.length for c in caches], np.int64)
         threads = get_threads()
+        kcs, vcs, convs, ssms = self._arrays.of(caches)
         logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
                              self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
-                             self.fparams, self.iparams, ids, pos, tuple(c.k for c in caches),
-                             tuple(c.v for c in caches),
+                             self.fparams, self.iparams, ids, pos, kcs, vcs,
                              ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases, self.rec,
-                             *hybrid_step.states(caches), self.layers)
+                             convs, ssms, self.layers)
         for c in caches:
             c.advance(1)
         return logits
+
+    def release(self) -> None:
+        """Let go of the last batch's arrays (their sequences have ended)."""
+        self._arrays.clear()
+
+
+class SequenceArrays:
+    """The arrays of the sequences a step decodes (keys, values, recurrent states) as numba typed lists, whose
+    type is the same for any number of sequences: tuples would carry their length in their type, one more
+    compile of the step (a minute) for each batch size a server meets. A list costs ~20 us to build, so the
+    last ones are kept while the batch and its arrays stay the same (a cache's arrays change as it grows)."""
+
+    def __init__(self):
+        self._key: tuple = ()
+        self._lists: tuple = ()
+
+    def of(self, caches) -> tuple:
+        convs, ssms = hybrid_step.states(caches)
+        arrays = ([c.k for c in caches], [c.v for c in caches], convs, ssms)
+        # The kept lists hold their arrays, so an id here cannot be a freed array's reused address.
+        key = tuple(id(a) for group in arrays for a in group)
+        if key != self._key:
+            self._key, self._lists = key, tuple(typed.List(group) for group in arrays)
+        return self._lists
+
+    def clear(self) -> None:
+        """Let go of the arrays (sequences that have ended)."""
+        self._key, self._lists = (), ()
+
+
+def sequence_arrays(caches) -> tuple:
+    """(keys, values, convs, ssms) of these caches as the step takes them (typed lists)."""
+    return SequenceArrays().of(caches)
 
 
 def _offset(a: np.ndarray, buf: np.ndarray, name: str) -> int:
