@@ -37,6 +37,8 @@ Examples:
 
   goinfer batch evals.jsonl -o out.jsonl --model gemma3-270m --system "Answer with one word."
 
+  goinfer batch requests.jsonl -o results.jsonl --parallel 4        # 4 lines decoded together
+
 Exit status: 0 every line done, 1 some lines failed, 2 bad usage or input file, 130 interrupted. See docs/batch.md.
 """
 
@@ -55,11 +57,16 @@ def batch(
     seed: Annotated[Optional[int], typer.Option(help="Seed where a line sets none.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max", help="max_tokens where a line sets none.")] = None,
     quant: QuantOption = "auto",
+    parallel: Annotated[int, typer.Option(
+        help="Lines run at once, decoded together (output in the order they end; each answer is the one it gets "
+             "alone).")] = 1,
     threads: ThreadsOption = None,
     no_selftest: NoSelftestOption = False,
 ) -> None:
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
+    if parallel < 1:
+        raise fail(f"--parallel must be >= 1, got {parallel}")
     if temp is not None and not 0 <= temp <= 2:
         raise fail(f"--temp must be in [0, 2], got {temp}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -85,7 +92,7 @@ def batch(
         try:
             summary = run_batch(input_file, output, load, defaults=defaults, system=system,
                                 should_stop=stop.requested, on_plan=view.plan, on_line=view.line,
-                                on_token=view.token)
+                                on_token=view.token, parallel=parallel)
         finally:
             view.close()
     view.finish(summary)
@@ -96,7 +103,7 @@ def batch(
 
 
 class _StopOnCtrlC:
-    """The first Ctrl-C abandons the current line (nothing of it is written) and ends the run; a second
+    """The first Ctrl-C abandons the current line(s) (nothing of them is written) and ends the run; a second
     one quits at once. Either way the output holds only whole lines."""
 
     def __init__(self):
@@ -110,7 +117,7 @@ class _StopOnCtrlC:
         if self._requested:
             raise KeyboardInterrupt
         self._requested = True
-        _note("stopping: the current line is abandoned (Ctrl-C again to quit at once)")
+        _note("stopping: the lines in flight are abandoned (Ctrl-C again to quit at once)")
 
     def __enter__(self):
         self._previous = signal.signal(signal.SIGINT, self._handle)

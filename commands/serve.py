@@ -24,13 +24,14 @@ from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec)
+from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
 HELP = """Serve models over HTTP with OpenAI- and Anthropic-compatible APIs.
 
 Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (OpenAI; GET /v1/responses/{id} returns a stored response), POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages), GET /health, /v1/models and /v1/models/{id}.
 
-Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model runs one request at a time; up to --max-queue more wait, further ones get 429 with Retry-After.
+Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model decodes up to --max-concurrent sequences together (one step reads each weight once for all of them); a newcomer's prompt is evaluated in --prefill-chunk token chunks between their steps. Up to --max-queue more requests wait (first come, first served); further ones get 429 with Retry-After.
 
 With --api-key (or GOINFER_API_KEY) every route needs "Authorization: Bearer KEY" or "x-api-key: KEY". A non-loopback --addr needs a key.
 
@@ -41,6 +42,8 @@ Examples:
   goinfer serve --model gemma3-270m --ctx 8192
 
   goinfer serve -m small=smollm2-135m -m gemma=gemma3-270m --max-queue 4
+
+  goinfer serve --max-concurrent 8 --prefill-chunk 256           # more streams at once, shorter prompt pauses
 
   GOINFER_API_KEY=secret goinfer serve --addr 0.0.0.0:8443 --tls-cert cert.pem --tls-key key.pem
 
@@ -66,6 +69,12 @@ def serve(
     = DEFAULT_CTX,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait per model.")]
     = DEFAULT_MAX_QUEUE,
+    max_concurrent: Annotated[int, typer.Option(
+        "--max-concurrent", help="Sequences per model decoded together (a request with n choices takes n).")]
+    = DEFAULT_MAX_CONCURRENT,
+    prefill_chunk: Annotated[int, typer.Option(
+        "--prefill-chunk", help="Prompt tokens evaluated between two decode steps of the running sequences.")]
+    = PREFILL_CHUNK,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
     quant: QuantOption = "auto",
@@ -81,10 +90,10 @@ def serve(
     with user_errors():
         host, port = parse_addr(addr)
         config = ServerConfig(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
-                              max_queue=max_queue, max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive,
-                              threads=threads)
+                              max_queue=max_queue, max_concurrent=max_concurrent, prefill_chunk=prefill_chunk,
+                              max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
-        set_threads(threads)  # BLAS and this thread; each model's worker thread sets numba's count for itself
+        set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref in specs]
         dupes = sorted({n for n in names if n is not None and names.count(n) > 1})
         if dupes:
@@ -128,7 +137,8 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
         limit = f"context {s.window}" + (f" of {m.context_length}" if s.window < m.context_length else "")
         _note(f"model {s.name}: {Path(m.path).name} ({m.config.arch}, {weights}), quant {m.quant} "
               f"({m.backend.describe()}), {limit}, {_threads(config)} threads")
-    _note(f"limits: request body {_size(server.body_cap)}, queue {config.max_queue} per model, "
+    _note(f"limits: request body {_size(server.body_cap)}, {config.max_concurrent} sequences at once and "
+          f"queue {config.max_queue} per model, prompt chunks of {config.prefill_chunk}, "
           f"SSE keep-alive after {config.keepalive_s:g} s of silence")
     if config.api_key:
         _note("auth: API key required on every route (Authorization: Bearer KEY or x-api-key: KEY)")

@@ -135,8 +135,13 @@ class Generation:
 
 
 def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None) -> Iterator[TokenEvent]:
+    logits = model.prefill(gen.prompt_ids, cache, on_chunk=on_prefill)[0]
+    yield from continue_from(model, gen, cache, logits)
+
+
+def continue_from(model: Model, gen: Generation, cache: KVCache, logits: np.ndarray) -> Iterator[TokenEvent]:
+    """The sequence's tokens from the logits (vocab,) after its prompt, which cache holds; one at a time."""
     try:
-        logits = model.prefill(gen.prompt_ids, cache, on_chunk=on_prefill)[0]
         while True:
             ev = gen.next(logits)
             yield ev

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from engine.constrain.grammar import Grammar, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
-from engine.generate import TokenEvent, generate, top_logprobs_of
+from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_of
 from engine.models.base import Model
 from engine.templates.tools import ToolCall, parse_tool_calls, render_messages, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
@@ -175,7 +175,17 @@ class Prepared:
     ids: list[int]  # the prompt's token ids
     window: int  # the context window this request is held to
     head: str  # echo: the prompt text that starts every choice
-    runs: list[Iterator[TokenEvent]]  # one lazily started generation per choice
+    choices: list[Generation]  # one not yet started sequence per answer; all share the prompt
+
+    @property
+    def cache_tokens(self) -> int:
+        """The most positions a choice's cache holds (the same for every choice)."""
+        return self.choices[0].cache_tokens
+
+    def echoed(self, model: Model) -> list[TokenLogprob] | None:
+        """echo with logprobs: the prompt's own tokens with their log-probabilities (one more pass over it)."""
+        req = self.request
+        return _prompt_logprobs(model, self.ids, req.top_logprobs) if req.echo and req.logprobs else None
 
 
 def context_window(model: Model, limit: int | None = None) -> int:
@@ -183,10 +193,8 @@ def context_window(model: Model, limit: int | None = None) -> int:
     return model.context_length if limit is None else max(1, min(limit, model.context_length))
 
 
-def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
-            should_stop: Callable[[], bool] | None = None) -> Prepared:
-    """Check `req` against `model` (at most `window` tokens of context) without running it.
-    `should_stop` is also polled between prompt chunks, so a long prefill can be abandoned."""
+def prepare(model: Model, req: GenerationRequest, *, window: int | None = None) -> Prepared:
+    """Check `req` against `model` (at most `window` tokens of context) without running it."""
     opts = req.options.fill(API_DEFAULTS)
     ids = prompt_ids(model, req)
     if not ids:
@@ -194,32 +202,25 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     window = context_window(model, window)
     if len(ids) >= window:
         raise ContextOverflow(f"the prompt has {len(ids)} tokens; the context window is {window}")
-
-    def on_prefill(done: int) -> None:
-        if should_stop is not None and should_stop():
-            raise Cancelled(f"the request was cancelled during the prompt ({done} of {len(ids)} tokens)")
-
     grammar = req.grammar
     if grammar is not None and grammar.what == "tool_calls" and req.tool_choice == "auto" and \
             template_supports_tools(model.template.source):
         grammar = None  # the template prompts for its own call format: left free, parsed afterwards
-    runs = []
+    choices = []
     for i in range(req.n):
         # Choice i samples with seed + i: n choices from one seed differ, and each is reproducible.
         seed = None if opts.seed is None else (opts.seed + i) % (1 << 64)
-        cache = model.new_cache(min(window, len(ids) + opts.max_tokens))  # grows with use, never past window
         procs = [grammar_processor(model.tokenizer, grammar)] if grammar is not None else []
-        runs.append(generate(model, ids, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=seed,
-                             stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
-                             repetition_penalty=opts.repetition_penalty, presence_penalty=opts.presence_penalty,
-                             frequency_penalty=opts.frequency_penalty, logit_bias=opts.logit_bias,
-                             top_logprobs=req.top_logprobs if req.logprobs else 0, logprobs=bool(req.logprobs),
-                             cache=cache,
-                             on_prefill=on_prefill, processors=procs))
+        choices.append(Generation(model, ids, opts.max_tokens, window=window, temperature=opts.temperature,
+                                  seed=seed, stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p,
+                                  min_p=opts.min_p, repetition_penalty=opts.repetition_penalty,
+                                  presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
+                                  logit_bias=opts.logit_bias, top_logprobs=req.top_logprobs if req.logprobs else 0,
+                                  logprobs=bool(req.logprobs), processors=procs))
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
-    return Prepared(req, ids, window, head, runs)
+    return Prepared(req, ids, window, head, choices)
 
 
 @dataclass
@@ -234,31 +235,54 @@ class Delta:
     stop_sequence: str | None = None  # on the last piece: the stop string that ended the choice, if one did
 
 
+class ChoiceOutput:
+    """One choice's pieces from its token events: the echoed prompt first (echo), then a Delta per token, with
+    each reported token's offset in the returned text."""
+
+    def __init__(self, model: Model, prep: Prepared, index: int):
+        self._tok = model.tokenizer
+        self._req = prep.request
+        self._head = prep.head
+        self._index = index
+        self._decoder = IncrementalDecoder(model.tokenizer, skip_special=True)
+        self._offset = len(prep.head)
+
+    def echo(self, echoed: list[TokenLogprob] | None) -> Delta:
+        return Delta(self._index, self._head, list(echoed) if self._req.logprobs else None, None, 0)
+
+    def piece(self, ev: TokenEvent) -> Delta:
+        lps, tok = None, self._tok
+        if self._req.logprobs:
+            lps = []
+            # An end-of-generation token adds no text, so it is left out (as the OpenAI API leaves it out).
+            if not (ev.finish_reason == "stop" and ev.token in tok.eog_ids):
+                top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
+                lps.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, self._offset))
+                self._offset += len(self._decoder.push(ev.token))
+        return Delta(self._index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence)
+
+
 def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None) -> Iterator[Delta]:
-    """Run a prepared request: the choices one after another, each as its pieces (echo first). `should_stop`
-    is polled between tokens; True raises Cancelled."""
-    req, tok = prep.request, model.tokenizer
-    want_top = req.top_logprobs if req.logprobs else 0
-    echoed = None
-    for index, events in enumerate(prep.runs):
-        if req.echo:
-            if req.logprobs and echoed is None:
-                echoed = _prompt_logprobs(model, prep.ids, want_top)
-            yield Delta(index, prep.head, list(echoed) if req.logprobs else None, None, 0)
-        decoder = IncrementalDecoder(tok, skip_special=True)
-        offset = len(prep.head)
-        for ev in events:
+    """Run a prepared request here, one sequence at a time: the prompt once, then the choices one after
+    another, each as its pieces (echo first). `should_stop` is polled between prompt chunks and tokens; True
+    raises Cancelled. (engine/scheduler.py runs requests side by side; each choice comes out the same.)"""
+    def on_chunk(done: int) -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"the request was cancelled during the prompt ({done} of {len(prep.ids)} tokens)")
+
+    echoed = prep.echoed(model) if prep.request.echo else None
+    prompt = model.new_cache(prep.cache_tokens)
+    first = model.prefill(prep.ids, prompt, on_chunk=on_chunk)[0]
+    last = len(prep.choices) - 1
+    for index, gen in enumerate(prep.choices):
+        out = ChoiceOutput(model, prep, index)
+        if prep.request.echo:
+            yield out.echo(echoed)
+        cache = prompt if index == last else prompt.fork()  # the last choice takes the prompt's own cache
+        for ev in continue_from(model, gen, cache, first):
             if should_stop is not None and should_stop():
                 raise Cancelled("the request was cancelled")
-            lps = None
-            if req.logprobs:
-                lps = []
-                # An end-of-generation token adds no text, so it is left out (as the OpenAI API leaves it out).
-                if not (ev.finish_reason == "stop" and ev.token in tok.eog_ids):
-                    top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
-                    lps.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, offset))
-                    offset += len(decoder.push(ev.token))
-            yield Delta(index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence)
+            yield out.piece(ev)
 
 
 class Collector:
@@ -267,11 +291,12 @@ class Collector:
     def __init__(self, prep: Prepared):
         self._request = prep.request
         self._prompt_tokens = len(prep.ids)
-        self._parts: list[list[str]] = [[] for _ in prep.runs]
-        self._finish = ["length"] * len(prep.runs)
-        self._tokens = [0] * len(prep.runs)
-        self._logprobs = [[] if prep.request.logprobs else None for _ in prep.runs]
-        self._stops: list[str | None] = [None] * len(prep.runs)
+        n = len(prep.choices)
+        self._parts: list[list[str]] = [[] for _ in range(n)]
+        self._finish = ["length"] * n
+        self._tokens = [0] * n
+        self._logprobs = [[] if prep.request.logprobs else None for _ in range(n)]
+        self._stops: list[str | None] = [None] * n
         self.generated = 0  # tokens over all choices
 
     def add(self, d: Delta) -> None:
@@ -301,7 +326,7 @@ def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], b
             on_token: Callable[[int], None] | None = None, window: int | None = None) -> Completion:
     """Run one request to the end. `should_stop` is polled between tokens (True raises Cancelled);
     `on_token(n)` is told how many tokens have been generated so far (over all choices)."""
-    prep = prepare(model, req, window=window, should_stop=should_stop)
+    prep = prepare(model, req, window=window)
     out = Collector(prep)
     for d in run(model, prep, should_stop=should_stop):
         out.add(d)

@@ -133,9 +133,11 @@ def _check_whole_lines(out: Path) -> list[str]:
     return ids
 
 
-def test_sigkill_anywhere_then_rerun_equals_a_clean_run(tmp_path, smollm2_gguf, clean):
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_sigkill_anywhere_then_rerun_equals_a_clean_run(tmp_path, smollm2_gguf, clean, parallel):
+    # --parallel 3: lines decoded together, recorded as they end; the answers are the sequential run's
     inp, out = write_input(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
-    args = (str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+    args = (str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS, "--parallel", str(parallel))
 
     # 1. killed while starting up, before any line finished
     p = start_batch(*args)

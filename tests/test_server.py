@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-9f2c"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 MAX_QUEUE = 3  # small, so that 8 concurrent clients meet a full queue
+MAX_CONCURRENT = 2  # sequences decoded together: 8 clients fill them, the queue, and get 429s
 KEEPALIVE_S = 0.2  # short, so that a prompt's prefill is long enough to show keep-alives
 
 
@@ -80,7 +81,8 @@ def server(tmp_path_factory, smollm2_gguf):
     "second", behind an API key."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     s = start_server(log, "--model", str(smollm2_gguf), "--model", f"second={smollm2_gguf}", "--api-key", KEY,
-                     "--max-queue", str(MAX_QUEUE), "--sse-keepalive", str(KEEPALIVE_S))
+                     "--max-queue", str(MAX_QUEUE), "--max-concurrent", str(MAX_CONCURRENT),
+                     "--sse-keepalive", str(KEEPALIVE_S))
     yield s
     stop(s)
 
@@ -417,35 +419,108 @@ def test_wrong_sdk_key_is_an_authentication_error(server, name):
 
 # ------------------------------------------------------------------------------------------- scheduling
 
-def test_eight_concurrent_clients_get_their_solo_reply_or_429(server, raw, name):
-    prompts = [f"Count from {i} to {i + 3}:" for i in range(8)]
-    results: list = [None] * 8
-    barrier = threading.Barrier(8)
+def _completion(c: httpx.Client, body: dict) -> tuple[int, dict | None, str]:
+    """(status, the answer as the client assembles it, raw text): a stream's pieces joined into choices."""
+    if not body.get("stream"):
+        r = c.post("/v1/completions", json=body)
+        return r.status_code, (r.json() if r.status_code == 200 else None), r.text
+    with c.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, None, r.text
+        events, _ = sse_lines(r)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for e in events:
+        for ch in e["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+            finish[ch["index"]] = ch["finish_reason"] or finish.get(ch["index"])
+    return 200, {"choices": [{"index": i, "text": texts[i], "finish_reason": finish[i]} for i in sorted(texts)]}, ""
+
+
+def _choices(answer: dict) -> list:
+    return [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]]
+
+
+def test_concurrent_requests_get_their_solo_replies(server, raw, name):
+    # Greedy and seeded sampling, streamed and not, side by side (MAX_CONCURRENT at once, the rest queued):
+    # each reply is, to the character, what the same body gets alone.
+    bodies = [{"model": name, "prompt": f"Story {i}: once upon a time, in a land of {w},", "max_tokens": 24,
+               "temperature": t, "seed": 40 + i, "stream": i % 2 == 0}
+              for i, (w, t) in enumerate([("ice", 0), ("fire", 0.8), ("sand", 0.9), ("rain", 0)])]
+    before = model_health(raw, name)
+    results: list = [None] * len(bodies)
 
     def one(i):
         with httpx.Client(base_url=server.url, headers={"x-api-key": KEY}, timeout=300) as c:
-            barrier.wait()
-            results[i] = c.post("/v1/completions", json={"model": name, "prompt": prompts[i], "temperature": 0,
-                                                         "max_tokens": 3})
+            results[i] = _completion(c, bodies[i])
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    statuses = [r.status_code for r in results]
-    assert all(s in (200, 429) for s in statuses), [(r.status_code, r.text) for r in results]
-    assert 1 <= statuses.count(200) <= 1 + MAX_QUEUE and statuses.count(429) >= 1, statuses
-    for r in results:
-        if r.status_code == 429:
-            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
-    h = model_health(raw, name)
-    assert not h["busy"] and h["queued"] == 0 and h["rejected"] >= statuses.count(429)
-    for i, r in enumerate(results):  # each answer is what the prompt gets alone
-        if r.status_code == 200:
-            solo = raw.post("/v1/completions", json={"model": name, "prompt": prompts[i], "temperature": 0,
-                                                     "max_tokens": 3})
-            assert r.json()["choices"] == solo.json()["choices"], prompts[i]
+    after = model_health(raw, name)
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert after["decoded_tokens"] - before["decoded_tokens"] > 1.3 * steps  # they shared decode steps
+    for body, (status, answer, text) in zip(bodies, results):
+        assert status == 200, text
+        status, solo, text = _completion(raw, body)
+        assert status == 200 and _choices(answer) == _choices(solo), body
+
+
+def test_n_choices_equal_requests_with_successive_seeds(raw, name):
+    # n = 3 evaluates the prompt once and decodes the three choices together; choice i samples with seed + i.
+    body = {"model": name, "prompt": "My favourite fruit is", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    status, many, text = _completion(raw, {**body, "n": 3})
+    assert status == 200, text
+    singles = [_completion(raw, {**body, "seed": 7 + i})[1]["choices"][0]["text"] for i in range(3)]
+    assert [c["text"] for c in many["choices"]] == singles and len(set(singles)) > 1
+
+
+def test_eight_mixed_clients_a_disconnect_and_429s_leave_the_server_serving(server, raw, name):
+    # 8 clients at once (streams and plain answers) against MAX_CONCURRENT slots and MAX_QUEUE places: some get
+    # 429, one stream's client leaves mid-way, the rest get exactly their solo replies (a token of one sequence
+    # in another's reply would show), and afterwards the server serves as before.
+    log_at = len(server.log_text())
+    bodies = [{"model": name, "prompt": f"Count from {10 * i} to {10 * i + 5}:", "temperature": 0,
+               "max_tokens": 24 + i, "stream": i % 2 == 1} for i in range(8)]
+    leaver = {"model": name, "prompt": "Write a long story about a dragon.", "temperature": 0, "max_tokens": 200,
+              "stream": True}
+    results: list = [None] * 8
+    barrier = threading.Barrier(9)
+
+    def one(i):
+        with httpx.Client(base_url=server.url, headers={"x-api-key": KEY}, timeout=300) as c:
+            barrier.wait()
+            results[i] = _completion(c, bodies[i])
+
+    def leave():
+        with httpx.Client(base_url=server.url, headers={"x-api-key": KEY}, timeout=300) as c:
+            barrier.wait()
+            with c.stream("POST", "/v1/completions", json=leaver) as r:
+                if r.status_code == 200:
+                    for n, _ in enumerate(r.iter_lines()):
+                        if n >= 6:
+                            break  # gone after a few tokens: the connection closes with the context
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)] + [threading.Thread(target=leave)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = [r[0] for r in results]
+    assert all(s in (200, 429) for s in statuses), results
+    assert 1 <= statuses.count(200) <= MAX_CONCURRENT + MAX_QUEUE and statuses.count(429) >= 1, statuses
+    h = _wait_idle(raw, name)
+    assert h["queued"] == 0 and h["running_sequences"] == 0 and h["rejected"] >= statuses.count(429)
+    for body, (status, answer, text) in zip(bodies, results):
+        if status == 429:
+            continue
+        assert _choices(answer) == _choices(_completion(raw, body)[1]), body
+    assert "failed" not in server.log_text()[log_at:]
+    status, answer, text = _completion(raw, bodies[0])  # still serving
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length", text
 
 
 def _wait_idle(raw, name: str, timeout: float = 60) -> dict:
@@ -520,7 +595,7 @@ def test_a_cancelled_request_stops_between_prompt_chunks(monkeypatch, smollm2_gg
     model._forward = lambda *a: (calls.append(len(a[3])), forward(*a))[1]
     stop = threading.Event()
     req = parse_completion_request({"prompt": "one two three four five six seven eight nine ten", "max_tokens": 2})
-    prep = prepare(model, req, should_stop=stop.is_set)
+    prep = prepare(model, req)
     stop.set()  # the client leaves before the prompt is processed
     with pytest.raises(Cancelled):
         list(run(model, prep, should_stop=stop.is_set))

@@ -8,6 +8,7 @@ nothing needs the model, the model is never loaded.
 from __future__ import annotations
 
 import os
+import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Callable
 from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
-from engine.requests import GenerationRequest, SamplingOptions, apply_defaults, execute
+from engine.kernels.cpu.threads import get_threads
+from engine.requests import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
+from engine.scheduler import Finished, Job, Scheduler
 
 
 def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
@@ -64,14 +67,17 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
               should_stop: Callable[[], bool] | None = None,
               on_plan: Callable[[BatchPlan], None] | None = None,
               on_line: Callable[[LineResult], None] | None = None,
-              on_token: Callable[[int], None] | None = None) -> BatchSummary:
-    """Run every line of `input_path` not yet in `output_path`.
+              on_token: Callable[[int], None] | None = None, parallel: int = 1) -> BatchSummary:
+    """Run every line of `input_path` not yet in `output_path`; with `parallel` > 1, that many lines at once
+    through a scheduler (decoded together; each line's answer is the one it gets alone), recorded as they end.
 
     `defaults` fill what a line's body leaves unset (the body wins; the API defaults fill the rest);
     `system` is the system prompt for chats that have none. `load_model()` is called only when some line
     needs the model. `should_stop()` is polled between tokens and lines: True abandons the current line
     (nothing of it is written) and ends the run with `interrupted` set. File-level problems (unreadable
     input, duplicate custom_id, unwritable output) raise BatchFileError before any work."""
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
     input_path, output_path = Path(input_path), Path(output_path)
     lines = read_input(input_path)
     if output_path.exists() and _same_file(input_path, output_path):
@@ -95,20 +101,14 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
         if any(ln.request is not None for ln in pending):
             model = load_model()
             summary.model_loaded = True
-        for line in pending:
-            if stopped():
-                summary.interrupted = True
-                break
-            result = _run_line(line, model, out, errs, defaults, system, model_name, stopped, on_token)
-            if result is None:
-                summary.interrupted = True
-                break
-            if result.ok:
-                summary.succeeded += 1
-            else:
-                summary.failed += 1
-            if on_line is not None:
-                on_line(result)
+        ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary)
+        if parallel > 1 and model is not None:
+            _run_parallel(pending, ctx, parallel)
+        else:
+            for line in pending:
+                if stopped() or not ctx.record(_run_line(line, ctx)):
+                    summary.interrupted = True
+                    break
         return summary
     finally:
         out.close()
@@ -117,28 +117,131 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
             _remove(err_path)  # this run had no failures: no stale errors file left behind
 
 
-def _run_line(line: BatchLine, model, out: RecordLog, errs: RecordLog, defaults, system, model_name,
-              stopped, on_token) -> LineResult | None:
-    """Run one line and record it; None when it was abandoned (should_stop)."""
+@dataclass
+class _Run:
+    """What every line of a run shares."""
+
+    model: object
+    out: RecordLog
+    errs: RecordLog
+    defaults: SamplingOptions | None
+    system: str | None
+    model_name: str | None
+    stopped: Callable[[], bool]
+    on_token: Callable[[int], None] | None
+    on_line: Callable[[LineResult], None] | None
+    summary: BatchSummary
+
+    def request(self, line: BatchLine) -> GenerationRequest:
+        return apply_defaults(line.request, self.defaults, self.system)
+
+    def answered(self, line: BatchLine, body: dict, start: float) -> LineResult:
+        self.out.append(success_record(line.custom_id, body))
+        return LineResult(line.custom_id, line.lineno, True, body["usage"]["completion_tokens"],
+                          time.monotonic() - start)
+
+    def failed(self, line: BatchLine, code: str, message: str, start: float) -> LineResult:
+        message = f"line {line.lineno}: {message}"
+        self.errs.append(error_record(line.custom_id, code, message))
+        return LineResult(line.custom_id, line.lineno, False, 0, time.monotonic() - start, message)
+
+    def refused(self, line: BatchLine, e: Exception, start: float) -> LineResult:
+        """The record of a line whose request raised e (a bug must not cost the rest of a long run either)."""
+        if isinstance(e, GoinferError):
+            return self.failed(line, error_code(e), str(e), start)
+        return self.failed(line, "internal_error", f"{type(e).__name__}: {e}", start)
+
+    def record(self, result: LineResult | None) -> bool:
+        """Count a finished line; False for an abandoned one (should_stop)."""
+        if result is None:
+            return False
+        if result.ok:
+            self.summary.succeeded += 1
+        else:
+            self.summary.failed += 1
+        if self.on_line is not None:
+            self.on_line(result)
+        return True
+
+
+def _run_line(line: BatchLine, ctx: _Run) -> LineResult | None:
+    """Run one line here and record it; None when it was abandoned (should_stop)."""
     start = time.monotonic()
     if line.error is not None:
-        code, message = line.error
-    else:
-        req = apply_defaults(line.request, defaults, system)
-        try:
-            body = run_request(model, req, model_name=model_name, should_stop=stopped, on_token=on_token)
-        except Cancelled:
-            return None
-        except GoinferError as e:
-            code, message = error_code(e), f"line {line.lineno}: {e}"
-        except Exception as e:  # a bug must not cost the rest of a long run; the record names it
-            code, message = "internal_error", f"line {line.lineno}: {type(e).__name__}: {e}"
-        else:
-            out.append(success_record(line.custom_id, body))
-            return LineResult(line.custom_id, line.lineno, True, body["usage"]["completion_tokens"],
-                              time.monotonic() - start)
-    errs.append(error_record(line.custom_id, code, message))
-    return LineResult(line.custom_id, line.lineno, False, 0, time.monotonic() - start, message)
+        return ctx.failed(line, line.error[0], line.error[1].removeprefix(f"line {line.lineno}: "), start)
+    req = ctx.request(line)
+    try:
+        body = run_request(ctx.model, req, model_name=ctx.model_name, should_stop=ctx.stopped,
+                           on_token=ctx.on_token)
+    except Cancelled:
+        return None
+    except Exception as e:  # noqa: BLE001 - recorded as the line's failure
+        return ctx.refused(line, e, start)
+    return ctx.answered(line, body, start)
+
+
+def _run_parallel(pending: list[BatchLine], ctx: _Run, parallel: int) -> None:
+    """Up to `parallel` lines in flight on a scheduler; each recorded when it ends (so in the order they end)."""
+    model = ctx.model
+    ended: queue.SimpleQueue[Job] = queue.SimpleQueue()
+    sched = Scheduler(model, ctx.model_name or model.name, max_queue=parallel, max_concurrent=parallel,
+                      threads=get_threads(),  # numba's count is per thread: the scheduler's takes the caller's
+                      log=lambda line: None)  # failures reach the errors file, not the log
+    flying: dict[Job, tuple[BatchLine, GenerationRequest, float]] = {}
+    lines = iter(pending)
+    try:
+        while True:
+            while len(flying) < parallel and not ctx.stopped():
+                line = next(lines, None)
+                if line is None:
+                    break
+                _launch(line, ctx, sched, flying, ended)
+            if not flying:
+                break
+            if ctx.stopped():
+                ctx.summary.interrupted = True  # what is in flight is abandoned: nothing of it is written
+                break
+            try:
+                job = ended.get(timeout=0.25)
+            except queue.Empty:
+                if ctx.on_token is not None:
+                    ctx.on_token(sum(j.generated for j in flying))
+                continue
+            line, req, start = flying.pop(job)
+            ctx.record(_finished(job, line, req, start, ctx))
+    finally:
+        sched.close("the batch run ended")
+
+
+def _launch(line: BatchLine, ctx: _Run, sched: Scheduler, flying: dict, ended: queue.SimpleQueue) -> None:
+    """Submit one line, or record it at once when it cannot run (malformed, or refused by prepare)."""
+    start = time.monotonic()
+    if line.error is not None:
+        ctx.record(ctx.failed(line, line.error[0], line.error[1].removeprefix(f"line {line.lineno}: "), start))
+        return
+    req = ctx.request(line)
+    try:
+        prep = prepare(ctx.model, req)
+    except Exception as e:  # noqa: BLE001 - recorded as the line's failure
+        ctx.record(ctx.refused(line, e, start))
+        return
+    job = Job(prep, request_id=line.custom_id or f"line {line.lineno}",
+              on_event=lambda j, item: ended.put(j) if isinstance(item, Finished) else None)
+    flying[job] = (line, req, start)
+    sched.submit(job)
+
+
+def _finished(job: Job, line: BatchLine, req: GenerationRequest, start: float, ctx: _Run) -> LineResult:
+    collect = Collector(job.prep)
+    while True:
+        item = job.events.get()
+        if isinstance(item, Finished):
+            break
+        collect.add(item)
+    if item.error is not None:
+        return ctx.refused(line, item.error, start)
+    body = response_object(req, collect.result(), model_name=ctx.model_name or ctx.model.name)
+    return ctx.answered(line, body, start)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -80,16 +80,24 @@ class Model:
         try:
             for c0 in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[c0 : c0 + PREFILL_CHUNK]
-                hidden = self._forward(self.config, self.weights, self.backend, chunk, cache)  # (T, n_embd)
-                keep = max(0, logits_from - c0)
-                if keep < len(chunk):
-                    rows.append(self.head(hidden[keep:]))
+                part = self.prefill_part(chunk, cache, max(0, logits_from - c0))
+                if part is not None:
+                    rows.append(part)
                 if on_chunk is not None:
                     on_chunk(c0 + len(chunk))
         finally:
             self.backend.end_prompt()
             memory.trim()  # the heap kept the prompt's freed activations for reuse; back to the OS now
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
+
+    def prefill_part(self, ids: np.ndarray, cache: KVCache, logits_from: int) -> np.ndarray | None:
+        """One chunk of a prompt through the forward pass, as `prefill` runs each of its chunks (the scheduler
+        runs a long prompt's chunks between other sequences' decode steps): ids appended to cache; logits for
+        ids[logits_from:], None when that is empty. The caller ends the prompt (backend.end_prompt)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        cache.reserve(len(ids))
+        hidden = self._forward(self.config, self.weights, self.backend, ids, cache)  # (T, n_embd)
+        return self.head(hidden[logits_from:]) if logits_from < len(ids) else None
 
     def decode(self, ids, caches: list[KVCache]) -> np.ndarray:
         """One new token for each of several sequences: ids[m] appended to caches[m]; logits (M, vocab).

@@ -1,10 +1,12 @@
-"""`goinfer serve`'s HTTP transport: routing, auth, body limits, per-model queues, SSE streaming, shutdown.
+"""`goinfer serve`'s HTTP transport: routing, auth, body limits, a scheduler per model (engine/scheduler.py), SSE
+streaming, shutdown.
 
 Standard library only (http.server, threaded; ssl for HTTPS). What requests mean and what responses
 hold comes from engine.api (the same code `goinfer batch` runs); this package moves bytes and schedules.
 
     Server(models, config).start() / .stop()
-    ServedModel.of(name, model, ctx)      ServerConfig(host, port, api_key, tls_cert, tls_key, max_queue, ...)
+    ServedModel.of(name, model, ctx)
+    ServerConfig(host, port, api_key, tls_cert, tls_key, max_queue, max_concurrent, prefill_chunk, ...)
 """
 
 from engine.server.config import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel,

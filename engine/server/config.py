@@ -10,7 +10,9 @@ from pathlib import Path
 
 from engine.errors import GoinferError
 from engine.models.base import Model
+from engine.models.base import PREFILL_CHUNK
 from engine.requests import context_window
+from engine.scheduler import DEFAULT_MAX_CONCURRENT
 
 DEFAULT_ADDR = "127.0.0.1:8080"
 DEFAULT_CTX = 4096
@@ -33,7 +35,9 @@ class ServerConfig:
     api_key: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait per model behind the one running
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait per model behind those running
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sequences per model decoded together
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens evaluated between two decode steps
     max_body_bytes: int = 0  # 0: derived from the largest context window (body_cap)
     keepalive_s: float = DEFAULT_KEEPALIVE_S  # SSE comment after this long without an event
     threads: int | None = None  # compute threads per model (None: numba's default)
@@ -61,6 +65,10 @@ class ServerConfig:
                 raise ServerConfigError(f"{flag} {path}: no such file")
         if self.max_queue < 0:
             raise ServerConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_concurrent < 1:
+            raise ServerConfigError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
+        if self.prefill_chunk < 1:
+            raise ServerConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_body_bytes < 0:
             raise ServerConfigError(f"--max-body-bytes must be >= 0, got {self.max_body_bytes}")
         if self.keepalive_s <= 0:

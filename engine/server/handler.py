@@ -29,7 +29,7 @@ from engine.requests import Collector, Delta, prepare, prompt_ids
 from engine.server import intake
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.state import ServerState
-from engine.server.workers import Finished, Job, QueueFull, ShuttingDown
+from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
 
 TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-body) is closed
@@ -219,16 +219,16 @@ class Handler(BaseHTTPRequestHandler):
             if dialect.counts_tokens:
                 self._send_json(200, dialect.count(len(prompt_ids(served.model, req))))
                 return
-            prep = prepare(served.model, req, window=served.window, should_stop=cancel.is_set)
+            prep = prepare(served.model, req, window=served.window)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         job = Job(prep, cancel, dialect.new_id(req))
-        worker = self.state.workers[served.name]
+        scheduler = self.state.schedulers[served.name]
         try:
-            worker.submit(job)
+            scheduler.submit(job)
         except QueueFull as e:
             raise HTTPError(429, error_object(
-                f"{served.name} is busy: {e.waiting} requests are waiting (--max-queue {worker.max_queue}); "
+                f"{served.name} is busy: {e.waiting} requests are waiting (--max-queue {scheduler.max_queue}); "
                 f"retry after {e.retry_after} s", "rate_limit_error", None, "queue_full"),
                 {"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown:
@@ -239,18 +239,18 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._answer(job, req, served.name)
         except ClientGone:
-            worker.withdraw(job, "client disconnected")
+            scheduler.withdraw(job, "client disconnected")
             self._note = f"client disconnected after {job.generated} tokens; generation stopped"
             raise
         finally:
             if not job.done:
-                worker.withdraw(job, "request ended")
+                scheduler.withdraw(job, "request ended")
 
     def _shutting_down(self) -> HTTPError:
         return HTTPError(503, error_object("the server is shutting down", "server_error", None, "shutting_down"))
 
     def _events(self, job: Job, *, stream: bool) -> Iterator[Delta]:
-        """The job's pieces as the worker makes them. Meanwhile: watch the client's socket (a client that
+        """The job's pieces as the scheduler makes them. Meanwhile: watch the client's socket (a client that
         left cancels the job) and, on a stream, send a keep-alive comment after keepalive_s of silence."""
         last_check = 0.0
         while True:
@@ -272,7 +272,7 @@ class Handler(BaseHTTPRequestHandler):
                     return
                 if isinstance(item.error, Cancelled) and self.state.closing:
                     raise self._shutting_down()
-                if not isinstance(item.error, GoinferError):  # a bug; the worker logged its traceback
+                if not isinstance(item.error, GoinferError):  # a bug; the scheduler logged its traceback
                     raise HTTPError(500, error_object("internal server error (see the server log)", "server_error",
                                                       None, "internal_error"))
                 raise item.error

@@ -1,5 +1,5 @@
 """The server: a threaded standard-library HTTP server (one thread per connection), optional TLS, one
-worker per model, and an orderly stop."""
+scheduler per model, and an orderly stop."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class Server:
         try:
             self.httpd = server_class((config.host, config.port), Handler)
         except OSError as e:
-            self._close_workers("startup failed")
+            self._close_schedulers("startup failed")
             raise ServerConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
         self.httpd.state = self.state
         if config.tls:
@@ -63,7 +63,7 @@ class Server:
                 ctx.load_cert_chain(str(config.tls_cert), str(config.tls_key))
             except (ssl.SSLError, OSError) as e:
                 self.httpd.server_close()
-                self._close_workers("startup failed")
+                self._close_schedulers("startup failed")
                 raise ServerConfigError(f"--tls-cert/--tls-key: cannot load the certificate and key: {e}") from None
             # The handshake happens in each connection's own thread (Handler.setup), never in accept().
             self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
@@ -93,14 +93,15 @@ class Server:
         bytes, close. Returns how many requests were still in flight."""
         self.state.closing = True
         self.httpd.shutdown()
-        in_flight = sum(w.health()["queued"] + w.health()["busy"] for w in self.state.workers.values())
-        self._close_workers(reason)
+        in_flight = sum(h["queued"] + h["running_requests"]
+                        for h in (s.health() for s in self.state.schedulers.values()))
+        self._close_schedulers(reason)
         deadline = time.monotonic() + grace_s
         while self.state.active_requests and time.monotonic() < deadline:
             time.sleep(0.05)
         self.httpd.server_close()
         return in_flight
 
-    def _close_workers(self, reason: str) -> None:
-        for w in self.state.workers.values():
-            w.close(reason)
+    def _close_schedulers(self, reason: str) -> None:
+        for s in self.state.schedulers.values():
+            s.close(reason)

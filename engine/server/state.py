@@ -1,4 +1,4 @@
-"""What every handler thread of the server shares (ServerState): the models, their workers, the limits, the
+"""What every handler thread of the server shares (ServerState): the models, their schedulers, the limits, the
 Responses API's store, the counters of requests in flight, and the health report."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Callable, Iterator
 from engine.api.responses import ResponseStore
 from engine.errors import RequestError
 from engine.server.config import ServedModel, ServerConfig, body_cap
-from engine.server.workers import ModelWorker
+from engine.scheduler import Scheduler
 
 
 class ServerState:
-    """What every handler thread shares: the models, their workers, the limits, the counters."""
+    """What every handler thread shares: the models, their schedulers, the limits, the counters."""
 
     def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None]):
         self.models = {m.name: m for m in models}
@@ -23,10 +23,14 @@ class ServerState:
         self.body_cap = body_cap(config, models)
         self.keepalive_s = config.keepalive_s
         self.max_queue = config.max_queue
+        self.max_concurrent = config.max_concurrent
+        self.prefill_chunk = config.prefill_chunk
         self.log = log
         self.started = time.time()
         self.closing = False
-        self.workers = {m.name: ModelWorker(m, config.max_queue, threads=config.threads, log=log) for m in models}
+        self.schedulers = {m.name: Scheduler(m.model, m.name, max_queue=config.max_queue,
+                                             max_concurrent=config.max_concurrent, prefill_chunk=config.prefill_chunk,
+                                             threads=config.threads, log=log) for m in models}
         self.response_store = ResponseStore()  # the Responses API's stored answers (store, previous_response_id)
         self._active = 0
         self._lock = threading.Lock()
@@ -58,8 +62,9 @@ class ServerState:
     def health(self) -> dict:
         return {"status": "shutting_down" if self.closing else "ok",
                 "uptime_s": round(time.time() - self.started, 1),
-                "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue},
-                "models": [w.health() for w in self.workers.values()],
+                "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue,
+                           "max_concurrent": self.max_concurrent, "prefill_chunk": self.prefill_chunk},
+                "models": [s.health() for s in self.schedulers.values()],
                 "selftest": _selftest_report()}
 
 

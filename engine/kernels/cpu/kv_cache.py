@@ -121,5 +121,17 @@ class KVCache:
         for name, a in state.items():
             self.state[name][:] = a
 
+    def fork(self) -> KVCache:
+        """A new sequence that starts where this one is (a copy: keys, values, recurrent state), to continue on its
+        own: the n answers of one prompt, which is evaluated once."""
+        twin = KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.max_tokens, self.dtype)
+        twin.reserve(self.capacity)  # as much room as this one has
+        tiles = -(-self.length // attention.TILE)
+        twin.k[:, :, :tiles] = self.k[:, :, :tiles]
+        twin.v[:, :, : self.length] = self.v[:, :, : self.length]
+        twin.length = self.length
+        twin.state = {name: a.copy() for name, a in self.state.items()}
+        return twin
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + sum(a.nbytes for a in self.state.values())

@@ -1,0 +1,178 @@
+"""The sequences a scheduler has admitted, and the steps that advance them (engine/scheduler.py owns the thread,
+the queue and the admission; this module the work).
+
+Each `step()` does at most two things: one chunk of the oldest admitted prompt, then one decode step for every
+sequence that is generating, all of them in one `Model.decode` call (each weight read once for all). A long
+prompt thus enters between decode steps, chunk by chunk, and the streams already running keep flowing.
+
+A request's n choices share its prompt: it is evaluated once, then each choice continues from a copy of its
+cache. A sequence decides its tokens alone (generate.Generation: sampling, grammar, stop strings, logprobs)
+from its own logits, and the decode step computes each sequence's logits the same whatever else is in the
+batch (kernels/cpu: attention splits per sequence), so a reply does not depend on who else is being served.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from engine import memory
+from engine.errors import Cancelled
+from engine.generate import Generation
+from engine.kernels.backend import KVCache
+from engine.models.base import PREFILL_CHUNK, Model
+from engine.requests import ChoiceOutput
+
+
+@dataclass
+class Sequence:
+    """One choice of an admitted job, generating: its last token is the next decode step's input."""
+
+    job: object  # scheduler.Job
+    gen: Generation
+    cache: KVCache
+    out: ChoiceOutput
+    token: int = -1
+
+
+@dataclass
+class Prompt:
+    """An admitted job whose prompt is being evaluated, chunk by chunk."""
+
+    job: object  # scheduler.Job
+    cache: KVCache
+    done: int = 0  # prompt tokens evaluated so far
+
+
+# How a job ended: "completed", "cancelled" (its client left, or shutdown) or "failed" (the error it gets).
+EndFn = Callable[[object, str, BaseException | None], None]
+
+
+class Stepper:
+    def __init__(self, model: Model, *, prefill_chunk: int = PREFILL_CHUNK, on_end: EndFn):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self._on_end = on_end
+        self.prompts: deque[Prompt] = deque()
+        self.running: list[Sequence] = []
+        self._live: dict[int, int] = {}  # id(job) -> its choices not yet finished, for every job admitted
+        self.decode_steps = 0  # batched decode steps so far
+        self.decoded_tokens = 0  # tokens they decoded: / decode_steps = the mean batch
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def idle(self) -> bool:
+        return not self._live
+
+    @property
+    def sequences(self) -> int:
+        """Sequences admitted: generating, and the choices of the prompts being evaluated."""
+        return len(self.running) + sum(len(p.job.prep.choices) for p in self.prompts)
+
+    def kv_bytes(self) -> int:
+        return sum(s.cache.nbytes() for s in self.running) + sum(p.cache.nbytes() for p in self.prompts)
+
+    # ------------------------------------------------------------------ work
+
+    def admit(self, job) -> None:
+        self._live[id(job)] = len(job.prep.choices)
+        self.prompts.append(Prompt(job, self.model.new_cache(job.prep.cache_tokens)))
+
+    def step(self) -> None:
+        """One prompt chunk (the oldest prompt's), then one decode step for everything generating."""
+        self._drop_cancelled()
+        if self.prompts:
+            self._prompt_chunk(self.prompts[0])
+        if self.running:
+            self._decode()
+        if not self.running:
+            self.model.backend.end_sequences()
+
+    def cancel_all(self, reason: str) -> None:
+        for job in [p.job for p in self.prompts] + [s.job for s in self.running]:
+            job.cancel(reason)
+        self._drop_cancelled()
+
+    def _prompt_chunk(self, p: Prompt) -> None:
+        job, ids, model = p.job, p.job.prep.ids, self.model
+        try:
+            if p.done == 0 and len(ids) <= self.prefill_chunk:  # whole, as `requests.run` evaluates it
+                logits = model.prefill(ids, p.cache)
+                p.done = len(ids)
+            else:
+                end = min(len(ids), p.done + self.prefill_chunk)
+                n = end - p.done
+                try:
+                    logits = model.prefill_part(ids[p.done : end], p.cache, n - 1 if end == len(ids) else n)
+                finally:
+                    model.backend.end_prompt()
+                p.done = end
+            if p.done == len(ids):
+                self.prompts.popleft()
+                self._start_choices(job, p.cache, logits[0])
+        except Exception as e:  # noqa: BLE001 - the job fails, the others go on
+            self._end(job, e)
+        finally:
+            memory.trim()  # the prompt's freed activations back to the OS
+
+    def _start_choices(self, job, cache: KVCache, logits: np.ndarray) -> None:
+        prep = job.prep
+        echoed = prep.echoed(self.model)
+        last = len(prep.choices) - 1
+        for index, gen in enumerate(prep.choices):
+            out = ChoiceOutput(self.model, prep, index)
+            if prep.request.echo:
+                job.put(out.echo(echoed))
+            seq = Sequence(job, gen, cache if index == last else cache.fork(), out)
+            if self._emit(seq, logits):
+                self.running.append(seq)
+            if id(job) not in self._live:
+                return  # failed, or its last choice ended at its first token
+
+    def _decode(self) -> None:
+        batch = self.running
+        try:
+            logits = self.model.decode([s.token for s in batch], [s.cache for s in batch])
+        except Exception as e:  # noqa: BLE001 - a failed step fails every job in it
+            for s in batch:
+                self._end(s.job, e)
+            return
+        self.decode_steps += 1
+        self.decoded_tokens += len(batch)
+        keep = [s for i, s in enumerate(batch) if id(s.job) in self._live and self._emit(s, logits[i])]
+        self.running = [s for s in keep if id(s.job) in self._live]  # a job failed by a later sequence leaves
+
+    def _emit(self, seq: Sequence, logits: np.ndarray) -> bool:
+        """Decide seq's next token from its logits and hand the job its piece; True while seq goes on."""
+        job = seq.job
+        try:
+            ev = seq.gen.next(logits)
+            job.put(seq.out.piece(ev))
+        except Exception as e:  # noqa: BLE001 - e.g. a grammar with no way on: this job fails, the others go on
+            self._end(job, e)
+            return False
+        seq.token = ev.token
+        if not seq.gen.finished:
+            return True
+        self._live[id(job)] -= 1
+        if self._live[id(job)] == 0:
+            self._end(job, None)
+        return False
+
+    def _drop_cancelled(self) -> None:
+        for job in [p.job for p in self.prompts] + [s.job for s in self.running]:
+            if job.cancelled():
+                self._end(job, Cancelled(job.cancel_reason or "cancelled"))
+
+    def _end(self, job, error: BaseException | None) -> None:
+        """The job is over: its sequences leave, their caches go, the scheduler is told (once)."""
+        if self._live.pop(id(job), None) is None:
+            return
+        self.running = [s for s in self.running if s.job is not job]
+        self.prompts = deque(p for p in self.prompts if p.job is not job)
+        outcome = "completed" if error is None else "cancelled" if isinstance(error, Cancelled) else "failed"
+        self._on_end(job, outcome, error)
