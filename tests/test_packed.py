@@ -2,8 +2,9 @@
 
 Repacking then dequantizing equals gguf.quants' dequantization bit for bit (every packable type, random
 blocks and row counts off the groups of 8); the group kernel equals the integer math of int8 activations
-against the dequantized weights and agrees with int8's per-row kernels, in every code tier this CPU runs;
-a real model reads only the packed copies once they exist (its mapped originals are overwritten under it).
+against the dequantized weights and agrees with int8's per-row kernels, in every code tier this CPU runs, and
+gives each vector of a batch its single-vector result bit for bit; a real model reads only the packed copies
+once they exist (its mapped originals are overwritten under it).
 """
 
 from __future__ import annotations
@@ -67,6 +68,29 @@ def test_the_group_kernel_equals_the_integer_math(gt, tier):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     unpacked = int8.matvec([QTensor("w", gt, t.shape, t.raw)], qin, tier=tier)
     np.testing.assert_allclose(got, unpacked, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("gt", sorted(packed.PACKABLE), ids=lambda t: t.name)
+def test_each_vector_of_a_batch_gets_its_single_vector_result(gt, tier):
+    # The kernel unpacks a block once for up to packed.MB vectors (and may take two row groups at once): a
+    # vector's result must not depend on how many others share the call, or a server's reply would depend on
+    # its neighbours in the batch. 17 groups and a tail: pairs and single groups, in whole and split ranges.
+    t = _packed(_random_tensor(gt, 8 * 17 + 5, 640))
+    x = RNG.standard_normal((9, 640)).astype(np.float32)
+    single = np.concatenate([packed.matvec(t, x[i : i + 1], tier) for i in range(9)])
+    for M in range(1, 10):
+        np.testing.assert_array_equal(packed.matvec(t, x[:M], tier), single[:M])
+    xq, xs = np.empty((9, 640), np.int8), np.empty((9, 40), np.float32)
+    packed.quantize_natural_into(x, xq, xs, 0, 640)
+    for bounds in ([0, 17], [0, 3, 4, 9, 17]):
+        out = np.empty((9, 136), np.float32)
+        for g0, g1 in zip(bounds, bounds[1:]):
+            packed.groups_into(int(gt), t.packed, 0, 20, g0, g1, xq, xs, out, 0, ir.tier_token(tier))
+        np.testing.assert_array_equal(out, single[:, :136])
+    want = int8.dequantized_input(int8.quantize(x), gt).astype(np.float64) @ gq.dequantize(t.raw, gt).reshape(
+        t.rows, 640).T.astype(np.float64)
+    np.testing.assert_allclose(single, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_natural_order_quantization_equals_the_interleaved_one():

@@ -19,42 +19,23 @@ Q8_0 35 (1.85x).
 The packed copy has exactly the bytes of the original (8 rows x block bytes per group); rows past the last full
 group of 8 stay in the original layout. It is made once at load into anonymous memory, and the model then
 never reads those tensors' mapped pages again (prompts dequantize from it too), so resident memory stays
-the file's size. Activations for it are quantized in natural order (quantize_natural_into).
+the file's size. Activations for it are quantized in natural order (quantize_natural_into). The LLVM-IR kernels
+over it are in packed_kernels.py; the decode matvec unpacks each block once for a batch of sequences.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
-from engine.kernels.cpu.ir import (FLT, I8, I16, I32, Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE, Emitter,
-                                   V, is_arr, tier_of, tier_token)
+from engine.kernels.cpu.ir import Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q8_0_CODE, tier_token
+from engine.kernels.cpu.packed_kernels import (MB, ROWS, SRC, d_q4_0, d_q4_1, d_q5_0, d_q5_1, d_q8_0, g_q4_0, g_q4_1,
+                                               g_q5_0, g_q5_1, g_q8_0)
 from engine.kernels.cpu.quantize import quant32
 from engine.kernels.quant_types import GGMLType
 
 PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
-ROWS = 8  # rows per interleaved group
-PREFETCH = 1024  # bytes ahead in the group's stream
-
-# code -> (block bytes, d offset, m offset or -1, qh offset or -1, qs offset) in a GGUF block
-_SRC = {Q4_0_CODE: (18, 0, -1, -1, 2), Q4_1_CODE: (20, 0, 2, -1, 4), Q5_0_CODE: (22, 0, -1, 2, 6),
-        Q5_1_CODE: (24, 0, 2, 4, 8), Q8_0_CODE: (34, 0, -1, -1, 2)}
-_CODES = (Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE)
-
-
-def _layout(code: int) -> tuple[int, int, int, int]:
-    """(group-block bytes, m offset or -1, fifth-bit offset or -1, qs offset) of a packed block of 8 rows."""
-    bb, _, mo, qh, _ = _SRC[code]
-    m = 16 if mo >= 0 else -1
-    hb = (32 if mo >= 0 else 16) if qh >= 0 else -1
-    qs = 16 + (16 if mo >= 0 else 0) + (32 if qh >= 0 else 0)
-    return 8 * bb, m, hb, qs
-
-
-_LAYOUT = {c: _layout(c) for c in _SRC}
 
 
 # =========================================================================================================
@@ -120,105 +101,21 @@ def repack_into(raw, code, dst):
                         dst[o + po_h + u(4) * ur + u(i)] = np.uint8(h)
 
 
-def _quants(e: Emitter, p, off, hb16, j: int) -> list:
-    """The unsigned quants of nibble group j at byte off of p: [weights 4j.. of each row (low nibbles), weights
-    16+4j.. (high)], <32 x i8> each, lane 4r+i for row r; with fifth bits (hb16, the block's 32 fifth-bit bytes
-    as <16 x i16>, or None), bit 2j / 2j+1 of each byte moved to bit 4 (16-bit shifts: the mask drops what
-    crosses between the bytes) and or-ed in."""
-    b = e.b
-    q = e.ld(p, off, V(I8, 32))
-    halves = [e.nib_lo(q), e.nib_hi(q)]
-    if hb16 is not None:
-        for h in range(2):
-            k = 2 * j + h
-            v = hb16 if k == 4 else (b.shl(hb16, e.splat_c(I16, 4 - k, 16)) if k < 4
-                                     else b.lshr(hb16, e.splat_c(I16, k - 4, 16)))
-            halves[h] = b.or_(halves[h], b.and_(b.bitcast(v, V(I8, 32)), e.splat_c(I8, 16, 32)))
-    return halves
-
-
-def _dequant_kernel(code: int):
-    """Intrinsic (src, g0, g1, cols, out) -> None: row groups [g0, g1) of a packed matrix -> out (8 (g1 - g0),
-    cols) f32, with the reference's f32 operations (d * (q - offset), or d * q + m unfused), so bit for bit."""
-    gbb, mo, hbo, qso = _LAYOUT[code]
-    offset = {Q4_0_CODE: 8, Q5_0_CODE: 16}.get(code, 0)
-    five = hbo >= 0
-
-    def impl(typingctx, src, g0, g1, cols, out):
-        if not (is_arr(src, types.uint8) and is_arr(out, types.float32)):
-            return None
-        ip = types.intp
-        sig = types.none(src, ip, ip, ip, out)
-
-        def codegen(context, builder, signature, args):
-            e, b = Emitter(context, builder, "generic"), builder
-            at = signature.args
-            s_, g0_, g1_, cols_, o_ = args
-            sp, op = e.base(at[0], s_), e.base(at[4], o_)
-            nb = b.sdiv(cols_, e.i64(32))
-            row_b = e.mul(cols_, 4)
-            with e.loop(b.sub(g1_, g0_)) as gl:
-                with e.loop(nb) as bl:
-                    o = e.mul(e.add(e.mul(e.add(gl.index, g0_), nb), bl.index), gbb)
-                    d8 = e.halves(e.ld(sp, o, V(I16, 8)))
-                    m8 = e.halves(e.ld(sp, e.add(o, mo), V(I16, 8))) if mo >= 0 else None
-                    # lanes 8k..8k+7 of a quant vector are rows 2k (4 lanes) and 2k+1 (4 lanes)
-                    ds = [e.shuf(d8, None, [2 * k] * 4 + [2 * k + 1] * 4) for k in range(4)]
-                    ms = [e.shuf(m8, None, [2 * k] * 4 + [2 * k + 1] * 4) for k in range(4)] if m8 is not None else None
-                    hb16 = b.bitcast(e.ld(sp, e.add(o, hbo), V(I8, 32)), V(I16, 16)) if five else None
-                    row0 = e.mul(gl.index, 8)
-                    col0 = e.mul(bl.index, 32)
-                    if code == Q8_0_CODE:  # 8 groups of 4 signed weights: d * q
-                        for j in range(8):
-                            q = e.ld(sp, e.add(o, qso + 32 * j), V(I8, 32))
-                            for k in range(4):
-                                qi = b.sext(e.shuf(q, None, range(8 * k, 8 * k + 8)), V(I32, 8))
-                                f = b.fmul(ds[k], b.sitofp(qi, V(FLT, 8)))
-                                for half in range(2):
-                                    r = e.add(row0, 2 * k + half)
-                                    at_ = e.add(e.mul(r, row_b), e.mul(e.add(col0, 4 * j), 4))
-                                    e.st(op, at_, e.shuf(f, None, range(4 * half, 4 * half + 4)))
-                    for j in range(0 if code == Q8_0_CODE else 4):  # 4-5 bit types: 4 groups of nibble pairs
-                        halves = _quants(e, sp, e.add(o, qso + 32 * j), hb16, j)
-                        for h, qv in enumerate(halves):
-                            for k in range(4):
-                                qi = b.zext(e.shuf(qv, None, range(8 * k, 8 * k + 8)), V(I32, 8))
-                                if offset:
-                                    qi = b.sub(qi, e.splat_c(I32, offset, 8))
-                                f = b.fmul(ds[k], b.sitofp(qi, V(FLT, 8)))
-                                if ms is not None:
-                                    f = b.fadd(f, ms[k])
-                                col = e.add(col0, 16 * h + 4 * j)
-                                for half in range(2):  # rows 2k, 2k+1: 4 consecutive columns each
-                                    r = e.add(row0, 2 * k + half)
-                                    at_ = e.add(e.mul(r, row_b), e.mul(col, 4))
-                                    e.st(op, at_, e.shuf(f, None, range(4 * half, 4 * half + 4)))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    impl.__name__ = f"_dequant_{GGMLType(code).name.lower()}"
-    return intrinsic(impl)
-
-
-_d_q4_0, _d_q4_1, _d_q5_0, _d_q5_1, _d_q8_0 = (_dequant_kernel(c) for c in _CODES)
-
-
 @njit(cache=True)
 def dequantize_into(src, code, g0, g1, cols, out):
     """Row groups [g0, g1) of a packed matrix src (flat uint8) -> out (8 (g1 - g0), cols) f32 (C-contiguous),
     equal to dequantizing the original blocks bit for bit."""
     flat = out.reshape(-1)
     if code == Q8_0_CODE:
-        _d_q8_0(src, g0, g1, cols, flat)
+        d_q8_0(src, g0, g1, cols, flat)
     elif code == Q4_0_CODE:
-        _d_q4_0(src, g0, g1, cols, flat)
+        d_q4_0(src, g0, g1, cols, flat)
     elif code == Q4_1_CODE:
-        _d_q4_1(src, g0, g1, cols, flat)
+        d_q4_1(src, g0, g1, cols, flat)
     elif code == Q5_0_CODE:
-        _d_q5_0(src, g0, g1, cols, flat)
+        d_q5_0(src, g0, g1, cols, flat)
     else:
-        _d_q5_1(src, g0, g1, cols, flat)
+        d_q5_1(src, g0, g1, cols, flat)
 
 
 @njit(cache=True)
@@ -246,109 +143,36 @@ def quantize_natural_into(x, xq, xs, c0, c1):
 
 
 # =========================================================================================================
-# The kernel: one group of 8 rows against one activation vector
+# The matvec: row groups against a batch of activation vectors
 # =========================================================================================================
-
-
-def _group_kernel(code: int):
-    """Intrinsic (w, woff, nb, xq, xoff, xs, soff, out, ooff, tier) -> None: out[ooff + r] (r < 8) = the dot of
-    row r of the packed group at byte woff of w (nb blocks) with activations xq[xoff:] (natural order), xs[soff:]
-    ([dx, xsum] per block)."""
-    gbb, mo, hbo, qso = _LAYOUT[code]
-    factor = {Q4_0_CODE: -8.0, Q5_0_CODE: -16.0}.get(code, 0.0)  # on d * xsum; Q*_1 add m * xsum instead, Q8_0 nothing
-    five = hbo >= 0
-
-    def impl(typingctx, w, woff, nb, xq, xoff, xs, soff, out, ooff, tier):
-        t = tier_of(tier)
-        if not (is_arr(w, types.uint8) and is_arr(xq, types.int8) and is_arr(xs, types.float32)
-                and is_arr(out, types.float32) and t):
-            return None
-        ip = types.intp
-        sig = types.none(w, ip, ip, xq, ip, xs, ip, out, ip, tier)
-
-        def codegen(context, builder, signature, args):
-            e, b = Emitter(context, builder, t), builder
-            at = signature.args
-            w_, wo, n, x_, xo, s_, so, o_, oo, _ = args
-            wp = b.gep(e.base(at[0], w_), [wo], source_etype=I8)
-            xp = b.gep(e.base(at[3], x_), [xo], source_etype=I8)
-            sp = b.gep(e.base(at[5], s_), [e.mul(so, 4)], source_etype=I8)
-            acc, corr = e.fvar(8), e.fvar(8)
-            ones = e.splat_c(I16, 1, 16)
-            with e.loop(n) as lp:
-                o = e.mul(lp.index, gbb)
-                for line in range(0, gbb, 64):
-                    e.prefetch(wp, e.add(o, PREFETCH + line))
-                xb = e.mul(lp.index, 32)
-                hb16 = b.bitcast(e.ld(wp, e.add(o, hbo), V(I8, 32)), V(I16, 16)) if five else None
-                sums, p16 = [], None
-                isum = None
-                if code == Q8_0_CODE:  # signed weights: |w| against x with w's sign; pair sums need i32 at once
-                    isum = ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None
-                    for j in range(8):
-                        w8 = e.ld(wp, e.add(o, qso + 32 * j), V(I8, 32))
-                        x4 = b.bitcast(e.splat(e.ld(xp, e.add(xb, 4 * j), I32), 8), V(I8, 32))
-                        u, sx = e.abs_sign(w8, x4)
-                        isum = e.dot4(isum, u, sx)
-                for j in range(0 if code == Q8_0_CODE else 4):
-                    halves = _quants(e, wp, e.add(o, qso + 32 * j), hb16, j)
-                    xs_ = [b.bitcast(e.splat(e.ld(xp, e.add(xb, 16 * h + 4 * j), I32), 8), V(I8, 32)) for h in range(2)]
-                    p = b.add(e.madd_u8s8(halves[0], xs_[0]), e.madd_u8s8(halves[1], xs_[1]))
-                    p16 = p if p16 is None else b.add(p16, p)
-                    # i16 lanes hold at most 2 x 15 x 127 per product pair: 8 pairs fit for 4-bit quants,
-                    # 4 for 5-bit ones
-                    if five and j == 1:
-                        sums.append(p16)
-                        p16 = None
-                if p16 is not None:
-                    sums.append(p16)
-                for s in sums:
-                    v = e.madd_i16(s, ones)  # lane r: row r
-                    isum = v if isum is None else b.add(isum, v)
-                d = e.halves(e.ld(wp, o, V(I16, 8)))
-                sb = e.mul(lp.index, 8)
-                dx = e.splat(e.ld(sp, sb, FLT), 8)
-                xsum = e.splat(e.ld(sp, e.add(sb, 4), FLT), 8)
-                e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), b.fmul(d, dx))
-                if mo >= 0:
-                    e.fmacc(corr, e.halves(e.ld(wp, e.add(o, mo), V(I16, 8))), xsum)
-                elif factor:
-                    e.fmacc(corr, d, b.fmul(xsum, e.splat_c(FLT, factor, 8)))
-            op = b.gep(e.base(at[7], o_), [e.mul(oo, 4)], source_etype=I8)
-            e.st(op, 0, b.fadd(b.load(acc), b.load(corr)))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    impl.__name__ = f"_group_{GGMLType(code).name.lower()}"
-    return intrinsic(impl)
-
-
-_g_q4_0, _g_q4_1, _g_q5_0, _g_q5_1, _g_q8_0 = (_group_kernel(c) for c in _CODES)
 
 
 @njit(cache=True)
 def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
     """Row groups [g0, g1) of the packed matrix at byte base of w (nb blocks per row) against all M activation
-    vectors (natural order) into out[:, c0 + 8 g ...]; each group stays in L1 across the M vectors."""
+    vectors (natural order) into out[:, c0 + 8 g ...]. One vector: all the groups in one kernel call. More: two
+    groups at a time (one 512-bit pass where packed_kernels.wide_groups) against up to MB vectors per call, each
+    block unpacked once for them; the two groups stay in L1 across the calls."""
     M, R = out.shape
     K, ns = xq.shape[1], xs.shape[1]
     flat = out.reshape(-1)
     gb = nb * _src_geometry(code)[0] * 8  # bytes per group of 8 rows
-    for g in range(g0, g1):
-        wo = base + g * gb
-        for m in range(M):
-            oo = m * R + c0 + 8 * g
+    step = 2 if M > 1 else max(1, g1 - g0)
+    for g in range(g0, g1, step):
+        wo, ng = base + g * gb, min(step, g1 - g)
+        for m in range(0, M, MB):
+            mb = min(MB, M - m)
+            xo, so, oo = m * K, m * ns, m * R + c0 + 8 * g
             if code == Q8_0_CODE:
-                _g_q8_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+                g_q8_0(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
             elif code == Q4_0_CODE:
-                _g_q4_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+                g_q4_0(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
             elif code == Q4_1_CODE:
-                _g_q4_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+                g_q4_1(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
             elif code == Q5_0_CODE:
-                _g_q5_0(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+                g_q5_0(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
             else:
-                _g_q5_1(w, wo, nb, xq, m * K, xs, m * ns, flat, oo, tier)
+                g_q5_1(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
 
 
 @njit(parallel=True, cache=True)
@@ -440,7 +264,7 @@ def slice_rows(w, r0: int, r1: int):
 def repack(raw: np.ndarray, ggml_type: GGMLType, dst: np.ndarray) -> None:
     """Pack the whole groups of raw (rows, row bytes) into dst (packed_rows(rows) * row bytes,) uint8."""
     code = int(ggml_type)
-    if code not in _SRC:
+    if code not in SRC:
         raise ValueError(f"{GGMLType(code).name} has no packed layout")
     if dst.size != packed_rows(raw.shape[0]) * raw.shape[1]:
         raise ValueError(f"dst holds {dst.size} bytes, the packed rows need {packed_rows(raw.shape[0]) * raw.shape[1]}")
