@@ -134,7 +134,10 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
     assert model_pages + packed > 0.9 * size and packed > 0.1 * size, (model_pages, packed)
     assert model_pages <= size - packed + 0.05 * size, (model_pages, packed)
     used = anon + model_pages - kv
-    limit = size + 200 * 2**20
+    # 216 MB over the file: the interpreter, numpy, numba's runtime, the tokenizer and the compiled kernels (the
+    # decode step's batched matvec variants, packed_kernels.py, cost ~10 MB of code at its first call). A copy of
+    # the weights would be hundreds of MB over.
+    limit = size + 216 * 2**20
     assert used <= limit, f"{used / 2**20:.0f} MiB resident (anonymous {anon / 2**20:.0f}) > {limit / 2**20:.0f} MiB"
 
 

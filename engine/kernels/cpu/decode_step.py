@@ -341,7 +341,7 @@ def _embed(table, pbuf, entry, ids, scale, x):
                 x[m, i] *= scale
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms, qkv_bias, out_norm, inv_freq,
                 windows, fparams, iparams, ids, pos, kcs, vcs, n_chunks, n_split, tier, n_workers, biases, rec, convs,
                 ssms, layers):

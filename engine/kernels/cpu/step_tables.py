@@ -5,7 +5,8 @@ and hybrid tables), and the callable that runs one step over M sequences' caches
 from __future__ import annotations
 
 import numpy as np
-from numba import typed
+from numba import njit
+from numba.typed import List
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
 from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step, ops
@@ -108,8 +109,10 @@ class DecodeStep:
 class SequenceArrays:
     """The arrays of the sequences a step decodes (keys, values, recurrent states) as numba typed lists, whose
     type is the same for any number of sequences: tuples would carry their length in their type, one more
-    compile of the step (a minute) for each batch size a server meets. A list costs ~20 us to build, so the
-    last ones are kept while the batch and its arrays stay the same (a cache's arrays change as it grows)."""
+    compile of the step (a minute) for each batch size a server meets. The lists are built by cached compiled
+    functions (typed.List's own Python-side constructor compiles its helpers anew in every process: 0.8 s before
+    the first token), and the last ones are kept while the batch and its arrays stay the same (a cache's arrays
+    change as it grows)."""
 
     def __init__(self):
         self._key: tuple = ()
@@ -121,12 +124,31 @@ class SequenceArrays:
         # The kept lists hold their arrays, so an id here cannot be a freed array's reused address.
         key = tuple(id(a) for group in arrays for a in group)
         if key != self._key:
-            self._key, self._lists = key, tuple(typed.List(group) for group in arrays)
+            self._key, self._lists = key, tuple(_typed_list(group) for group in arrays)
         return self._lists
 
     def clear(self) -> None:
         """Let go of the arrays (sequences that have ended)."""
         self._key, self._lists = (), ()
+
+
+def _typed_list(arrays: list):
+    out = _list_of(arrays[0])
+    for a in arrays[1:]:
+        _append(out, a)
+    return out
+
+
+@njit(cache=True)
+def _list_of(a):
+    out = List()
+    out.append(a)
+    return out
+
+
+@njit(cache=True)
+def _append(items, a):
+    items.append(a)
 
 
 def sequence_arrays(caches) -> tuple:
