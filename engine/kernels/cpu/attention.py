@@ -361,9 +361,8 @@ def _part(q, q0, group, D, kf, k0, vf, v0, lead, n, scale, softcap, s, acc, iscr
 
 @njit(cache=True)
 def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum, part_acc):
-    """Work item t of attend: one sequence, one kv head (its group of query heads), one key range. Sequence m's
-    keys are cut into splits[m] ranges (the part_* arrays have room for the most; a task past a sequence's
-    last range has nothing to do), at whole key tiles, so only the first starts inside one."""
+    """Work item t of attend: one sequence, one kv head (its group of query heads), one of the splits[m] key
+    ranges of sequence m (cut at whole key tiles; part_* have room for the most, a task past them is idle)."""
     n_split = part_max.shape[2]
     m, kvh, sp = t // (Hkv * n_split), (t // n_split) % Hkv, t % n_split
     if sp >= splits[m]:
@@ -407,11 +406,9 @@ def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap
 def attend(qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, out, n_split):
     """Causal (sliding-window when window > 0) GQA attention of each sequence's one query per head over its
     cache: qkv (M, (H + 2 Hkv) D) holds the roped queries; kcs/vcs each sequence's cache arrays (keys
-    (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D)); out (M, H D).
-
-    Work is split over (sequence, kv head, key range) so both threads stay busy whatever the head count
-    (SmolLM2 has 3 kv heads, Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged
-    exactly afterwards as in flash-decoding."""
+    (n_layer, Hkv, tiles, D, 16), values (n_layer, Hkv, capacity, D)); out (M, H D). Work is split over
+    (sequence, kv head, key range) so both threads stay busy whatever the head count (SmolLM2 has 3 kv heads,
+    Gemma 1): each range gives a partial softmax (max, sum, weighted values), merged exactly as in flash-decoding."""
     M = qkv.shape[0]
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.zeros((M, H, n_split), np.float32)
@@ -448,7 +445,6 @@ def merge(part_max, part_sum, part_acc, sinks, out):
 
 @njit(cache=True)
 def n_split(Hkv, length, threads):
-    """Key ranges per kv head of a sequence of `length` keys: about two tasks per thread for it alone, ranges of
-    at least 64 keys. A function of the sequence alone, never of the batch it decodes in: a different cut changes
-    the float sums, and a reply must not depend on who else is being served."""
+    """Key ranges per kv head of a sequence of `length` keys: about two tasks per thread, at least 64 keys each.
+    Never a function of the batch: another cut rounds differently, and a reply must not depend on its neighbours."""
     return max(1, min(-(-2 * threads // Hkv), length // 64))
