@@ -68,11 +68,6 @@ class Stepper:
     def idle(self) -> bool:
         return not self._live
 
-    @property
-    def sequences(self) -> int:
-        """Sequences admitted: generating, and the choices of the prompts being evaluated."""
-        return len(self.running) + sum(len(p.job.prep.choices) for p in self.prompts)
-
     def kv_bytes(self) -> int:
         return sum(s.cache.nbytes() for s in self.running) + sum(p.cache.nbytes() for p in self.prompts)
 
