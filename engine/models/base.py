@@ -5,6 +5,7 @@ each of several sequences, through the backend's compiled step where it has one)
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +18,11 @@ from engine.models.family import ForwardFn
 from engine.models.weights import Weights
 
 PREFILL_CHUNK = 512  # tokens per forward call: bounds attention scores and activations
+# One model computation at a time in the process. The compiled decode step releases the GIL, so a server's handler
+# threads send tokens while it runs; two models' parallel kernels must still not launch at once (numba's
+# workqueue threading layer, where OpenMP is missing, aborts the process on concurrent launches). On a machine
+# whose cores one computation already fills, taking turns costs nothing.
+COMPUTE = threading.RLock()
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -78,7 +84,7 @@ class Model:
         cache.reserve(len(ids))
         rows = []
         try:
-            for c0 in range(0, len(ids), PREFILL_CHUNK):
+            for c0 in range(0, len(ids), PREFILL_CHUNK):  # a chunk at a time (COMPUTE is taken per chunk)
                 chunk = ids[c0 : c0 + PREFILL_CHUNK]
                 part = self.prefill_part(chunk, cache, max(0, logits_from - c0))
                 if part is not None:
@@ -96,8 +102,9 @@ class Model:
         ids[logits_from:], None when that is empty. The caller ends the prompt (backend.end_prompt)."""
         ids = np.asarray(ids, dtype=np.int64)
         cache.reserve(len(ids))
-        hidden = self._forward(self.config, self.weights, self.backend, ids, cache)  # (T, n_embd)
-        return self.head(hidden[logits_from:]) if logits_from < len(ids) else None
+        with COMPUTE:
+            hidden = self._forward(self.config, self.weights, self.backend, ids, cache)  # (T, n_embd)
+            return self.head(hidden[logits_from:]) if logits_from < len(ids) else None
 
     def decode(self, ids, caches: list[KVCache]) -> np.ndarray:
         """One new token for each of several sequences: ids[m] appended to caches[m]; logits (M, vocab).
@@ -106,7 +113,9 @@ class Model:
         if len(ids) != len(caches):
             raise ValueError(f"{len(ids)} tokens for {len(caches)} caches")
         if self.backend.has_decode_step:
-            return self._finish_logits(self.backend.decode(ids, caches))
+            with COMPUTE:
+                raw = self.backend.decode(ids, caches)
+            return self._finish_logits(raw)
         return np.concatenate([self.prefill([t], c) for t, c in zip(ids, caches)])
 
     def logprobs(self, ids, start: int = 0) -> np.ndarray:
