@@ -145,6 +145,11 @@ class _Run:
         self.errs.append(error_record(line.custom_id, code, message))
         return LineResult(line.custom_id, line.lineno, False, 0, time.monotonic() - start, message)
 
+    def malformed(self, line: BatchLine, start: float) -> LineResult:
+        """The record of a line that could not be read as a request (its error already names the line)."""
+        code, message = line.error
+        return self.failed(line, code, message.removeprefix(f"line {line.lineno}: "), start)
+
     def refused(self, line: BatchLine, e: Exception, start: float) -> LineResult:
         """The record of a line whose request raised e (a bug must not cost the rest of a long run either)."""
         if isinstance(e, GoinferError):
@@ -168,7 +173,7 @@ def _run_line(line: BatchLine, ctx: _Run) -> LineResult | None:
     """Run one line here and record it; None when it was abandoned (should_stop)."""
     start = time.monotonic()
     if line.error is not None:
-        return ctx.failed(line, line.error[0], line.error[1].removeprefix(f"line {line.lineno}: "), start)
+        return ctx.malformed(line, start)
     req = ctx.request(line)
     try:
         body = run_request(ctx.model, req, model_name=ctx.model_name, should_stop=ctx.stopped,
@@ -217,7 +222,7 @@ def _launch(line: BatchLine, ctx: _Run, sched: Scheduler, flying: dict, ended: q
     """Submit one line, or record it at once when it cannot run (malformed, or refused by prepare)."""
     start = time.monotonic()
     if line.error is not None:
-        ctx.record(ctx.failed(line, line.error[0], line.error[1].removeprefix(f"line {line.lineno}: "), start))
+        ctx.record(ctx.malformed(line, start))
         return
     req = ctx.request(line)
     try:
