@@ -16,8 +16,9 @@ import typer
 from commands.errors import fail, user_errors
 from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
 from commands.ui import FetchProgress, err
-from engine import generate, load_model, set_threads
+from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
+from engine.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.requests import encode_prompt
 from engine.store.paths import goinfer_home
@@ -36,6 +37,10 @@ Examples:
 
   goinfer chat --prompt "A cat as JSON" --schema cat.schema.json   # the reply is JSON valid under it
 
+  goinfer chat --session notes.kvsession        # resume the conversation saved there (saved after each turn)
+
+The REPL keeps the conversation's KV cache between turns: each turn evaluates only what is new.
+
 In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /quit. Ctrl-C stops a reply; Ctrl-D quits.
 """
 
@@ -43,7 +48,7 @@ REPL_HELP = "/reset  /system TEXT  /temp T  /seed N  /max N  /quit   (Ctrl-C sto
 
 
 @dataclass
-class Session:
+class ChatState:
     """What the REPL carries between turns."""
 
     system: str | None
@@ -54,6 +59,7 @@ class Session:
     max_tokens: int
     messages: list[dict] = field(default_factory=list)
     grammar: Grammar | None = None  # --schema: replies constrained to it
+    warm: WarmConversation | None = None  # the conversation's KV cache, kept between turns
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -73,6 +79,9 @@ def chat(
     threads: ThreadsOption = None,
     no_selftest: NoSelftestOption = False,
     schema: Annotated[Optional[Path], typer.Option("--schema", help="A JSON schema file: every reply is JSON valid under it.")] = None,
+    session_file: Annotated[Optional[Path], typer.Option(
+        "--session", help="Resume the conversation saved in this file (its messages and KV cache); written after "
+                          "each turn.")] = None,
 ) -> None:
     if temp < 0:
         raise fail(f"--temp must be >= 0, got {temp}")
@@ -80,7 +89,9 @@ def chat(
         raise fail(f"--max must be >= 1, got {max_tokens}")
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
-    session = Session(system, temp, top_k, top_p, seed, max_tokens)
+    if session_file is not None and prompt is not None:
+        raise fail("--session resumes a REPL conversation; it does not go with --prompt")
+    session = ChatState(system, temp, top_k, top_p, seed, max_tokens)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
@@ -89,6 +100,13 @@ def chat(
             llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest)
         finally:
             progress.close()
+        session.warm = WarmConversation(llm, path=session_file, threads=threads,
+                                        warn=lambda line: err.print(f"[yellow]warning:[/yellow] {line}"))
+        saved = session.warm.load()
+        if saved:
+            session.system = saved.get("system", session.system)
+            session.messages = list(saved.get("messages", []))
+            err.print(f"resumed {len(session.messages)} messages from {session_file}")
         if prompt is not None:
             text = sys.stdin.read() if prompt == "-" else prompt
             if not text.strip():
@@ -96,7 +114,10 @@ def chat(
             session.messages.append({"role": "user", "content": text})
             _reply(llm, session)
             return
-    _repl(llm, session)
+    try:
+        _repl(llm, session)
+    finally:
+        session.warm.wait()  # the last turn's cache evaluated and written
 
 
 def _schema_grammar(path: Path) -> Grammar:
@@ -110,16 +131,16 @@ def _schema_grammar(path: Path) -> Grammar:
     return json_schema_grammar(schema, f"--schema {path}")
 
 
-def _reply(llm, session: Session) -> str:
+def _reply(llm, session: ChatState) -> str:
     """Stream one assistant reply to stdout; return its text (also when stopped by Ctrl-C)."""
     text = llm.render_chat(session.conversation(), add_generation_prompt=True)
     ids = encode_prompt(llm, text)  # no second BOS when the template writes one
     parts: list[str] = []
     try:
         procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
-        for ev in generate(llm, ids, max_tokens=session.max_tokens, temperature=session.temperature,
-                           top_k=session.top_k, top_p=session.top_p, seed=session.seed, processors=procs,
-                           logprobs=False):
+        for ev in session.warm.reply(ids, max_tokens=session.max_tokens, temperature=session.temperature,
+                                     top_k=session.top_k, top_p=session.top_p, seed=session.seed,
+                                     processors=procs, logprobs=False):
             if ev.text:
                 parts.append(ev.text)
                 sys.stdout.write(ev.text)
@@ -130,7 +151,7 @@ def _reply(llm, session: Session) -> str:
     return "".join(parts)
 
 
-def _repl(llm, session: Session) -> None:
+def _repl(llm, session: ChatState) -> None:
     interactive = sys.stdin.isatty()
     reader = _terminal_reader() if interactive else _pipe_reader()
     if interactive:
@@ -163,9 +184,16 @@ def _repl(llm, session: Session) -> None:
             session.messages.pop()
             continue
         session.messages.append({"role": "assistant", "content": reply})
+        _warm_next_turn(llm, session)
 
 
-def _command(line: str, session: Session) -> bool:
+def _warm_next_turn(llm, session: ChatState) -> None:
+    """While the user reads and types: the conversation as the next prompt will start, into the cache."""
+    text = llm.render_chat(session.conversation(), add_generation_prompt=False)
+    session.warm.absorb(encode_prompt(llm, text), {"system": session.system, "messages": session.messages})
+
+
+def _command(line: str, session: ChatState) -> bool:
     """Apply a /command; return True to quit."""
     name, _, arg = line.partition(" ")
     arg = arg.strip()

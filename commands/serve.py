@@ -25,13 +25,14 @@ from engine import get_threads, load_model, set_threads
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec)
 from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
+from engine.sessions import DEFAULT_SESSIONS
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
 HELP = """Serve models over HTTP with OpenAI- and Anthropic-compatible APIs.
 
 Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (OpenAI; GET /v1/responses/{id} returns a stored response), POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages), GET /health, /v1/models and /v1/models/{id}.
 
-Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model decodes up to --max-concurrent sequences together (one step reads each weight once for all of them); a newcomer's prompt is evaluated in --prefill-chunk token chunks between their steps. Up to --max-queue more requests wait (first come, first served); further ones get 429 with Retry-After.
+Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model decodes up to --max-concurrent sequences together (one step reads each weight once for all of them); a newcomer's prompt is evaluated in --prefill-chunk token chunks between their steps. Up to --max-queue more requests wait (first come, first served); further ones get 429 with Retry-After. A prompt that starts as a recent one did (a chat's next turn, an agent's fixed system prompt) continues from that prompt's warm KV session (--kv-sessions) and evaluates only the rest; usage reports the reused tokens as cached_tokens.
 
 With --api-key (or GOINFER_API_KEY) every route needs "Authorization: Bearer KEY" or "x-api-key: KEY". A non-loopback --addr needs a key.
 
@@ -44,6 +45,8 @@ Examples:
   goinfer serve -m small=smollm2-135m -m gemma=gemma3-270m --max-queue 4
 
   goinfer serve --max-concurrent 8 --prefill-chunk 256           # more streams at once, shorter prompt pauses
+
+  goinfer serve --session-dir ~/.cache/goinfer/sessions          # warm conversations survive a restart
 
   GOINFER_API_KEY=secret goinfer serve --addr 0.0.0.0:8443 --tls-cert cert.pem --tls-key key.pem
 
@@ -83,6 +86,16 @@ def serve(
     sse_keepalive: Annotated[float, typer.Option(
         "--sse-keepalive", help="Seconds of silence after which a stream gets a keep-alive comment.")]
     = DEFAULT_KEEPALIVE_S,
+    kv_sessions: Annotated[int, typer.Option(
+        "--kv-sessions", help="Warm sessions kept per model: a prompt that starts as a kept one did evaluates only "
+                              "the rest (0: none).")] = DEFAULT_SESSIONS,
+    session_memory: Annotated[Optional[int], typer.Option(
+        "--session-memory", metavar="MIB", help="KV memory the warm sessions of a model may hold "
+                                                "(default: 2048, or a quarter of the available memory if less).")]
+    = None,
+    session_dir: Annotated[Optional[Path], typer.Option(
+        "--session-dir", help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")]
+    = None,
 ) -> None:
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
@@ -91,7 +104,8 @@ def serve(
         host, port = parse_addr(addr)
         config = ServerConfig(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
                               max_queue=max_queue, max_concurrent=max_concurrent, prefill_chunk=prefill_chunk,
-                              max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads)
+                              max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
+                              kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref in specs]
@@ -140,6 +154,13 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
     _note(f"limits: request body {_size(server.body_cap)}, {config.max_concurrent} sequences at once and "
           f"queue {config.max_queue} per model, prompt chunks of {config.prefill_chunk}, "
           f"SSE keep-alive after {config.keepalive_s:g} s of silence")
+    pools = [sch.sessions for sch in server.state.schedulers.values() if sch.sessions is not None]
+    if pools:
+        kept = f", written to {config.session_dir}" if config.session_dir else ""
+        _note(f"prompt-prefix reuse: up to {config.kv_sessions} warm sessions per model in "
+              f"{_size(pools[0].budget_bytes)} of KV{kept}")
+    else:
+        _note("prompt-prefix reuse: off (--kv-sessions 0)")
     if config.api_key:
         _note("auth: API key required on every route (Authorization: Bearer KEY or x-api-key: KEY)")
     else:

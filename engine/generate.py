@@ -45,7 +45,8 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
     `processors` run after the sampling ones (a grammar mask last); one with an `accept(token)` method is
     told each sampled token before the model evaluates it (so it can prepare the next step meanwhile).
     `logprobs=False` leaves each event's `.logprob` None and skips its normalizer (a pass over the vocabulary
-    per token): what a caller that shows no log-probabilities passes."""
+    per token): what a caller that shows no log-probabilities passes. `cache` (default: a new one) may hold the
+    prompt's first positions already (a warm session): those are not evaluated again."""
     window = cache.max_tokens if cache is not None else model.context_length
     gen = Generation(model, prompt_ids, max_tokens, window=window, temperature=temperature, seed=seed, stop=stop,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -135,7 +136,9 @@ class Generation:
 
 
 def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None) -> Iterator[TokenEvent]:
-    logits = model.prefill(gen.prompt_ids, cache, on_chunk=on_prefill)[0]
+    # A cache that already holds the prompt's first positions (a warm session, engine/sessions.py) goes on from
+    # there.
+    logits = model.prefill(gen.prompt_ids[cache.length :], cache, on_chunk=on_prefill)[0]
     yield from continue_from(model, gen, cache, logits)
 
 

@@ -123,6 +123,7 @@ class Completion:
 
     choices: list[Choice]
     prompt_tokens: int  # counted once, however many choices
+    cached_tokens: int = 0  # of the prompt tokens, those a warm session held (not evaluated again)
 
     @property
     def completion_tokens(self) -> int:
@@ -176,6 +177,7 @@ class Prepared:
     window: int  # the context window this request is held to
     head: str  # echo: the prompt text that starts every choice
     choices: list[Generation]  # one not yet started sequence per answer; all share the prompt
+    cached_tokens: int = 0  # leading prompt tokens a warm session gave (set when the prompt is evaluated)
 
     @property
     def cache_tokens(self) -> int:
@@ -289,6 +291,7 @@ class Collector:
     """Builds the Completion from a run's pieces (the same pieces a stream sends)."""
 
     def __init__(self, prep: Prepared):
+        self._prep = prep
         self._request = prep.request
         self._prompt_tokens = len(prep.ids)
         n = len(prep.choices)
@@ -319,7 +322,11 @@ class Collector:
                     c.text, c.tool_calls = text, calls
                     if c.finish_reason == "stop":
                         c.finish_reason = "tool_calls"
-        return Completion(choices, self._prompt_tokens)
+        return Completion(choices, self._prompt_tokens, self.cached_tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._prep.cached_tokens
 
 
 def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,

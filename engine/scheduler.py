@@ -23,6 +23,7 @@ from engine.errors import Cancelled, GoinferError
 from engine.kernels.cpu.threads import set_threads
 from engine.models.base import PREFILL_CHUNK, Model
 from engine.requests import Delta, Prepared
+from engine.sessions import SessionPool
 from engine.stepper import Stepper
 
 DEFAULT_MAX_CONCURRENT = 4  # sequences decoded together: each weight read once per step serves them all
@@ -86,15 +87,17 @@ class Job:
 class Scheduler:
     def __init__(self, model: Model, name: str, *, max_queue: int, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  prefill_chunk: int = PREFILL_CHUNK, threads: int | None = None,
-                 log: Callable[[str], None] = print):
+                 sessions: SessionPool | None = None, log: Callable[[str], None] = print):
+        """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole."""
         self.name = name
+        self.sessions = sessions
         self.max_queue = max_queue
         self.max_concurrent = max_concurrent
         self._threads = threads
         self._log = log
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._stepper = Stepper(model, prefill_chunk=prefill_chunk, on_end=self._ended)
+        self._stepper = Stepper(model, prefill_chunk=prefill_chunk, on_end=self._ended, sessions=sessions)
         self._slots = 0  # sequences of the admitted jobs (guarded by _cv; the stepper's own state is not)
         self._admitted: list[Job] = []
         self._kv_bytes = 0
@@ -129,9 +132,10 @@ class Scheduler:
             self._cv.notify()  # a running job leaves at the next step; an idle loop need not wait for it
 
     def health(self) -> dict:
+        pool = self.sessions.stats() if self.sessions is not None else {}
         with self._cv:
             running = list(self._admitted)
-            return {"name": self.name, "busy": bool(running), "running_requests": len(running),
+            return {**pool, "name": self.name, "busy": bool(running), "running_requests": len(running),
                     "running_sequences": self._slots, "max_concurrent": self.max_concurrent,
                     "running_tokens": sum(j.generated for j in running), "queued": len(self._waiting),
                     "max_queue": self.max_queue, "kv_bytes": self._kv_bytes,

@@ -6,7 +6,8 @@ sequence that is generating, all of them in one `Model.decode` call (each weight
 prompt thus enters between decode steps, chunk by chunk, and the streams already running keep flowing.
 
 A request's n choices share its prompt: it is evaluated once, then each choice continues from a copy of its
-cache. A sequence decides its tokens alone (generate.Generation: sampling, grammar, stop strings, logprobs)
+cache. With a session pool (engine/sessions.py), a prompt starts from the warm session that shares most of it
+and evaluates only the rest; its cache goes back to the pool when the request ends. A sequence decides its tokens alone (generate.Generation: sampling, grammar, stop strings, logprobs)
 from its own logits, and the decode step computes each sequence's logits the same whatever else is in the
 batch (kernels/cpu: attention splits per sequence), so a reply does not depend on who else is being served.
 """
@@ -25,6 +26,7 @@ from engine.generate import Generation
 from engine.kernels.backend import KVCache
 from engine.models.base import PREFILL_CHUNK, Model
 from engine.requests import ChoiceOutput
+from engine.sessions import SessionPool, snapshot_point
 
 
 @dataclass
@@ -44,7 +46,8 @@ class Prompt:
 
     job: object  # scheduler.Job
     cache: KVCache
-    done: int = 0  # prompt tokens evaluated so far
+    done: int = 0  # prompt tokens evaluated so far (or reused from a warm session)
+    snapshot: tuple | None = None  # a recurrent cache's state at snapshot_point (for the session pool)
 
 
 # How a job ended: "completed", "cancelled" (its client left, or shutdown) or "failed" (the error it gets).
@@ -52,10 +55,13 @@ EndFn = Callable[[object, str, BaseException | None], None]
 
 
 class Stepper:
-    def __init__(self, model: Model, *, prefill_chunk: int = PREFILL_CHUNK, on_end: EndFn):
+    def __init__(self, model: Model, *, prefill_chunk: int = PREFILL_CHUNK, on_end: EndFn,
+                 sessions: SessionPool | None = None):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._on_end = on_end
+        self.sessions = sessions
+        self._homes: dict[int, Prompt] = {}  # id(job) -> its prompt (whose cache goes back to the pool)
         self.prompts: deque[Prompt] = deque()
         self.running: list[Sequence] = []
         self._live: dict[int, int] = {}  # id(job) -> its choices not yet finished, for every job admitted
@@ -74,8 +80,15 @@ class Stepper:
     # ------------------------------------------------------------------ work
 
     def admit(self, job) -> None:
-        self._live[id(job)] = len(job.prep.choices)
-        self.prompts.append(Prompt(job, self.model.new_cache(job.prep.cache_tokens)))
+        prep = job.prep
+        self._live[id(job)] = len(prep.choices)
+        if self.sessions is not None:
+            cache, reused = self.sessions.take(prep.ids, prep.cache_tokens)
+        else:
+            cache, reused = self.model.new_cache(prep.cache_tokens), 0
+        prep.cached_tokens = reused
+        self._homes[id(job)] = p = Prompt(job, cache, reused)
+        self.prompts.append(p)
 
     def step(self) -> None:
         """One prompt chunk (the oldest prompt's), then one decode step for everything generating."""
@@ -93,22 +106,28 @@ class Stepper:
         self._drop_cancelled()
 
     def _prompt_chunk(self, p: Prompt) -> None:
-        job, ids, model = p.job, p.job.prep.ids, self.model
+        job, ids, model, cache = p.job, p.job.prep.ids, self.model, p.cache
+        # A recurrent cache pauses where its state is copied for a later reuse (sessions.snapshot_point).
+        pause = snapshot_point(len(ids), model.backend.prompt_tile) if cache.state and self.sessions else 0
         try:
-            if p.done == 0 and len(ids) <= self.prefill_chunk:  # whole, as `requests.run` evaluates it
-                logits = model.prefill(ids, p.cache)
+            if p.done == 0 and len(ids) <= self.prefill_chunk and not pause:  # whole, as `requests.run` does
+                logits = model.prefill(ids, cache)
                 p.done = len(ids)
             else:
                 end = min(len(ids), p.done + self.prefill_chunk)
+                if p.done < pause < end:
+                    end = pause
                 n = end - p.done
                 try:
-                    logits = model.prefill_part(ids[p.done : end], p.cache, n - 1 if end == len(ids) else n)
+                    logits = model.prefill_part(ids[p.done : end], cache, n - 1 if end == len(ids) else n)
                 finally:
                     model.backend.end_prompt()
                 p.done = end
+                if p.done == pause:
+                    p.snapshot = cache.snapshot()
             if p.done == len(ids):
                 self.prompts.popleft()
-                self._start_choices(job, p.cache, logits[0])
+                self._start_choices(job, cache, logits[0])
         except Exception as e:  # noqa: BLE001 - the job fails, the others go on
             self._end(job, e)
         finally:
@@ -170,4 +189,9 @@ class Stepper:
         self.running = [s for s in self.running if s.job is not job]
         self.prompts = deque(p for p in self.prompts if p.job is not job)
         outcome = "completed" if error is None else "cancelled" if isinstance(error, Cancelled) else "failed"
+        home = self._homes.pop(id(job))
+        if self.sessions is not None and outcome != "failed":  # a failure may have left the cache half written
+            # What its prompt pass computed goes back as a warm session, before the job's end is told: a client's
+            # next turn, sent the moment it hears, finds it.
+            self.sessions.give(home.cache, job.prep.ids[: home.done], home.snapshot)
         self._on_end(job, outcome, error)

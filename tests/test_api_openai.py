@@ -148,7 +148,8 @@ def test_chat_completion_object_matches_plain_generation(smol):
     assert choice["message"]["role"] == "assistant"
     assert choice["message"]["content"] == "".join(e.text for e in events)
     assert choice["finish_reason"] == events[-1].finish_reason == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 4, "total_tokens": len(ids) + 4}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 4, "total_tokens": len(ids) + 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # run alone: nothing reused
 
 
 def test_chat_logprobs_follow_openai_shape(smol):

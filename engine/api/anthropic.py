@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from engine.api.fields import float_field, int_field, kind_of, object_body, str_field
 from engine.api.openai import parse_tools
@@ -239,7 +239,14 @@ def message_object(result: Completion, *, model_name: str, message_id: str | Non
     return {"id": message_id or new_id(), "type": "message", "role": "assistant", "model": model_name,
             "content": content, "stop_reason": stop_reason(c.finish_reason, c.stop_sequence),
             "stop_sequence": c.stop_sequence,
-            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": c.completion_tokens}}
+            "usage": usage(result.prompt_tokens, result.cached_tokens, c.completion_tokens)}
+
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """The Messages API's usage: input_tokens counts the prompt tokens not read from the cache (Anthropic's
+    convention: the three input counts add up to the prompt), cache_read_input_tokens those a warm session held."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens, "output_tokens": output_tokens}
 
 
 def error_body(status: int, message: str) -> dict:
@@ -261,6 +268,8 @@ class MessageStream:
     model: str
     input_tokens: int
     tool_names: frozenset[str] | None = None
+    # the prompt tokens a warm session held, known once the prompt is evaluated (message_delta's usage says it)
+    cached_tokens: Callable[[], int] = lambda: 0
     _block: int = -1  # index of the last block opened (-1: none yet)
     _open: bool = False
     _output: int = 0
@@ -312,7 +321,7 @@ class MessageStream:
             out += named_event("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop_reason(finish, d.stop_sequence),
                                                    "stop_sequence": d.stop_sequence},
-                                         "usage": {"output_tokens": self._output}})
+                                         "usage": usage(self.input_tokens, self.cached_tokens(), self._output)})
             out += named_event("message_stop", {"type": "message_stop"})
         return out
 

@@ -46,7 +46,8 @@ class Dialect(Protocol):
                created: int) -> dict: ...
 
     def stream(self, req: GenerationRequest, *, job_id: str, model_name: str, created: int,
-               prompt_tokens: int) -> StreamEncoder: ...
+               prompt_tokens: int, cached_tokens: Callable[[], int] = lambda: 0) -> StreamEncoder:
+        """cached_tokens: the prompt tokens a warm session held, known once the prompt is evaluated."""
 
     def error(self, status: int, body: dict) -> tuple[int, dict]: ...
 
@@ -88,7 +89,7 @@ class OpenAIDialect(_Generating):
     def answer(self, req, result, *, job_id, model_name, created) -> dict:
         return response_object(req, result, model_name=model_name, request_id=job_id, created=created)
 
-    def stream(self, req, *, job_id, model_name, created, prompt_tokens) -> StreamEncoder:
+    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0) -> StreamEncoder:
         return _OpenAIStream(sse.Stream(req.kind, job_id, created, model_name, req.logprobs, req.include_usage,
                                         _tool_names(req)), prompt_tokens)
 
@@ -109,7 +110,7 @@ class _OpenAIStream:
         return data
 
     def finish(self, out: Collector) -> bytes:
-        last = self.info.usage_chunk(self.prompt_tokens, out.generated)
+        last = self.info.usage_chunk(self.prompt_tokens, out.generated, out.cached_tokens)
         return (sse.event(last) if last is not None else b"") + sse.DONE
 
     def error(self, status: int, body: dict) -> bytes:
@@ -130,8 +131,9 @@ class AnthropicMessages(_Generating):
     def answer(self, req, result, *, job_id, model_name, created) -> dict:
         return anthropic.message_object(result, model_name=model_name, message_id=job_id)
 
-    def stream(self, req, *, job_id, model_name, created, prompt_tokens) -> StreamEncoder:
-        return _NamedStream(anthropic.MessageStream(job_id, model_name, prompt_tokens, _tool_names(req)),
+    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0) -> StreamEncoder:
+        return _NamedStream(anthropic.MessageStream(job_id, model_name, prompt_tokens, _tool_names(req),
+                                                    cached_tokens),
                             lambda status, body: anthropic.MessageStream.error(anthropic.error_status(status),
                                                                                body["error"]["message"]))
 
@@ -195,7 +197,7 @@ class ResponsesDialect(_Generating):
             self.store.put(obj, responses.conversation(self.rr, result))
         return obj
 
-    def stream(self, req, *, job_id, model_name, created, prompt_tokens) -> StreamEncoder:
+    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0) -> StreamEncoder:
         return _ResponsesStream(self, responses.ResponseStream(self.rr, job_id, model_name, created,
                                                                _tool_names(req)))
 

@@ -22,7 +22,7 @@ def chat_completion(result: Completion, *, model_name: str, request_id: str | No
         "choices": [{"index": i, "message": _message(c),
                      "logprobs": chat_logprobs(c.logprobs or []) if with_logprobs else None,
                      "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
-        "usage": usage(result.prompt_tokens, result.completion_tokens),
+        "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
     }
 
 
@@ -49,7 +49,7 @@ def text_completion(result: Completion, *, model_name: str, request_id: str | No
         "choices": [{"text": c.text, "index": i,
                      "logprobs": completion_logprobs(c.logprobs or []) if with_logprobs else None,
                      "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
-        "usage": usage(result.prompt_tokens, result.completion_tokens),
+        "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
     }
 
 
@@ -65,9 +65,11 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens a warm session held (engine/sessions.py)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _token_str(piece: bytes) -> str:

@@ -115,6 +115,10 @@ class Backend(Protocol):
     name: str  # the hardware: "cpu"
     path: str  # the configuration: "fast" or "exact"
     stepped_down: frozenset[int]  # GGML type codes whose fast kernels the self-test found wrong (reference tier)
+    # A prompt's rows get the same numbers however the prompt is cut into chunks, when the cuts fall on multiples
+    # of this many positions (a reused prefix ends on one: engine/sessions.py). An op that groups a chunk's rows
+    # (MoE routing) groups them tile by tile.
+    prompt_tile: int
 
     def describe(self) -> str:
         """One line for logs: the configuration and the kernels behind it."""

@@ -76,7 +76,9 @@ class Model:
             raise ValueError("prefill needs at least one token")
         if logits_from is None:
             logits_from = len(ids) - 1
-        if len(ids) == 1 and self.backend.has_decode_step:  # one token: the compiled step is the faster way
+        # A one-token prompt: the compiled step is the faster way. Not a one-token continuation of a prefix: its
+        # position must get the numbers a whole prompt's pass gives it (a reused prefix, engine/sessions.py).
+        if len(ids) == 1 and cache.length == 0 and self.backend.has_decode_step:
             logits = self.decode(ids, [cache])
             if on_chunk is not None:
                 on_chunk(1)

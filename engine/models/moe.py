@@ -27,7 +27,16 @@ def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str) -> np.ndarray:
-    """The MoE MLP of block `blk` ("blk.3.") over normed h (T, n_embd)."""
+    """The MoE MLP of block `blk` ("blk.3.") over normed h (T, n_embd), one prompt tile at a time: an expert's
+    matmul then sees the same rows whatever chunk the tile came in (Backend.prompt_tile), so a reused prompt
+    prefix continues with the numbers a cold prefill gets."""
+    tile = be.prompt_tile
+    if len(h) <= tile:
+        return _feed_forward(cfg, w, be, h, blk)
+    return np.concatenate([_feed_forward(cfg, w, be, h[t0 : t0 + tile], blk) for t0 in range(0, len(h), tile)])
+
+
+def _feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str) -> np.ndarray:
     logits = be.matmul(h, w.tensor(blk + "ffn_gate_inp"))
     if cfg.expert_biases:
         logits = logits + w.bias(blk + "ffn_gate_inp")

@@ -12,7 +12,9 @@ from engine.errors import GoinferError
 from engine.models.base import Model
 from engine.models.base import PREFILL_CHUNK
 from engine.requests import context_window
+from engine.kernels.cpu.matmul import PROMPT_TILE
 from engine.scheduler import DEFAULT_MAX_CONCURRENT
+from engine.sessions import DEFAULT_SESSIONS
 
 DEFAULT_ADDR = "127.0.0.1:8080"
 DEFAULT_CTX = 4096
@@ -41,6 +43,9 @@ class ServerConfig:
     max_body_bytes: int = 0  # 0: derived from the largest context window (body_cap)
     keepalive_s: float = DEFAULT_KEEPALIVE_S  # SSE comment after this long without an event
     threads: int | None = None  # compute threads per model (None: numba's default)
+    kv_sessions: int = DEFAULT_SESSIONS  # warm sessions kept per model for prompt-prefix reuse (0: none)
+    session_memory_mib: int | None = None  # their KV memory per model (None: sessions.default_budget_bytes)
+    session_dir: Path | None = None  # where warm sessions are written at eviction and shutdown, read at start
 
     @property
     def tls(self) -> bool:
@@ -67,8 +72,16 @@ class ServerConfig:
             raise ServerConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_concurrent < 1:
             raise ServerConfigError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
-        if self.prefill_chunk < 1:
-            raise ServerConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_chunk < 1 or self.prefill_chunk % PROMPT_TILE:
+            raise ServerConfigError(f"--prefill-chunk must be a positive multiple of {PROMPT_TILE} (a prompt's "
+                                    f"chunks end on its tiles, so a reused prefix continues exactly), "
+                                    f"got {self.prefill_chunk}")
+        if self.kv_sessions < 0:
+            raise ServerConfigError(f"--kv-sessions must be >= 0, got {self.kv_sessions}")
+        if self.session_memory_mib is not None and self.session_memory_mib < 0:
+            raise ServerConfigError(f"--session-memory must be >= 0, got {self.session_memory_mib}")
+        if self.session_dir is not None and Path(self.session_dir).exists() and not Path(self.session_dir).is_dir():
+            raise ServerConfigError(f"--session-dir {self.session_dir}: not a directory")
         if self.max_body_bytes < 0:
             raise ServerConfigError(f"--max-body-bytes must be >= 0, got {self.max_body_bytes}")
         if self.keepalive_s <= 0:

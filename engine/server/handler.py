@@ -305,7 +305,7 @@ class Handler(BaseHTTPRequestHandler):
         self._end_headers()
         self._status = 200
         enc = self._dialect.stream(req, job_id=job.id, model_name=model_name, created=job.created,
-                                   prompt_tokens=len(job.prep.ids))
+                                   prompt_tokens=len(job.prep.ids), cached_tokens=lambda: job.prep.cached_tokens)
         self._send_events(enc.start())
         out = Collector(job.prep)
         try:

@@ -96,6 +96,7 @@ class Server:
         in_flight = sum(h["queued"] + h["running_requests"]
                         for h in (s.health() for s in self.state.schedulers.values()))
         self._close_schedulers(reason)
+        self.state.save_sessions()
         deadline = time.monotonic() + grace_s
         while self.state.active_requests and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -12,6 +12,8 @@ from engine.api.responses import ResponseStore
 from engine.errors import RequestError
 from engine.server.config import ServedModel, ServerConfig, body_cap
 from engine.scheduler import Scheduler
+from engine.session_store import SessionDir
+from engine.sessions import SessionPool, default_budget_bytes
 
 
 class ServerState:
@@ -25,15 +27,48 @@ class ServerState:
         self.max_queue = config.max_queue
         self.max_concurrent = config.max_concurrent
         self.prefill_chunk = config.prefill_chunk
+        self.kv_sessions = config.kv_sessions
         self.log = log
         self.started = time.time()
         self.closing = False
+        self.session_dirs: dict[str, SessionDir] = {}
         self.schedulers = {m.name: Scheduler(m.model, m.name, max_queue=config.max_queue,
                                              max_concurrent=config.max_concurrent, prefill_chunk=config.prefill_chunk,
-                                             threads=config.threads, log=log) for m in models}
+                                             threads=config.threads, sessions=self._sessions(m, config), log=log)
+                           for m in models}
         self.response_store = ResponseStore()  # the Responses API's stored answers (store, previous_response_id)
         self._active = 0
         self._lock = threading.Lock()
+
+    def _sessions(self, served: ServedModel, config: ServerConfig) -> SessionPool | None:
+        """A model's warm sessions, those its --session-dir holds restored."""
+        if config.kv_sessions < 1:
+            return None
+        budget = default_budget_bytes(_available_bytes()) if config.session_memory_mib is None \
+            else config.session_memory_mib << 20
+        store = None
+        if config.session_dir is not None:
+            store = self.session_dirs[served.name] = SessionDir(config.session_dir, served.model,
+                                                                lambda line: self.log(f"{served.name}: {line}"))
+        pool = SessionPool(served.model, max_sessions=config.kv_sessions, budget_bytes=budget,
+                           on_evict=store.save if store is not None else None)
+        if store is not None:
+            restored = store.load_all()
+            for session in reversed(restored):  # oldest first: the newest is the last to be evicted
+                session.used = time.monotonic()
+                pool.add(session)
+            if restored:
+                self.log(f"{served.name}: restored {len(restored)} warm sessions from {config.session_dir}")
+        return pool
+
+    def save_sessions(self) -> None:
+        """Shutdown: every warm session to its model's --session-dir (after the schedulers have stopped)."""
+        for name, store in self.session_dirs.items():
+            sessions = self.schedulers[name].sessions.drain()
+            for session in sessions:
+                store.save(session)
+            if sessions:
+                self.log(f"{name}: wrote {len(sessions)} warm sessions to {store.root}")
 
     def route(self, name: str | None) -> ServedModel | None:
         """The model a request names (None if it is not served). A request that names none is served by
@@ -63,9 +98,16 @@ class ServerState:
         return {"status": "shutting_down" if self.closing else "ok",
                 "uptime_s": round(time.time() - self.started, 1),
                 "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue,
-                           "max_concurrent": self.max_concurrent, "prefill_chunk": self.prefill_chunk},
+                           "max_concurrent": self.max_concurrent, "prefill_chunk": self.prefill_chunk,
+                           "kv_sessions": self.kv_sessions},
                 "models": [s.health() for s in self.schedulers.values()],
                 "selftest": _selftest_report()}
+
+
+def _available_bytes() -> int | None:
+    from engine.hardware import memory_info
+
+    return memory_info()["available_bytes"]
 
 
 def _selftest_report() -> dict:

@@ -22,7 +22,7 @@ from engine.kernels.backend import ModelConfig, Weights
 from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_roles, step_tables
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
-from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
+from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
 from engine.kernels.quant_types import QTensor
 
 
@@ -32,6 +32,7 @@ KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix k
 
 class CpuBackend:
     name = "cpu"
+    prompt_tile = PROMPT_TILE
 
     def __init__(self, path: str = "fast", kernels: MatmulKernels | None = None,
                  stepped_down: frozenset[int] = frozenset()):
@@ -89,6 +90,29 @@ class CpuBackend:
     # --- ops --------------------------------------------------------------------------------------------------
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        return self.matmul_many(x, [w])[0]
+
+    def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
+        """A prompt's whole tiles and its last partial tile in two calls (see matmul.PROMPT_TILE): the kernels
+        pick their way (integer matvec, int8 GEMM, sgemm) by row count, and a row must be computed the same way
+        whether its tile was the tail of a longer chunk or a chunk of its own (a reused prefix's continuation)."""
+        T = x.shape[0]
+        body = T // PROMPT_TILE * PROMPT_TILE
+        if body in (0, T):
+            return self._matmul_many(x, ws)
+        out = np.empty((T, sum(w.rows for w in ws)), np.float32)  # column slices of one array, as the kernels give
+        for rows in (slice(0, body), slice(body, T)):
+            at = 0
+            for part in self._matmul_many(x[rows], ws):
+                out[rows, at : at + part.shape[1]] = part
+                at += part.shape[1]
+        ends = np.cumsum([w.rows for w in ws]).tolist()
+        return [out[:, a:b] for a, b in zip([0] + ends[:-1], ends)]
+
+    def _matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
+        return self.kernels.matmul_many(x, ws) if len(ws) > 1 else [self._matmul(x, ws[0])]
+
+    def _matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         # A vocabulary head over a prompt goes in row slices: the dequantization scratch stays small even for
         # Gemma's 262k rows.
         if x.shape[0] <= 8 or w.rows <= HEAD_ROWS:
@@ -98,9 +122,6 @@ class CpuBackend:
             part = packed.slice_rows(w, r0, min(w.rows, r0 + HEAD_ROWS))
             out[:, r0 : r0 + part.rows] = self.kernels.matmul(x, part)
         return out
-
-    def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
-        return self.kernels.matmul_many(x, ws)
 
     def embed(self, w: QTensor, ids) -> np.ndarray:
         return self.kernels.embed(w, ids)

@@ -125,7 +125,8 @@ class KVCache:
         """A new sequence that starts where this one is (a copy: keys, values, recurrent state), to continue on its
         own: the n answers of one prompt, which is evaluated once."""
         twin = KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.max_tokens, self.dtype)
-        twin.reserve(self.capacity)  # as much room as this one has
+        # as much room as this one has (a reused session's may hold more than its new request's max_tokens)
+        twin.reserve(min(self.capacity, self.max_tokens))
         tiles = -(-self.length // attention.TILE)
         twin.k[:, :, :tiles] = self.k[:, :, :tiles]
         twin.v[:, :, : self.length] = self.v[:, :, : self.length]

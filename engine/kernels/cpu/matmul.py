@@ -25,6 +25,13 @@ from engine.kernels.cpu import exact, gemm8, int8, ir, packed
 from engine.kernels.quant_types import GGMLType, QTensor
 
 MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize + sgemm
+# A prompt's rows are computed in tiles of this many, at absolute positions (multiples of it): a BLAS may give a
+# row other numbers in a call of another shape (OpenBLAS's Haswell sgemm does: per-row results change with the
+# row count and the row's place in the call), so every sgemm call of a prompt covers one tile, and a row's
+# numbers never depend on how its prompt was cut into chunks, as long as the cuts fall on tile boundaries. That
+# is what makes a reused prompt prefix (engine/sessions.py) give the numbers a cold prefill gives. Equal to
+# ops.ATTN_BLOCK, whose query blocks then fall on the same boundaries.
+PROMPT_TILE = 128
 SCRATCH_MAX_FLOATS = 1 << 24  # 64 MB: bigger weights (vocab heads) are dequantized in row chunks
 
 
@@ -43,6 +50,44 @@ class MatmulKernels(Protocol):
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         """The whole of w as a new f32 (rows, cols) array."""
+
+
+def tiled_gemm(x: np.ndarray, wt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x (T, cols) @ wt (cols, rows) with each PROMPT_TILE rows of x computed as in a call of their own (see
+    PROMPT_TILE); out (T, rows) may be a column slice of a wider array. The whole tiles go in one call where
+    this BLAS was seen to give every row the numbers a one-tile call gives (_one_call_is_tiles); else a call
+    each (measured here: OpenBLAS's SkylakeX sgemm passes, 20 % faster prompts than a call per tile; its Haswell
+    kernel does not)."""
+    T = x.shape[0]
+    if out is None:
+        out = np.empty((T, wt.shape[1]), np.float32)
+    whole = T // PROMPT_TILE * PROMPT_TILE
+    start = 0
+    if whole > PROMPT_TILE and _one_call_is_tiles(wt, whole // PROMPT_TILE):
+        np.matmul(x[:whole], wt, out=out[:whole])
+        start = whole
+    for t0 in range(start, T, PROMPT_TILE):
+        np.matmul(x[t0 : t0 + PROMPT_TILE], wt, out=out[t0 : t0 + PROMPT_TILE])
+    return out
+
+
+_ONE_CALL_IS_TILES: dict[tuple, bool] = {}
+
+
+def _one_call_is_tiles(wt: np.ndarray, tiles: int) -> bool:
+    """Whether an sgemm call over `tiles` whole tiles gives each row exactly what a call over its tile alone gives,
+    for this weight shape and layout: tried once per process on random data of that shape (a GEMM's rounding
+    depends on the shapes and its kernel's blocking, never on the values)."""
+    key = (wt.shape, wt.strides[0] < wt.strides[1], tiles)
+    known = _ONE_CALL_IS_TILES.get(key)
+    if known is None:
+        rng = np.random.default_rng(tiles)
+        probe = rng.standard_normal(wt.shape[::-1]).astype(np.float32)  # (rows, cols)
+        probe = probe.T if key[1] else np.ascontiguousarray(probe.T)  # wt's own layout
+        x = rng.standard_normal((tiles * PROMPT_TILE, wt.shape[0])).astype(np.float32)
+        each = np.concatenate([x[t0 : t0 + PROMPT_TILE] @ probe for t0 in range(0, len(x), PROMPT_TILE)])
+        known = _ONE_CALL_IS_TILES[key] = bool(np.array_equal(x @ probe, each))
+    return known
 
 
 def _f32_view(w: QTensor) -> np.ndarray:
@@ -77,34 +122,50 @@ class ExactKernels:
 
     def __init__(self) -> None:
         self._scratch = np.empty(0, dtype=np.float32)  # grows to the largest (chunk of a) weight used
+        self._holds: tuple = ()  # which rows of which matrices the scratch holds dequantized now
 
     def release(self) -> None:
         """Free the dequantization scratch (up to the largest weight group, 10 MB for Gemma's gate|up) until the
         next prompt: a model that sits decoding or idle should not keep it resident."""
         self._scratch = np.empty(0, dtype=np.float32)
+        self._holds = ()
 
     def _scratch_for(self, rows: int, cols: int) -> np.ndarray:
         if self._scratch.size < rows * cols:
             self._scratch = np.empty(rows * cols, dtype=np.float32)
+            self._holds = ()
         return self._scratch[: rows * cols].reshape(rows, cols)
+
+    def _dequantized(self, ws: Sequence[QTensor], r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """The matrices ws one under another (or rows [r0, r1) of a single one) dequantized in the scratch
+        buffer; kept there for the next call on the same rows (a chunk's whole tiles and its last partial tile
+        are two calls: CpuBackend.matmul). Keyed by the weights' addresses, which stay put while the model is
+        loaded."""
+        spans = [(r0, ws[0].rows if r1 is None else r1)] if len(ws) == 1 else [(0, w.rows) for w in ws]
+        key = tuple((_address(w.raw), _address(w.packed), w.shape, span) for w, span in zip(ws, spans))
+        wf = self._scratch_for(sum(b - a for a, b in spans), ws[0].cols)
+        if key != self._holds:
+            self._holds = ()
+            at = 0
+            for w, (a, b) in zip(ws, spans):
+                # Serial dequantize: a parallel one leaves OpenMP workers spinning against the BLAS threads.
+                _dequantize_rows(w, a, b, wf[at : at + b - a])
+                at += b - a
+            self._holds = key
+        return wf
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         x = as_input(x, w)  # (T, cols)
         T = x.shape[0]
         if w.ggml_type == GGMLType.F32:
-            return x @ _f32_view(w).T
+            return tiled_gemm(x, _f32_view(w).T)
         out = np.empty((T, w.rows), dtype=np.float32)
         if T <= MATVEC_MAX_T and w.packed is None:
             return exact.matvec(w.raw, w.ggml_type, x, out)
         step = max(packed.ROWS, SCRATCH_MAX_FLOATS // w.cols // packed.ROWS * packed.ROWS)
         for r0 in range(0, w.rows, step):
             r1 = min(w.rows, r0 + step)
-            # Serial dequantize: a parallel one leaves OpenMP workers spinning against the BLAS threads.
-            wf = _dequantize_rows(w, r0, r1, self._scratch_for(r1 - r0, w.cols))
-            if r0 == 0 and r1 == w.rows:
-                np.matmul(x, wf.T, out=out)
-            else:
-                out[:, r0:r1] = x @ wf.T
+            tiled_gemm(x, self._dequantized([w], r0, r1).T, out[:, r0:r1])
         return out
 
     def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
@@ -115,13 +176,9 @@ class ExactKernels:
         if (len(ws) == 1 or x.shape[0] <= MATVEC_MAX_T or rows * x.shape[1] > SCRATCH_MAX_FLOATS
                 or any(w.ggml_type == GGMLType.F32 or w.cols != x.shape[1] for w in ws)):
             return [self.matmul(x, w) for w in ws]
-        wf = self._scratch_for(rows, x.shape[1])
-        r0, slices = 0, []
-        for w in ws:
-            _dequantize_rows(w, 0, w.rows, wf[r0 : r0 + w.rows])
-            slices.append(slice(r0, r0 + w.rows))
-            r0 += w.rows
-        out = x @ wf.T  # (T, rows)
+        ends = np.cumsum([w.rows for w in ws]).tolist()
+        slices = [slice(a, b) for a, b in zip([0] + ends[:-1], ends)]
+        out = tiled_gemm(x, self._dequantized(ws).T)  # (T, rows)
         return [out[:, s] for s in slices]
 
     def embed(self, w: QTensor, ids) -> np.ndarray:
@@ -133,6 +190,10 @@ class ExactKernels:
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         return _dequantize_rows(w, 0, w.rows, np.empty(w.shape, dtype=np.float32))
+
+
+def _address(a: np.ndarray | None) -> int:
+    return 0 if a is None else a.__array_interface__["data"][0]
 
 
 def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarray:

@@ -1,0 +1,99 @@
+"""One conversation whose KV cache outlives its turns (`goinfer chat`): each turn evaluates what is new.
+
+A turn's prompt is the whole conversation rendered by the chat template; it starts as the last one did, so it
+continues from the warm session the last turn left (engine/sessions.py, a pool of one) and evaluates the rest.
+The reply's own keys and values come from the decode step, whose numbers differ from a prompt pass's, so after
+each reply the conversation as the next prompt will start (the reply closed by the template) is evaluated
+through the prompt pass in the background, while the user reads and types (`absorb`). The next turn then
+evaluates its new message and at most one prompt tile before it, and gets the numbers a cold prefill of the
+whole conversation would (sessions.py says why it is exact).
+
+With a path (`goinfer chat --session FILE`) the session and the messages are written there after each turn
+(engine/session_store.py) and read back at start.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from engine.generate import TokenEvent, generate
+from engine.kernels.cpu.threads import set_threads
+from engine.models.base import Model
+from engine.session_store import NotLoadable, load_file, save_file
+from engine.sessions import Session, SessionPool
+
+
+class WarmConversation:
+    def __init__(self, model: Model, *, path: Path | None = None, threads: int | None = None,
+                 warn: Callable[[str], None] = print):
+        self.model = model
+        self.path = Path(path) if path is not None else None
+        self.threads = threads
+        self.warn = warn
+        self.pool = SessionPool(model, max_sessions=1, budget_bytes=1 << 62)  # one conversation, whatever its size
+        self.prompt_tokens = 0  # of the last turn
+        self.cached_tokens = 0  # of those, the ones its warm session held
+        self._worker: threading.Thread | None = None
+        self._writable = True  # False when path held something we could not read: it is left as it was
+
+    def load(self) -> dict | None:
+        """The saved conversation's meta (its messages), its session now warm; None (with a warning when the file
+        exists but cannot be used) for a new conversation."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            session = load_file(self.path, self.model)
+        except NotLoadable as e:
+            self._writable = False
+            self.warn(f"skipped session file {self.path}: {e}; starting a new conversation (the file is kept as it "
+                      "is)")
+            return None
+        self.pool.add(session)
+        return session.meta
+
+    def reply(self, ids: list[int], **options) -> Iterator[TokenEvent]:
+        """generate()'s events for the prompt ids, continuing the warm session; `options` are generate()'s."""
+        self.wait()
+        max_new = options.get("max_tokens", 256)
+        cache, reused = self.pool.take(ids, min(self.model.context_length, len(ids) + max_new))
+        self.prompt_tokens, self.cached_tokens = len(ids), reused
+        try:
+            yield from generate(self.model, ids, cache=cache, **options)
+        finally:  # stopped or not, what the prompt pass computed stays warm
+            self.pool.give(cache, ids[: min(len(ids), cache.length)])
+
+    def absorb(self, ids: list[int], meta: dict) -> None:
+        """In the background: evaluate ids (the conversation as the next prompt will start) through the prompt
+        pass into the warm session, then write it to the session file with meta."""
+        self.wait()
+        self._worker = threading.Thread(target=self._absorb, args=(list(ids), meta), name="goinfer-absorb",
+                                        daemon=True)
+        self._worker.start()
+
+    def _absorb(self, ids: list[int], meta: dict) -> None:
+        if self.threads:
+            set_threads(self.threads)  # numba's thread count is per thread
+        cache, reused = self.pool.take(ids, len(ids) + 1)
+        try:
+            if reused < len(ids):
+                self.model.prefill(ids[reused:], cache)
+        except Exception as e:  # noqa: BLE001 - the next turn just evaluates more; the conversation goes on
+            self.warn(f"could not warm the conversation's cache: {e}")
+            return
+        session = Session(cache, np.asarray(ids, np.int64), meta=meta)
+        self.pool.add(session)
+        if self.path is not None and self._writable:
+            try:
+                save_file(self.path, session, self.model)
+            except OSError as e:
+                self.warn(f"could not write {self.path}: {e}")
+
+    def wait(self) -> None:
+        """Until the background evaluation (if any) is done."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None

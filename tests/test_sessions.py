@@ -1,0 +1,274 @@
+"""Prompt-prefix reuse (engine/sessions.py) in process, on the real models: a reply is the same, token for token and
+logprob for logprob, whether its prompt's prefix came from a warm session, a session file or a cold prefill; also
+when the prompt leaves the cached one mid-way, and on a hybrid family whose recurrent state reuses only from a
+snapshot. `cached_tokens` is exactly what was reused. Session files: a round trip restores a session; a corrupt,
+truncated or foreign file is skipped with one warning. `goinfer chat`'s conversation (engine/conversation.py)
+evaluates each turn's new message only, and its replies are the cold ones."""
+
+from __future__ import annotations
+
+import zipfile
+
+import numpy as np
+import pytest
+
+import engine
+from engine.conversation import WarmConversation
+from engine.requests import Collector, GenerationRequest, SamplingOptions, encode_prompt, execute, prepare
+from engine.scheduler import Finished, Job, Scheduler
+from engine.session_store import SessionDir, identity, key_of
+from engine.sessions import SessionPool, shared_prefix
+from tests.conftest import SHARED
+
+SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, pastry, opening "
+          "hours and orders. Keep answers short and friendly, and never invent prices. ") * 8
+TURNS = ["What bread do you recommend for sandwiches?", "And for breakfast?", "Is rye bread healthy?",
+         "How long does a sourdough starter take?", "Thanks! When do you open on Sunday?"]
+
+
+def chat_request(messages, n: int = 1, **opts) -> GenerationRequest:
+    opts = {"max_tokens": 24, "temperature": 0.0, **opts}
+    return GenerationRequest(messages=tuple(messages), options=SamplingOptions(**opts), logprobs=True,
+                             top_logprobs=2, n=n)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    return engine.load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf):
+    return engine.load_model(gemma_gguf)
+
+
+def served(model, **kw):
+    pool = SessionPool(model, **kw)
+    return Scheduler(model, "m", max_queue=8, sessions=pool, log=lambda line: None), pool
+
+
+def run(scheduler, model, req):
+    prep = prepare(model, req)
+    job = Job(prep)
+    scheduler.submit(job)
+    out = Collector(prep)
+    while True:
+        item = job.events.get(timeout=300)
+        if isinstance(item, Finished):
+            if item.error is not None:
+                raise item.error
+            return out.result()
+        out.add(item)
+
+
+def same(a, b) -> None:
+    assert [(c.text, c.finish_reason, c.completion_tokens) for c in a.choices] == \
+           [(c.text, c.finish_reason, c.completion_tokens) for c in b.choices]
+    for x, y in zip(a.choices, b.choices):
+        assert [(t.token, t.logprob, t.top) for t in x.logprobs] == [(t.token, t.logprob, t.top) for t in y.logprobs]
+
+
+def expected_reuse(model, cached_ids, prompt_ids) -> int:
+    tile = model.backend.prompt_tile
+    return min(shared_prefix(cached_ids, prompt_ids), len(prompt_ids) - 1) // tile * tile
+
+
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_a_chat_reuses_its_history_and_every_turn_is_the_cold_reply(which, request):
+    model = request.getfixturevalue(which)
+    scheduler, pool = served(model)
+    try:
+        messages, last_ids = [{"role": "system", "content": SYSTEM}], None
+        for turn, question in enumerate(TURNS):
+            messages.append({"role": "user", "content": question})
+            req = chat_request(messages)
+            ids = prepare(model, req).ids
+            warm = run(scheduler, model, req)
+            same(warm, execute(model, req))  # cold: requests.run, a new cache
+            want = expected_reuse(model, last_ids, ids) if last_ids is not None else 0
+            assert warm.cached_tokens == want
+            if turn:
+                assert want >= len(ids) - 200  # the history came from the session
+            messages.append({"role": "assistant", "content": warm.text})
+            last_ids = ids
+        assert pool.stats()["reuse_hits"] == len(TURNS) - 1
+    finally:
+        scheduler.close("done")
+
+
+def test_a_prompt_that_leaves_a_cached_one_mid_way_reuses_the_shared_part_only(smol):
+    scheduler, pool = served(smol)
+    try:
+        long_doc = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+        first = chat_request([{"role": "user", "content": long_doc + " Summarize."}])
+        run(scheduler, smol, first)
+        a_ids = prepare(smol, first).ids
+        # the same document with one word changed near its middle, then another question
+        changed = long_doc.replace("Line 30: the quick", "Line 30: the slow")
+        second = chat_request([{"role": "user", "content": changed + " Which line is odd?"}])
+        b_ids = prepare(smol, second).ids
+        split = shared_prefix(a_ids, b_ids)
+        assert 300 < split < len(b_ids) - 100
+        warm = run(scheduler, smol, second)
+        assert warm.cached_tokens == split // 128 * 128
+        same(warm, execute(smol, second))
+        # a prompt longer than two chunks that continues a cached one (chunks of 512 from the reused position)
+        third = chat_request([{"role": "user", "content": changed + " Which line is odd?"},
+                              {"role": "assistant", "content": warm.text},
+                              {"role": "user", "content": long_doc + " And now?"}])
+        c_ids = prepare(smol, third).ids
+        assert len(c_ids) - expected_reuse(smol, b_ids, c_ids) > 512
+        warm3 = run(scheduler, smol, third)
+        assert warm3.cached_tokens == expected_reuse(smol, b_ids, c_ids) >= 640
+        same(warm3, execute(smol, third))
+    finally:
+        scheduler.close("done")
+
+
+def test_sampled_requests_with_n_choices_reuse_and_match(smol):
+    scheduler, _ = served(smol)
+    try:
+        base = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+        run(scheduler, smol, chat_request(base))
+        req = chat_request(base[:1] + [{"role": "user", "content": TURNS[1]}], temperature=0.8, seed=7, n=3)
+        warm = run(scheduler, smol, req)
+        assert warm.cached_tokens > 0
+        same(warm, execute(smol, req))
+    finally:
+        scheduler.close("done")
+
+
+def test_the_pool_keeps_at_most_its_limits_and_evicts_the_least_recently_used(smol):
+    evicted = []
+    pool = SessionPool(smol, max_sessions=2, on_evict=evicted.append)
+    prompts = [np.arange(10 + i, 310 + i, dtype=np.int64) for i in range(3)]
+    for ids in prompts:
+        cache, _ = pool.take(ids, 400)
+        smol.prefill(ids, cache)
+        pool.give(cache, ids)
+    assert pool.stats()["sessions"] == 2 and [len(s.tokens) for s in evicted] == [300]
+    assert shared_prefix(evicted[0].tokens, prompts[0]) == 300  # the oldest left first
+    budget = SessionPool(smol, max_sessions=8, budget_bytes=pool.stats()["session_bytes"] // 2 + 1)
+    for s in pool.drain():
+        budget.add(s)
+    assert budget.stats()["sessions"] == 1 and budget.stats()["session_bytes"] <= budget.budget_bytes
+
+
+def test_a_recurrent_model_reuses_only_from_its_snapshot():
+    hybrid = engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
+    assert hybrid.new_cache(8).state  # it does carry recurrent state
+    scheduler, pool = served(hybrid)
+    try:
+        first = GenerationRequest(prompt=list(range(5, 305)), options=SamplingOptions(max_tokens=8, temperature=0))
+        run(scheduler, hybrid, first)
+        again = GenerationRequest(prompt=list(range(5, 305)) + [7, 8, 9], options=first.options)
+        warm = run(scheduler, hybrid, again)
+        assert warm.cached_tokens == 256  # the snapshot: the first prompt's last whole tile
+        cold = execute(hybrid, again)
+        assert warm.text == cold.text
+        # shares 200 tokens only: less than the snapshot, so a cold prefill
+        apart = GenerationRequest(prompt=list(range(5, 205)) + list(range(900, 1000)), options=first.options)
+        assert run(scheduler, hybrid, apart).cached_tokens == 0
+    finally:
+        scheduler.close("done")
+
+
+# ---------------------------------------------------------------------------------------------- session files
+
+def warm_pool(model, messages):
+    scheduler, pool = served(model)
+    try:
+        run(scheduler, model, chat_request(messages))
+    finally:
+        scheduler.close("done")
+    return pool
+
+
+def test_a_session_file_restores_the_session_and_the_reply_is_the_cold_one(tmp_path, smol):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    warnings = []
+    store = SessionDir(tmp_path, smol, warnings.append)
+    for s in warm_pool(smol, messages).drain():
+        store.save(s)
+    assert len(list(tmp_path.iterdir())) == 1
+    restored = SessionDir(tmp_path, smol, warnings.append).load_all()
+    assert len(restored) == 1 and not warnings and not list(tmp_path.iterdir())  # read, then removed
+    pool = SessionPool(smol)
+    pool.add(restored[0])
+    scheduler = Scheduler(smol, "m", max_queue=8, sessions=pool, log=lambda line: None)
+    try:
+        req = chat_request(messages + [{"role": "assistant", "content": "Sourdough."},
+                                       {"role": "user", "content": TURNS[1]}])
+        warm = run(scheduler, smol, req)
+        assert warm.cached_tokens == expected_reuse(smol, prepare(smol, chat_request(messages)).ids,
+                                                    prepare(smol, req).ids) >= 256
+        same(warm, execute(smol, req))
+    finally:
+        scheduler.close("done")
+
+
+def _saved_file(tmp_path, smol):
+    store = SessionDir(tmp_path, smol, print)
+    for s in warm_pool(smol, [{"role": "user", "content": SYSTEM}]).drain():
+        store.save(s)
+    (path,) = tmp_path.iterdir()
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty", "foreign"])
+def test_a_damaged_or_foreign_session_file_is_skipped_with_one_warning(tmp_path, smol, gemma, damage):
+    path = _saved_file(tmp_path, smol)
+    data = bytearray(path.read_bytes())
+    if damage == "flipped":  # one byte inside the keys: the member's CRC no longer holds
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo("keys.npy")
+        data[info.header_offset + 30 + len(info.filename) + info.file_size // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif damage == "truncated":
+        path.write_bytes(bytes(data[: len(data) * 2 // 3]))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # gemma's session under smollm2's name: its header says whose it is
+        other = _saved_file(tmp_path / "g", gemma)
+        path.write_bytes(other.read_bytes())
+    warnings = []
+    assert SessionDir(tmp_path, smol, warnings.append).load_all() == []
+    assert len(warnings) == 1 and str(path) in warnings[0] and "skipped" in warnings[0]
+    assert "\n" not in warnings[0]
+
+
+def test_a_session_file_is_keyed_by_the_model_file_identity(smol, gemma):
+    a, b = identity(smol), identity(gemma)
+    assert a["model"] == smol.path.name and a["digest"] != b["digest"] and key_of(a) != key_of(b)
+
+
+# ---------------------------------------------------------------------------------------------- goinfer chat
+
+def test_a_chat_conversation_evaluates_each_new_message_only_and_answers_as_cold(tmp_path, smol):
+    path = tmp_path / "talk.kvsession"
+    conv = WarmConversation(smol, path=path)
+    messages = [{"role": "system", "content": SYSTEM}]
+    for question in TURNS:
+        messages.append({"role": "user", "content": question})
+        ids = encode_prompt(smol, smol.render_chat(messages, add_generation_prompt=True))
+        reply = "".join(ev.text for ev in conv.reply(ids, max_tokens=24, temperature=0.0, logprobs=False))
+        cold = execute(smol, chat_request(messages))
+        assert reply == cold.text
+        new = len(encode_prompt(smol, smol.render_chat(messages[-1:], add_generation_prompt=True)))
+        evaluated = conv.prompt_tokens - conv.cached_tokens
+        if len(messages) > 2:  # after the first turn: the new message (and the template's marks around it), and
+            assert evaluated <= new + smol.backend.prompt_tile  # at most one tile before it
+        messages.append({"role": "assistant", "content": reply})
+        text = smol.render_chat(messages, add_generation_prompt=False)
+        conv.absorb(encode_prompt(smol, text), {"system": None, "messages": messages})
+    conv.wait()
+    # --session FILE: the conversation and its cache come back
+    again = WarmConversation(smol, path=path)
+    meta = again.load()
+    assert meta["messages"] == messages
+    messages.append({"role": "user", "content": "One more question: do you bake baguettes?"})
+    ids = encode_prompt(smol, smol.render_chat(messages, add_generation_prompt=True))
+    reply = "".join(ev.text for ev in again.reply(ids, max_tokens=24, temperature=0.0, logprobs=False))
+    assert again.cached_tokens >= len(ids) - 128 - 30
+    assert reply == execute(smol, chat_request(messages)).text
+
