@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from commands.errors import fail, user_errors
 from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
@@ -101,7 +102,8 @@ def chat(
         finally:
             progress.close()
         session.warm = WarmConversation(llm, path=session_file, threads=threads,
-                                        warn=lambda line: err.print(f"[yellow]warning:[/yellow] {line}"))
+                                        warn=lambda line: err.print(f"[yellow]warning:[/yellow] {escape(line)}",
+                                                                   soft_wrap=True, highlight=False))
         saved = session.warm.load()
         if saved:
             session.system = saved.get("system", session.system)

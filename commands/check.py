@@ -93,4 +93,7 @@ def _print_plain(r: dict[str, Any]) -> None:
         lines.append(f"fit          {f['model']} at context {f['context']}: needs {_mb(f['total_bytes'])} "
                      f"(weights {_mb(f['weights_bytes'])}, KV {_mb(f['kv_cache_bytes'])}, work ~"
                      f"{_mb(f['working_bytes_estimate'])}); {_mb(f['available_bytes'])} available: {verdict}")
+        lines.append(f"sessions     warm-session KV budget (serve --session-memory default) "
+                     f"{_mb(f['session_budget_bytes'])}: about {f['session_budget_tokens']} cached positions "
+                     f"({f['session_kv_bytes_per_token']} bytes each)")
     print("\n".join(lines))

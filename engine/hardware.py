@@ -162,6 +162,7 @@ def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[s
     from engine.formats.gguf import open_gguf
     from engine.models.hf_checkpoint import is_hf_checkpoint, loaded_bytes, read_metadata
     from engine.models.registry import config_from_gguf
+    from engine.sessions import default_budget_bytes
     from engine.store import resolve_model_ref
 
     path = resolve_model_ref(ref, progress=progress)
@@ -186,10 +187,16 @@ def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[s
     need = weights + kv + work
     mem = memory_info()
     free = mem["available_bytes"]
+    # Warm sessions (`goinfer serve --kv-sessions`, engine/sessions.py): the default budget of their KV memory,
+    # and what it holds in positions of the default path's f16 cache (a recurrent layer's state aside).
+    budget = default_budget_bytes(free)
+    per_token = 2 * len(config.kv_layers) * config.n_head_kv * config.head_dim * 2
     return {"model": ref if ref and not Path(str(ref)).expanduser().exists() else Path(path).name,
             "architecture": config.arch, "context": ctx, "weights_bytes": weights, "kv_cache_bytes": kv,
             "working_bytes_estimate": work, "total_bytes": need, "available_bytes": free,
-            "fits": None if free is None else need <= free}
+            "fits": None if free is None else need <= free,
+            "session_budget_bytes": budget, "session_kv_bytes_per_token": per_token,
+            "session_budget_tokens": budget // per_token if per_token else None}
 
 
 def supported_models() -> dict[str, Any]:

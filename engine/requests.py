@@ -166,6 +166,22 @@ def prompt_ids(model: Model, req: GenerationRequest) -> list[int]:
     return ids
 
 
+def continuation_ids(model: Model, req: GenerationRequest, reply: str) -> list[int] | None:
+    """How the next turn's prompt will likely start after this request's reply: the messages and the reply,
+    closed by the chat template (a chat), or the prompt text and the reply (a completion). None where that cannot
+    be told (token prompts, tool calls) or the template refuses the shape."""
+    try:
+        if req.messages is not None and not req.calls_tools:
+            messages, _ = render_messages(list(req.messages) + [{"role": "assistant", "content": reply}], None,
+                                          model.template.source)
+            return encode_prompt(model, model.render_chat(messages, add_generation_prompt=False))
+        if isinstance(req.prompt, str):
+            return encode_prompt(model, req.prompt + reply)
+    except Exception:  # noqa: BLE001 - a template that wants another shape: no guess, nothing warmed
+        return None
+    return None
+
+
 @dataclass
 class Prepared:
     """A request checked against a model and ready to run: everything a request can get wrong (template,

@@ -140,6 +140,8 @@ class Scheduler:
                     "running_tokens": sum(j.generated for j in running), "queued": len(self._waiting),
                     "max_queue": self.max_queue, "kv_bytes": self._kv_bytes,
                     "decode_steps": self._stepper.decode_steps, "decoded_tokens": self._stepper.decoded_tokens,
+                    **({"warming": self._stepper.has_background, "warmed_tokens": self._stepper.warming.warmed_tokens}
+                       if self._stepper.warming is not None else {}),
                     "completed": self.completed,
                     "cancelled": self.cancelled, "failed": self.failed, "rejected": self.rejected}
 
@@ -170,9 +172,11 @@ class Scheduler:
         stepper = self._stepper
         while True:
             with self._cv:
-                while not self._closed and stepper.idle and not self._waiting:
+                while not self._closed and stepper.idle and not stepper.has_background and not self._waiting:
                     self._cv.wait()
                 if self._closed and stepper.idle:
+                    if stepper.warming is not None:
+                        stepper.warming.stop()  # its session back to the pool (--session-dir writes it)
                     return
                 self._admit()
             try:

@@ -98,10 +98,12 @@ class NotLoadable(Exception):
 def load(path: Path, model, ident: dict) -> Session:
     """A session from path for this model; NotLoadable (with the reason) for anything else."""
     try:
+        if not zipfile.is_zipfile(path):
+            raise NotLoadable("not a goinfer session file (empty, truncated or another format)")
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}  # reads every member whole: a CRC mismatch raises here
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        raise NotLoadable(f"unreadable ({type(e).__name__}: {e})") from None
+        raise NotLoadable(f"unreadable ({type(e).__name__}: {str(e)[:120]})") from None
     try:
         header = json.loads(bytes(data["header"]).decode())
         if header.get("format") != FORMAT or header.get("version") != VERSION:

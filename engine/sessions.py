@@ -97,9 +97,10 @@ class SessionPool:
 
     # ------------------------------------------------------------------ use
 
-    def take(self, prompt: Sequence[int], max_tokens: int) -> tuple[KVCache, int]:
+    def take(self, prompt: Sequence[int], max_tokens: int, *, count: bool = True) -> tuple[KVCache, int]:
         """A cache for a prompt that will hold at most max_tokens positions, and how many of the prompt's
-        leading positions it already holds (0: a new cache). The session it came from leaves the pool."""
+        leading positions it already holds (0: a new cache). The session it came from leaves the pool.
+        count=False: not a request's (idle-time warming), left out of the reuse figures."""
         with self._lock:
             best, reuse = None, 0
             for s in self._sessions:
@@ -108,8 +109,8 @@ class SessionPool:
                     best, reuse = s, n
             if best is not None:
                 self._sessions.remove(best)
-                self.hits += 1
-                self.reused_tokens += reuse
+                self.hits += count
+                self.reused_tokens += reuse if count else 0
         if best is None:
             return self.model.new_cache(max_tokens), 0
         cache = best.cache

@@ -25,8 +25,9 @@ from engine.errors import Cancelled
 from engine.generate import Generation
 from engine.kernels.backend import KVCache
 from engine.models.base import PREFILL_CHUNK, Model
-from engine.requests import ChoiceOutput
+from engine.requests import ChoiceOutput, continuation_ids
 from engine.sessions import SessionPool, snapshot_point
+from engine.warming import Warming
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Prompt:
     cache: KVCache
     done: int = 0  # prompt tokens evaluated so far (or reused from a warm session)
     snapshot: tuple | None = None  # a recurrent cache's state at snapshot_point (for the session pool)
+    reply: list[str] | None = None  # a one-choice job's text so far (what warming continues from)
 
 
 # How a job ended: "completed", "cancelled" (its client left, or shutdown) or "failed" (the error it gets).
@@ -61,6 +63,7 @@ class Stepper:
         self.prefill_chunk = prefill_chunk
         self._on_end = on_end
         self.sessions = sessions
+        self.warming = Warming(model, sessions, prefill_chunk) if sessions is not None else None
         self._homes: dict[int, Prompt] = {}  # id(job) -> its prompt (whose cache goes back to the pool)
         self.prompts: deque[Prompt] = deque()
         self.running: list[Sequence] = []
@@ -74,6 +77,11 @@ class Stepper:
     def idle(self) -> bool:
         return not self._live
 
+    @property
+    def has_background(self) -> bool:
+        """Idle-time work is waiting (engine/warming.py)."""
+        return self.warming is not None and self.warming.busy
+
     def kv_bytes(self) -> int:
         return sum(s.cache.nbytes() for s in self.running) + sum(p.cache.nbytes() for p in self.prompts)
 
@@ -82,16 +90,22 @@ class Stepper:
     def admit(self, job) -> None:
         prep = job.prep
         self._live[id(job)] = len(prep.choices)
+        if self.warming is not None:
+            self.warming.stop()  # first, so that a warming under way puts its session back for this prompt
         if self.sessions is not None:
             cache, reused = self.sessions.take(prep.ids, prep.cache_tokens)
         else:
             cache, reused = self.model.new_cache(prep.cache_tokens), 0
         prep.cached_tokens = reused
-        self._homes[id(job)] = p = Prompt(job, cache, reused)
+        self._homes[id(job)] = p = Prompt(job, cache, reused, reply=[] if len(prep.choices) == 1 else None)
         self.prompts.append(p)
 
     def step(self) -> None:
-        """One prompt chunk (the oldest prompt's), then one decode step for everything generating."""
+        """One prompt chunk (the oldest prompt's), then one decode step for everything generating; with nothing
+        to do, one chunk of idle-time warming."""
+        if self.idle and self.has_background:
+            self.warming.step()
+            return
         self._drop_cancelled()
         if self.prompts:
             self._prompt_chunk(self.prompts[0])
@@ -165,7 +179,11 @@ class Stepper:
         job = seq.job
         try:
             ev = seq.gen.next(logits)
-            job.put(seq.out.piece(ev))
+            piece = seq.out.piece(ev)
+            job.put(piece)
+            home = self._homes.get(id(job))
+            if home is not None and home.reply is not None:
+                home.reply.append(piece.text)
         except Exception as e:  # noqa: BLE001 - e.g. a grammar with no way on: this job fails, the others go on
             self._end(job, e)
             return False
@@ -194,4 +212,6 @@ class Stepper:
             # What its prompt pass computed goes back as a warm session, before the job's end is told: a client's
             # next turn, sent the moment it hears, finds it.
             self.sessions.give(home.cache, job.prep.ids[: home.done], home.snapshot)
+            if outcome == "completed" and home.reply is not None:
+                self.warming.add(continuation_ids(self.model, job.prep.request, "".join(home.reply)))
         self._on_end(job, outcome, error)

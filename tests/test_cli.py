@@ -50,6 +50,28 @@ def test_repl_reads_commands_and_turns_from_a_pipe(smollm2_gguf):
     assert "invalid value for /temp" in r.stderr
 
 
+def test_repl_session_file_resumes_the_conversation(tmp_path, smollm2_gguf):
+    saved = tmp_path / "talk.kvsession"
+    first = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--temp", "0", "--max", "24",
+                    stdin="My name is Ada. Remember it.\nWhat is the capital of France?\n")
+    assert first.returncode == 0, first.stderr
+    assert saved.is_file() and saved.stat().st_size > 0
+    again = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--temp", "0", "--max", "24",
+                    stdin="What is my name?\n")
+    assert again.returncode == 0, again.stderr
+    assert "resumed 4 messages" in again.stderr
+    # a damaged file: one warning line, a new conversation, the file left as it was
+    saved.write_bytes(saved.read_bytes()[:1000])
+    damaged = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--temp", "0", "--max", "8",
+                      stdin="Hello.\n")
+    assert damaged.returncode == 0, damaged.stderr
+    warnings = [ln for ln in damaged.stderr.splitlines() if "skipped session file" in ln]
+    assert len(warnings) == 1 and "Traceback" not in damaged.stderr
+    assert saved.stat().st_size == 1000
+    _one_error_line(goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--prompt", "hi"),
+                    "--session")
+
+
 def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -433,11 +433,12 @@ def test_mxfp4_matvec_covers_every_scale_a_quantizer_writes(tier):
 
 @numba.njit(cache=False)
 def _compiled_step(x, wa, ta, wb, tb, xq8, xs8, xqk, xdk, xbk, out, tier):
-    # One input quantized in place, then two matrices in one parallel call.
+    # One input quantized in place, then two matrices' rows in 4 ranges (as plain_threads runs them).
     quantize.quantize_legacy_into(x, xq8, xs8, 0, x.shape[1])
     quantize.quantize_k_into(x, xqk, xdk, xbk, 0, x.shape[1])
     starts = np.array([0, wa.shape[0], wa.shape[0] + wb.shape[0]])
-    int8.matvec_into((wa, wb), np.array([ta, tb]), starts, xq8, xs8, xqk, xdk, xbk, x, out, 4, tier)
+    for ch in range(4):
+        int8.matvec_into((wa, wb), np.array([ta, tb]), starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, 4, ch)
 
 
 def test_entry_points_compose_inside_njit():

@@ -26,6 +26,9 @@ from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
 from engine.kernels.quant_types import QTensor
 
 
+# A prompt's attention blocks must fall on its tiles too (matmul.PROMPT_TILE says why).
+assert PROMPT_TILE % ops.ATTN_BLOCK == 0, "prompt tiles must hold whole attention blocks"
+
 HEAD_ROWS = 32768  # vocabulary rows per matmul of a prompt's head: bounds the dequantization scratch
 KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix kernels (matmul.py)
 

@@ -19,8 +19,6 @@ tests/test_gemm8.py holds it to the decode matvec's result on the same input.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numba
 import numpy as np
 from llvmlite import ir
@@ -29,6 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from engine.kernels.cpu import ir as kir
+from engine.kernels.cpu import plain_threads
 from engine.kernels.cpu.dequant import f16_at, k_scale_min
 from engine.kernels.cpu.ir import FLT, I32, Q5_K_CODE, Q6_K_CODE, V, Emitter, is_arr
 from engine.kernels.cpu.quantize import QK_K, quantize_k_into
@@ -226,22 +225,5 @@ def matmul(qin: QuantizedInput, w: QTensor) -> np.ndarray:
     several times slower against them (measured on Gemma 3: prompts 1.5x slower with a parallel region here)."""
     out = np.empty((qin.T, w.rows), np.float32)
     n = max(1, min(-(-w.rows // ROWS), numba.get_num_threads()))
-    args = (w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm32, qin.xm16, out, n)
-    pending = [_pool(n).submit(_gemm, *args, ch) for ch in range(1, n)]
-    _gemm(*args, 0)
-    for f in pending:
-        f.result()
+    plain_threads.split(_gemm, (w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm32, qin.xm16, out, n), n)
     return out
-
-
-_executor: ThreadPoolExecutor | None = None
-_workers = 0
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    """n - 1 helper threads (the caller runs a chunk itself), made once and grown when asked for more."""
-    global _executor, _workers
-    if _executor is None or _workers < n - 1:
-        _workers = max(1, n - 1)
-        _executor = ThreadPoolExecutor(max_workers=_workers, thread_name_prefix="goinfer-gemm8")
-    return _executor

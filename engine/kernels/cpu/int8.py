@@ -3,7 +3,8 @@ weights read in their GGUF blocks in place, integer dot products per block (lega
 algebra per block. This module holds the drivers over rows and matrices, the f32 dot products of float weights
 (F32/F16/BF16 take the f32 activations as they are) and the Python API; ir.py holds the IR toolkit and the tiers.
 
-Rows are spread over threads by a prange over row chunks; each row is read from memory once per call and reused
+Rows are spread over plain threads in ranges (plain_threads.py: a parallel region here fought the BLAS threads
+of the prompt pass around it); each row is read from memory once per call and reused
 from L1 for every one of the M activation vectors (compute grows with M; decoding a block once for several
 vectors is left for batched decode). Each row loop prefetches PREFETCH_BYTES ahead.
 Measured (Zen 3, AVX2, 2 threads, quiet box, DRAM read ~34 GB/s): one SmolLM2 token's 211 matvecs 4.4 ms
@@ -17,8 +18,7 @@ Public API (Python; each is one compiled call after argument checks):
   dequantized_input(qin, type) -> f32     the activations as the kernels see them (oracles)
   (and from ir.py: available_tiers(), TIER, tier_token(tier); from quantize.py: legacy_x_order(K))
 njit-callable (for the compiled decode step, decode_step.py): rows_into (one matrix's row range, dispatched on
-its type code) and matvec_into (a tuple of weight arrays, parallel over rows), the tier token as their last
-argument; with quantize.py's quantize_legacy_into and quantize_k_into.
+its type code; the tier token its last argument) and matvec_into (a tuple of weight arrays, one range of rows); with quantize.py's quantize_legacy_into and quantize_k_into.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import NamedTuple, Sequence
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
+from engine.kernels.cpu import plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
 from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, F32_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE,
                                    Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
@@ -120,23 +121,23 @@ def rows_into(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, 
         _rows_f32(raw, base, rb, r0, r1, x, out, c0)
 
 
-@njit(parallel=True, cache=True)
-def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, tier):
+@njit(nogil=True, cache=True)
+def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_chunks, ch):
     """out[:, starts[i]:starts[i+1]] = x @ W_i.T for the matrices raws[i] (a tuple of (rows_i, row_bytes_i)
     uint8 arrays with type codes[i]), all sharing one input: its legacy (xq8, xs8) and K (xqk, xdk, xbk)
     quantizations and its f32 values x (M, K). Arrays a matrix's types do not need may be empty.
-    The rows of all matrices are split into n_chunks equal ranges, run in parallel."""
+    The rows of all matrices are split into n_chunks equal ranges; this call runs range ch (matvec runs them at
+    once on plain threads: plain_threads.py says why not a parallel region)."""
     total = starts[len(raws)]
-    for ch in prange(n_chunks):
-        lo, hi = ch * total // n_chunks, (ch + 1) * total // n_chunks
-        for i in range(len(raws)):
-            a, z = max(lo, starts[i]), min(hi, starts[i + 1])
-            if a < z:
-                # Flat, as the decode step's file buffer, and offsets typed int64 (a literal 0 would be a type
-                # of its own): both share one compiled specialization of every row kernel (each one more cost
-                # ~5-10 s of the first run's compile).
-                rows_into(codes[i], raws[i].reshape(-1), np.int64(0), raws[i].shape[1], a - starts[i], z - starts[i],
-                          xq8, xs8, xqk, xdk, xbk, x, out, np.int64(starts[i]), tier)
+    lo, hi = ch * total // n_chunks, (ch + 1) * total // n_chunks
+    for i in range(len(raws)):
+        a, z = max(lo, starts[i]), min(hi, starts[i + 1])
+        if a < z:
+            # Flat, as the decode step's file buffer, and offsets typed int64 (a literal 0 would be a type
+            # of its own): both share one compiled specialization of every row kernel (each one more cost
+            # ~5-10 s of the first run's compile).
+            rows_into(codes[i], raws[i].reshape(-1), np.int64(0), raws[i].shape[1], a - starts[i], z - starts[i],
+                      xq8, xs8, xqk, xdk, xbk, x, out, np.int64(starts[i]), tier)
 
 
 @njit(cache=True)
@@ -169,14 +170,14 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
                     idots_q6_k(raw, r * rb, nsb, xqk, m * xqk.shape[1], xbk, bo, out, oo, tier)
 
 
-@njit(cache=True)
-def _matvec3(w0, t0, w1, t1, w2, t2, xq8, xs8, xqk, xdk, xbk, x, out, n_chunks, tier):
+@njit(nogil=True, cache=True)
+def _matvec3(w0, t0, w1, t1, w2, t2, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_chunks, ch):
     # Up to three matrices as plain array arguments: numba unboxes arrays on its fast C path, while a tuple
     # of arrays is typed in Python (several us per call). Unused slots have 0 rows.
     s1 = w0.shape[0]
     s2 = s1 + w1.shape[0]
     matvec_into((w0, w1, w2), (t0, t1, t2), (0, s1, s2, s2 + w2.shape[0]), xq8, xs8, xqk, xdk, xbk, x, out,
-                n_chunks, tier)
+                tier, n_chunks, ch)
 
 
 # =========================================================================================================
@@ -300,18 +301,20 @@ def matvec(ws: Sequence | PreparedWeights, qin: QInput, out: np.ndarray | None =
         raise ValueError(f"out must be C-contiguous float32 {(M, p.rows)}, got {out.dtype}{out.shape}")
     if p.rows == 0 or M == 0:
         return out
-    if n_chunks is None:  # a few chunks per thread (static schedule); the launched pool size is a cheap bound
-        n_chunks = max(1, min(p.rows, 4 * numba.config.NUMBA_NUM_THREADS))
+    if n_chunks is None:  # one range of rows per thread
+        n_chunks = max(1, min(p.rows, numba.get_num_threads()))
     tok = tier_token(tier)
     if len(p.raws) <= 3:
         w = p.raws + (_NO_WEIGHT,) * (3 - len(p.raws))
         c = p.codes + (F32_CODE,) * (3 - len(p.codes))
-        _matvec3(w[0], c[0], w[1], c[1], w[2], c[2], qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out,
-                 n_chunks, tok)
+        args = (w[0], c[0], w[1], c[1], w[2], c[2], qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out, tok,
+                n_chunks)
+        plain_threads.split(_matvec3, args, n_chunks)
     else:
         starts = np.cumsum((0,) + tuple(r.shape[0] for r in p.raws)).astype(np.int64)
-        matvec_into(p.raws, np.array(p.codes, np.int64), starts, qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk,
-                    qin.x, out, n_chunks, tok)
+        args = (p.raws, np.array(p.codes, np.int64), starts, qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out,
+                tok, n_chunks)
+        plain_threads.split(matvec_into, args, n_chunks)
     return out
 
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from engine.kernels.cpu import plain_threads
 from engine.kernels.cpu.ir import Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q8_0_CODE, tier_token
 from engine.kernels.cpu.packed_kernels import (MB, ROWS, SRC, d_q4_0, d_q4_1, d_q5_0, d_q5_1, d_q8_0, g_q4_0, g_q4_1,
                                                g_q5_0, g_q5_1, g_q8_0)
@@ -175,10 +176,10 @@ def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
                 g_q5_1(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
 
 
-@njit(parallel=True, cache=True)
-def _groups_parallel(code, w, nb, n_groups, xq, xs, out, n_chunks, tier):
-    for ch in prange(n_chunks):
-        groups_into(code, w, 0, nb, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks, xq, xs, out, 0, tier)
+@njit(nogil=True, cache=True)
+def _groups_chunk(code, w, nb, n_groups, xq, xs, out, tier, n_chunks, ch):
+    """Chunk ch of n_chunks of the row groups (plain_threads.split runs the chunks at once)."""
+    groups_into(code, w, 0, nb, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks, xq, xs, out, 0, tier)
 
 
 # =========================================================================================================
@@ -196,8 +197,9 @@ def matvec(w, x: np.ndarray, tier: str | None = None) -> np.ndarray:
     out = np.empty((M, w.rows), np.float32)
     xq, xs = np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32)
     quantize_natural_into(x, xq, xs, 0, K)
-    _groups_parallel(int(w.ggml_type), w.packed, K // 32, n // ROWS, xq, xs, out,
-                     max(1, min(n // ROWS, 4 * numba.config.NUMBA_NUM_THREADS)), tier_token(tier))
+    chunks = max(1, min(n // ROWS, numba.get_num_threads()))  # on plain threads: see plain_threads.py
+    plain_threads.split(_groups_chunk, (int(w.ggml_type), w.packed, K // 32, n // ROWS, xq, xs, out, tier_token(tier),
+                                        chunks), chunks)
     if n < w.rows:
         p = int8.prepare([(w.raw[n:], w.ggml_type)])
         out[:, n:] = int8.matvec(p, int8.quantize(x, p), tier=tier)
