@@ -9,7 +9,7 @@ What is reused, and why it is exact (a warm reply equals the cold one, bit for b
 - Only positions the prompt pass computed. A generated token's keys and values come from the decode step,
   whose int8 kernels and attention round differently from a prompt's pass; the next turn's prompt re-evaluates
   the previous reply (it is short next to the history), so a warm turn sees the numbers a cold one sees.
-- Cut back to a multiple of the backend's prompt tile (Backend.prompt_tile, 128 on the CPU): a prompt's rows
+- Cut back to a multiple of the backend's prompt tile (Backend.prompt_tile, 64 on the CPU): a prompt's rows
   get the same numbers however it is cut into chunks only when the cuts fall on tile boundaries (kernels/cpu/
   matmul.py PROMPT_TILE). `cached_tokens` reports exactly what was reused: the cut, not the shared prefix.
 - At least one prompt token is evaluated: its logits start the reply.

@@ -52,7 +52,7 @@ def test_every_route_reports_the_tokens_a_warm_session_gave(served):
     second = post(url, "/v1/chat/completions", chat_body("lib", "When do you open on Monday?", answer,
                                                          "And on Sunday?"))
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0 and cached % 128 == 0 and second["usage"]["prompt_tokens"] - cached < 200
+    assert cached > 0 and cached % 64 == 0 and second["usage"]["prompt_tokens"] - cached < 200
 
     # streamed, with the usage chunk
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=300,
@@ -93,6 +93,7 @@ def test_every_route_reports_the_tokens_a_warm_session_gave(served):
     assert lib["reuse_hits"] >= 5 and lib["reused_tokens"] >= 5 * 128
     assert 0 < lib["sessions"] <= lib["max_sessions"] == health["limits"]["kv_sessions"] == 8
     assert 0 < lib["session_bytes"] <= lib["session_budget_bytes"]
+    assert lib["warmed_tokens"] > 0  # idle time evaluated the replies through the prompt pass
 
 
 def test_warm_sessions_survive_a_restart_and_a_damaged_file_is_skipped(served, session_dir, tmp_path, smollm2_gguf):
@@ -146,5 +147,5 @@ def test_warm_sessions_survive_a_restart_and_a_damaged_file_is_skipped(served, s
 def test_a_prefill_chunk_off_the_prompt_tiles_is_refused():
     r = subprocess.run([sys.executable, "-m", "goinfer_cli.app", "serve", "--prefill-chunk", "100"], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "--prefill-chunk" in r.stderr and "128" in r.stderr
+    assert r.returncode != 0 and "--prefill-chunk" in r.stderr and "multiple of 64" in r.stderr
     assert "Traceback" not in r.stderr

@@ -124,7 +124,7 @@ def test_a_prompt_that_leaves_a_cached_one_mid_way_reuses_the_shared_part_only(s
         split = shared_prefix(a_ids, b_ids)
         assert 300 < split < len(b_ids) - 100
         warm = run(scheduler, smol, second)
-        assert warm.cached_tokens == split // 128 * 128
+        assert warm.cached_tokens == split // smol.backend.prompt_tile * smol.backend.prompt_tile
         same(warm, execute(smol, second))
         b_ids = session_tokens(smol, second, warm)
         # a prompt longer than two chunks that continues a cached one (chunks of 512 from the reused position)
@@ -286,6 +286,6 @@ def test_a_chat_conversation_evaluates_each_new_message_only_and_answers_as_cold
     messages.append({"role": "user", "content": "One more question: do you bake baguettes?"})
     ids = encode_prompt(smol, smol.render_chat(messages, add_generation_prompt=True))
     reply = "".join(ev.text for ev in again.reply(ids, max_tokens=24, temperature=0.0, logprobs=False))
-    assert again.cached_tokens >= len(ids) - 128 - 30
+    assert again.cached_tokens >= len(ids) - smol.backend.prompt_tile - 30
     assert reply == execute(smol, chat_request(messages)).text
 

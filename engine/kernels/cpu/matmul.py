@@ -31,7 +31,7 @@ MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize
 # numbers never depend on how its prompt was cut into chunks, as long as the cuts fall on tile boundaries. That
 # is what makes a reused prompt prefix (engine/sessions.py) give the numbers a cold prefill gives. Equal to
 # ops.ATTN_BLOCK, whose query blocks then fall on the same boundaries.
-PROMPT_TILE = 128
+PROMPT_TILE = 64
 SCRATCH_MAX_FLOATS = 1 << 24  # 64 MB: bigger weights (vocab heads) are dequantized in row chunks
 
 

@@ -61,7 +61,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     return out
 
 
-ATTN_BLOCK = 128  # queries per block of a prompt's attention
+ATTN_BLOCK = 64  # queries per block of a prompt's attention
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0,
