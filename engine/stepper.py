@@ -7,9 +7,11 @@ prompt thus enters between decode steps, chunk by chunk, and the streams already
 
 A request's n choices share its prompt: it is evaluated once, then each choice continues from a copy of its
 cache. With a session pool (engine/sessions.py), a prompt starts from the warm session that shares most of it
-and evaluates only the rest; its cache goes back to the pool when the request ends. A sequence decides its tokens alone (generate.Generation: sampling, grammar, stop strings, logprobs)
-from its own logits, and the decode step computes each sequence's logits the same whatever else is in the
-batch (kernels/cpu: attention splits per sequence), so a reply does not depend on who else is being served.
+and evaluates only the rest; its cache goes back to the pool when the request ends (and, idle, the scheduler
+evaluates the reply into it: engine/warming.py). A sequence decides its tokens alone (generate.Generation:
+sampling, grammar, stop strings, logprobs) from its own logits, and the decode step computes each sequence's
+logits the same whatever else is in the batch (kernels/cpu: attention splits per sequence), so a reply does not
+depend on who else is being served.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class Stepper:
             cache, reused = self.model.new_cache(prep.cache_tokens), 0
         prep.cached_tokens = reused
         self._homes[id(job)] = p = Prompt(job, cache, reused, reply=[] if len(prep.choices) == 1 else None)
+        if cache.state and reused:  # restored at a snapshot: still the one to keep if the prompt pauses there
+            p.snapshot = cache.snapshot()
         self.prompts.append(p)
 
     def step(self) -> None:

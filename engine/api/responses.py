@@ -197,7 +197,8 @@ def response_object(rr: ResponsesRequest, result: Completion | None, *, response
         output += [_call_item(t) for t in c.tool_calls or []]
         usage = {"input_tokens": result.prompt_tokens, "output_tokens": c.completion_tokens,
                  "total_tokens": result.prompt_tokens + c.completion_tokens,
-                 "input_tokens_details": {"cached_tokens": result.cached_tokens}, "output_tokens_details": {"reasoning_tokens": 0}}
+                 "input_tokens_details": {"cached_tokens": result.cached_tokens},
+                 "output_tokens_details": {"reasoning_tokens": 0}}
         if c.finish_reason == "length":
             incomplete = {"reason": "max_output_tokens"}
         status = status or ("incomplete" if incomplete else "completed")

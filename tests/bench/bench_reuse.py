@@ -26,14 +26,13 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.bench.bench_serving import Server, _free_port  # noqa: E402
+from tests.bench.bench_serving import Server, _free_port, raw_post  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENT = " ".join(
@@ -48,32 +47,23 @@ QUESTIONS = ["Summarize the rules in two sentences.", "When does the office open
 
 def turn(url: str, messages: list[dict], tokens: int, extra: dict | None = None) -> dict:
     """One streamed chat turn over a raw socket: time to the first content, the reply, the usage it reports."""
-    body = json.dumps({"messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}, **(extra or {})}).encode()
-    host, port = url.split("//")[1].split(":")
-    head = (f"POST /v1/chat/completions HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra or {})}
     sent = time.perf_counter()
     first, buf, text, usage = None, b"", [], None
-    with socket.create_connection((host, int(port)), timeout=900) as sock:
-        sock.sendall(head + body)
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                break
-            now = time.perf_counter()
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data: {"):
-                    continue
-                obj = json.loads(line[6:])
-                for c in obj.get("choices") or []:
-                    piece = (c.get("delta") or {}).get("content")
-                    if piece:
-                        first = first or now
-                        text.append(piece)
-                usage = obj.get("usage") or usage
+    for now, data in raw_post(url, "/v1/chat/completions", body):
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: {"):
+                continue
+            obj = json.loads(line[6:])
+            for c in obj.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    first = first or now
+                    text.append(piece)
+            usage = obj.get("usage") or usage
     if first is None:
         raise SystemExit(f"{url}: no content in the reply")
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")

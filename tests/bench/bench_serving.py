@@ -75,28 +75,36 @@ def stream(url: str, prompt: str, tokens: int, banned: list[int]) -> dict:
     """One streamed completion over a raw socket (HTTP/1.0: the body ends when the server closes), timing each
     event as its bytes arrive. No JSON parsing or HTTP library on this side: on a 2-core machine a client's own
     per-token work would take CPU from the server it measures."""
-    body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "logit_bias": {str(t): -100 for t in banned}}).encode()
-    host, port = url.split("//")[1].split(":")
-    head = (f"POST /v1/completions HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "logit_bias": {str(t): -100 for t in banned}}
     sent = time.perf_counter()
     times: list[float] = []
-    first, tail = b"", b""
-    with socket.create_connection((host, int(port)), timeout=600) as sock:
-        sock.sendall(head + body)
+    tail = b""
+    for now, data in raw_post(url, "/v1/completions", body):
+        both = tail + data  # an event's marker may straddle two reads
+        times += [now] * both.count(b"data: {")
+        tail = both[-6:]
+    return {"sent": sent, "times": times, "end": time.perf_counter()}
+
+
+def raw_post(url: str, path: str, body: dict):
+    """POST a JSON body over a raw socket (HTTP/1.0: the answer ends when the server closes); yields (time, bytes)
+    as they arrive. A status other than 200 ends the benchmark."""
+    payload = json.dumps(body).encode()
+    host, port = url.split("//")[1].split(":")
+    head = (f"POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    first = True
+    with socket.create_connection((host, int(port)), timeout=900) as sock:
+        sock.sendall(head + payload)
         while True:
             data = sock.recv(65536)
             if not data:
-                break
-            now = time.perf_counter()
-            first = first or data
-            both = tail + data  # an event's marker may straddle two reads
-            times += [now] * both.count(b"data: {")
-            tail = both[-6:]
-    if b" 200 " not in first.split(b"\r\n", 1)[0]:
-        raise SystemExit(f"{url}: {first[:300]!r}")
-    return {"sent": sent, "times": times, "end": time.perf_counter()}
+                return
+            if first and b" 200 " not in data.split(b"\r\n", 1)[0]:
+                raise SystemExit(f"{url}: {data[:300]!r}")
+            first = False
+            yield time.perf_counter(), data
 
 
 def burst(url: str, n: int, tokens: int, banned: list[int], rep: int) -> list[dict]:

@@ -18,7 +18,8 @@ Public API (Python; each is one compiled call after argument checks):
   dequantized_input(qin, type) -> f32     the activations as the kernels see them (oracles)
   (and from ir.py: available_tiers(), TIER, tier_token(tier); from quantize.py: legacy_x_order(K))
 njit-callable (for the compiled decode step, decode_step.py): rows_into (one matrix's row range, dispatched on
-its type code; the tier token its last argument) and matvec_into (a tuple of weight arrays, one range of rows); with quantize.py's quantize_legacy_into and quantize_k_into.
+its type code; the tier token its last argument) and matvec_into (a tuple of weight arrays, one range of rows);
+with quantize.py's quantize_legacy_into and quantize_k_into.
 """
 
 from __future__ import annotations
