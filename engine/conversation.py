@@ -24,7 +24,7 @@ from engine.generate import TokenEvent, generate
 from engine.kernels.cpu.threads import set_threads
 from engine.models.base import Model
 from engine.session_store import NotLoadable, load_file, save_file
-from engine.sessions import Session, SessionPool
+from engine.sessions import Session, SessionPool, snapshot_point
 
 
 class WarmConversation:
@@ -61,10 +61,12 @@ class WarmConversation:
         max_new = options.get("max_tokens", 256)
         cache, reused = self.pool.take(ids, min(self.model.context_length, len(ids) + max_new))
         self.prompt_tokens, self.cached_tokens = len(ids), reused
+        # a recurrent state moves on with the reply: the snapshot it was restored at stays the reusable point
+        snapshot = cache.snapshot() if cache.state and reused else None
         try:
             yield from generate(self.model, ids, cache=cache, **options)
         finally:  # stopped or not, what the prompt pass computed stays warm
-            self.pool.give(cache, ids[: min(len(ids), cache.length)])
+            self.pool.give(cache, ids[: min(len(ids), cache.length)], snapshot)
 
     def absorb(self, ids: list[int], meta: dict) -> None:
         """In the background: evaluate ids (the conversation as the next prompt will start) through the prompt
@@ -78,13 +80,20 @@ class WarmConversation:
         if self.threads:
             set_threads(self.threads)  # numba's thread count is per thread
         cache, reused = self.pool.take(ids, len(ids) + 1)
+        snapshot = None
         try:
+            if cache.state:  # a recurrent model reuses from a snapshot only: the evaluation pauses for one
+                pause = snapshot_point(len(ids), self.model.backend.prompt_tile)
+                if reused < pause:
+                    self.model.prefill(ids[reused:pause], cache)
+                    reused = pause
+                snapshot = cache.snapshot()
             if reused < len(ids):
                 self.model.prefill(ids[reused:], cache)
         except Exception as e:  # noqa: BLE001 - the next turn just evaluates more; the conversation goes on
             self.warn(f"could not warm the conversation's cache: {e}")
             return
-        session = Session(cache, np.asarray(ids, np.int64), meta=meta)
+        session = Session(cache, np.asarray(ids, np.int64), snapshot, meta=meta)
         self.pool.add(session)
         if self.path is not None and self._writable:
             try:

@@ -87,8 +87,10 @@ class Job:
 class Scheduler:
     def __init__(self, model: Model, name: str, *, max_queue: int, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  prefill_chunk: int = PREFILL_CHUNK, threads: int | None = None,
-                 sessions: SessionPool | None = None, log: Callable[[str], None] = print):
-        """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole."""
+                 sessions: SessionPool | None = None, warm_replies: bool = True,
+                 log: Callable[[str], None] = print):
+        """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole.
+        warm_replies: evaluate a finished chat's reply into its session while idle (engine/warming.py)."""
         self.name = name
         self.sessions = sessions
         self.max_queue = max_queue
@@ -97,7 +99,8 @@ class Scheduler:
         self._log = log
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._stepper = Stepper(model, prefill_chunk=prefill_chunk, on_end=self._ended, sessions=sessions)
+        self._stepper = Stepper(model, prefill_chunk=prefill_chunk, on_end=self._ended, sessions=sessions,
+                                warm_replies=warm_replies)
         self._slots = 0  # sequences of the admitted jobs (guarded by _cv; the stepper's own state is not)
         self._admitted: list[Job] = []
         self._kv_bytes = 0

@@ -129,10 +129,11 @@ def _rebuild(model, header: dict, data: dict) -> Session:
     if n and (keys.shape != (L, n, H, D) or values.shape != (L, n, H, D) or keys.dtype != np.float32
               or values.dtype != np.float32 or not (np.isfinite(keys).all() and np.isfinite(values).all())):
         raise NotLoadable("its keys or values do not fit this model")
-    cache.reserve(n)
-    for layer in range(L):
-        cache.write(layer, keys[layer], values[layer])  # stored rounded as they were: writing them is exact
-    cache.advance(n)
+    if n:
+        cache.reserve(n)
+        for layer in range(L):
+            cache.write(layer, keys[layer], values[layer])  # stored rounded as they were: writing them is exact
+        cache.advance(n)
     snapshot = None
     if header["snapshot"]:
         state = {}

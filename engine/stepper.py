@@ -60,12 +60,12 @@ EndFn = Callable[[object, str, BaseException | None], None]
 
 class Stepper:
     def __init__(self, model: Model, *, prefill_chunk: int = PREFILL_CHUNK, on_end: EndFn,
-                 sessions: SessionPool | None = None):
+                 sessions: SessionPool | None = None, warm_replies: bool = True):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._on_end = on_end
         self.sessions = sessions
-        self.warming = Warming(model, sessions, prefill_chunk) if sessions is not None else None
+        self.warming = Warming(model, sessions, prefill_chunk) if sessions is not None and warm_replies else None
         self._homes: dict[int, Prompt] = {}  # id(job) -> its prompt (whose cache goes back to the pool)
         self.prompts: deque[Prompt] = deque()
         self.running: list[Sequence] = []
@@ -216,6 +216,6 @@ class Stepper:
             # What its prompt pass computed goes back as a warm session, before the job's end is told: a client's
             # next turn, sent the moment it hears, finds it.
             self.sessions.give(home.cache, job.prep.ids[: home.done], home.snapshot)
-            if outcome == "completed" and home.reply is not None:
+            if outcome == "completed" and home.reply is not None and self.warming is not None:
                 self.warming.add(continuation_ids(self.model, job.prep.request, "".join(home.reply)))
         self._on_end(job, outcome, error)

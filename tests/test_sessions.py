@@ -289,3 +289,29 @@ def test_a_chat_conversation_evaluates_each_new_message_only_and_answers_as_cold
     assert again.cached_tokens >= len(ids) - smol.backend.prompt_tile - 30
     assert reply == execute(smol, chat_request(messages)).text
 
+
+
+def test_a_recurrent_model_chat_reuses_its_snapshots_and_its_session_file(tmp_path):
+    hybrid = engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
+    path = tmp_path / "hybrid.kvsession"
+    conv = WarmConversation(hybrid, path=path)
+    messages = [{"role": "system", "content": SYSTEM}]
+    for question in TURNS[:3]:
+        messages.append({"role": "user", "content": question})
+        ids = encode_prompt(hybrid, hybrid.render_chat(messages, add_generation_prompt=True))
+        reply = "".join(ev.text for ev in conv.reply(ids, max_tokens=8, temperature=0.0, logprobs=False))
+        assert reply == execute(hybrid, chat_request(messages, max_tokens=8)).text
+        if len(messages) > 2:
+            assert conv.cached_tokens > 0 and conv.cached_tokens % hybrid.backend.prompt_tile == 0
+        messages.append({"role": "assistant", "content": reply})
+        conv.absorb(encode_prompt(hybrid, hybrid.render_chat(messages, add_generation_prompt=False)),
+                    {"messages": messages})
+    conv.wait()
+    warnings = []
+    again = WarmConversation(hybrid, path=path, warn=warnings.append)
+    assert again.load()["messages"] == messages and not warnings
+    messages.append({"role": "user", "content": TURNS[3]})
+    ids = encode_prompt(hybrid, hybrid.render_chat(messages, add_generation_prompt=True))
+    reply = "".join(ev.text for ev in again.reply(ids, max_tokens=8, temperature=0.0, logprobs=False))
+    assert again.cached_tokens > 0
+    assert reply == execute(hybrid, chat_request(messages, max_tokens=8)).text

@@ -20,6 +20,7 @@ from engine.errors import BatchFileError, Cancelled, GoinferError
 from engine.kernels.cpu.threads import get_threads
 from engine.requests import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
 from engine.scheduler import Finished, Job, Scheduler
+from engine.sessions import SessionPool
 
 
 def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
@@ -189,8 +190,11 @@ def _run_parallel(pending: list[BatchLine], ctx: _Run, parallel: int) -> None:
     """Up to `parallel` lines in flight on a scheduler; each recorded when it ends (so in the order they end)."""
     model = ctx.model
     ended: queue.SimpleQueue[Job] = queue.SimpleQueue()
+    # Warm sessions: lines that share a system prompt evaluate it once (the lines are not conversations: no
+    # idle-time warming of their replies).
     sched = Scheduler(model, ctx.model_name or model.name, max_queue=parallel, max_concurrent=parallel,
                       threads=get_threads(),  # numba's count is per thread: the scheduler's takes the caller's
+                      sessions=SessionPool(model), warm_replies=False,
                       log=lambda line: None)  # failures reach the errors file, not the log
     flying: dict[Job, tuple[BatchLine, GenerationRequest, float]] = {}
     lines = iter(pending)
