@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
 from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
-from commands.ui import FetchProgress, err
+from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.batch import BatchPlan, LineResult, run_batch
 from engine.requests import SamplingOptions
@@ -178,7 +178,7 @@ class _ProgressView:
             self._bar()
             self._progress.update(self._task, completed=done, tps=self._rate())
             if not r.ok:
-                self._progress.console.print(f"[red]error[/red] {r.error}")
+                say(r.error, lead="error", lead_style="red", console=self._progress.console)
             return
         elapsed = time.monotonic() - self._start
         what = f"ok {r.completion_tokens} tok {self._rate()}" if r.ok else f"error: {r.error}"

@@ -8,10 +8,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 from rich.table import Table
 
 from commands.errors import user_errors
-from commands.ui import err
+from commands.ui import say
 
 HELP = """List the models in the local cache: name (what to pass to --model), size, complete or not.
 
@@ -54,13 +55,15 @@ def cache(
         print(json.dumps([e.to_json() for e in entries]))
         return
     if not entries:
-        err.print("goinfer: the cache is empty (goinfer pull REF fetches a model)")
+        say("goinfer: the cache is empty (goinfer pull REF fetches a model)")
         return
     table = Table(box=None, pad_edge=False)
     for column in ("NAME", "SIZE", "STATUS", "PATH"):
         table.add_column(column, no_wrap=column != "PATH", overflow="fold")
     for e in entries:
-        table.add_row(e.name, f"{e.size / 1e6:.1f} MB", "complete" if e.complete else "incomplete", e.path)
+        # Text cells: a name or path with [brackets] is shown as it is, never read as markup
+        table.add_row(Text(e.name), f"{e.size / 1e6:.1f} MB", "complete" if e.complete else "incomplete",
+                      Text(str(e.path)))
     # A pipe gets whole lines (no width to fit): scripts grep paths; a terminal folds the PATH column.
     Console(highlight=False, width=None if sys.stdout.isatty() else 1000).print(table)
 
@@ -73,4 +76,4 @@ def rm(name: Annotated[str, typer.Argument(metavar="NAME", help="A name as `goin
     with user_errors():
         removed = remove(name)
     for path in removed:
-        err.print(f"goinfer: removed {path}", markup=False)
+        say(f"goinfer: removed {path}")

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 
 from commands.errors import fail, user_errors
 from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
-from commands.ui import FetchProgress, err
+from commands.ui import FetchProgress, say
 from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
@@ -102,13 +101,12 @@ def chat(
         finally:
             progress.close()
         session.warm = WarmConversation(llm, path=session_file, threads=threads,
-                                        warn=lambda line: err.print(f"[yellow]warning:[/yellow] {escape(line)}",
-                                                                   soft_wrap=True, highlight=False))
+                                        warn=lambda line: say(line, lead="warning:", lead_style="yellow"))
         saved = session.warm.load()
         if saved:
             session.system = saved.get("system", session.system)
             session.messages = list(saved.get("messages", []))
-            err.print(f"resumed {len(session.messages)} messages from {session_file}")
+            say(f"resumed {len(session.messages)} messages from {session_file}")
         if prompt is not None:
             text = sys.stdin.read() if prompt == "-" else prompt
             if not text.strip():
@@ -157,7 +155,7 @@ def _repl(llm, session: ChatState) -> None:
     interactive = sys.stdin.isatty()
     reader = _terminal_reader() if interactive else _pipe_reader()
     if interactive:
-        err.print(f"[bold]{llm.name}[/bold] ready. {REPL_HELP}")
+        say(f"ready. {REPL_HELP}", lead=llm.name, lead_style="bold")
     while True:
         try:
             line = reader()
@@ -178,11 +176,11 @@ def _repl(llm, session: ChatState) -> None:
         try:
             reply = _reply(llm, session)
         except KeyboardInterrupt:
-            err.print("[dim](stopped)[/dim]")
+            say("(stopped)", style="dim")
             session.messages.pop()
             continue
         except GoinferError as e:
-            err.print(f"[red]error:[/red] {e}")
+            say(str(e), lead="error:", lead_style="red")
             session.messages.pop()
             continue
         session.messages.append({"role": "assistant", "content": reply})
@@ -204,11 +202,11 @@ def _command(line: str, session: ChatState) -> bool:
             return True
         if name == "/reset":
             session.messages.clear()
-            err.print("conversation cleared")
+            say("conversation cleared")
         elif name == "/system":
             session.system = arg or None
             session.messages.clear()
-            err.print("system prompt " + ("set" if arg else "removed") + "; conversation cleared")
+            say("system prompt " + ("set" if arg else "removed") + "; conversation cleared")
         elif name == "/temp":
             value = float(arg)
             if value < 0:
@@ -222,9 +220,9 @@ def _command(line: str, session: ChatState) -> bool:
                 raise ValueError
             session.max_tokens = value
         else:
-            err.print(f"unknown command {name}. {REPL_HELP}")
+            say(f"unknown command {name}. {REPL_HELP}")
     except ValueError:
-        err.print(f"invalid value for {name}: {arg!r}")
+        say(f"invalid value for {name}: {arg!r}")
     return False
 
 

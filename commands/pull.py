@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from commands.errors import EXIT_USAGE, user_errors
-from commands.ui import FetchProgress, err
+from commands.ui import FetchProgress, say
 
 HELP = """Fetch a model into the local cache, so it loads offline afterwards.
 
@@ -63,8 +63,8 @@ def pull(
         print(json.dumps(result))
     else:
         print(result["path"])
-        err.print(f"goinfer: {result['name']}: {len(result['files'])} file(s), {result['size'] / 1e6:.1f} MB; "
-                  f"use it with --model {result['name']}")
+        say(f"goinfer: {result['name']}: {len(result['files'])} file(s), {result['size'] / 1e6:.1f} MB; "
+            f"use it with --model {result['name']}")
 
 
 def _pull_hf(ref: str, progress: FetchProgress, as_json: bool) -> dict:
@@ -79,10 +79,10 @@ def _pull_hf(ref: str, progress: FetchProgress, as_json: bool) -> dict:
         else:
             for choice in exc.choices:
                 print(choice)
-        err.print(f"goinfer: error: {exc}", markup=False)
+        say(f"goinfer: error: {exc}")
         raise typer.Exit(EXIT_USAGE) from None
-    err.print(f"goinfer: {plan.ref.name} ({plan.architecture}): {len(plan.files)} file(s), "
-              f"{plan.total_bytes / 1e6:.1f} MB at {plan.commit[:12]}", markup=False)
+    say(f"goinfer: {plan.ref.name} ({plan.architecture}): {len(plan.files)} file(s), "
+        f"{plan.total_bytes / 1e6:.1f} MB at {plan.commit[:12]}")
     path = hf.pull(plan.ref, progress=progress, plan=plan)
     return {"name": plan.ref.name, "path": str(path), "files": [f.path for f in plan.files],
             "size": plan.total_bytes, "commit": plan.commit, "architecture": plan.architecture}

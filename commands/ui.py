@@ -1,5 +1,8 @@
 """Terminal output shared by the commands: one Rich console on stderr (progress, notices), plain
 stdout for data. Progress bars appear only on a terminal; NO_COLOR is honoured by Rich itself.
+
+Every notice goes through `say`: text filled in at run time (a user's input, a model's name, an error message)
+is never read as Rich markup, where `[/x]` would end the program with a MarkupError.
 """
 from __future__ import annotations
 
@@ -7,8 +10,18 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.text import Text
 
 err = Console(stderr=True, highlight=False)
+
+
+def say(text: str, *, lead: str = "", lead_style: str = "", style: str = "", console: Console | None = None) -> None:
+    """One notice on stderr, unwrapped: text exactly as given, after an optional styled lead ("warning:")."""
+    line = Text()
+    if lead:
+        line.append(lead + " ", style=lead_style)
+    line.append(str(text), style=style)
+    (console or err).print(line, soft_wrap=True)
 
 
 class FetchProgress:

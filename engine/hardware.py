@@ -158,7 +158,8 @@ def gpu_backends() -> dict[str, dict[str, Any]]:
 
 
 def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[str, Any]:
-    """Memory a model needs (weights + f32 KV cache at `context` + working buffers) against what is free."""
+    """Memory a model needs (weights + the default path's f16 KV cache at `context` + working buffers) against
+    what is free."""
     from engine.formats.gguf import open_gguf
     from engine.models.hf_checkpoint import is_hf_checkpoint, loaded_bytes, read_metadata
     from engine.models.registry import config_from_gguf
@@ -178,7 +179,8 @@ def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[s
                                   else int(meta.get(f"{gguf.architecture}.vocab_size", 0)))
         weights = sum(e.nbytes or 0 for e in gguf.entries.values())
     ctx = int(context or config.context_length)
-    kv = 2 * config.n_layer * ctx * config.n_head_kv * config.head_dim * 4  # K and V, f32
+    # K and V of the attention layers in the default path's f16 cache (2 bytes a value; `--quant f32` doubles it)
+    kv = 2 * len(config.kv_layers) * ctx * config.n_head_kv * config.head_dim * 2
     # Working set: a 512-token prompt chunk's activations and scores, the dequantize scratch (<= 64 MB),
     # the vocabulary-sized logits: an estimate, stated as such.
     chunk = min(ctx, 512)

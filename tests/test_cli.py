@@ -72,6 +72,14 @@ def test_repl_session_file_resumes_the_conversation(tmp_path, smollm2_gguf):
                     "--session")
 
 
+def test_repl_text_is_never_read_as_markup():
+    # user text in a command or an error message once ended the REPL with Rich's MarkupError
+    r = goinfer("chat", "--max", "2", stdin="/[/x]\n/temp [bold]\n/system [/red]\n/quit\n")
+    assert r.returncode == 0, r.stderr
+    assert "unknown command /[/x]" in r.stderr and "invalid value for /temp: '[bold]'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

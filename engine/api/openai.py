@@ -257,6 +257,9 @@ def _messages(value: Any) -> tuple[dict, ...]:
         if not isinstance(m, dict):
             raise RequestError(f"{where}: must be an object, not {kind_of(m)}", where, "invalid_type")
         role = m.get("role")
+        if role is not None and not isinstance(role, str):
+            raise RequestError(f"{where}.role: must be a string, not {kind_of(role)}", f"{where}.role",
+                               "invalid_type")
         if role == "function":
             raise RequestError(f"{where}.role: function messages (legacy function calling) are not supported; "
                                "use tool messages", f"{where}.role", "unsupported_value")
@@ -309,6 +312,8 @@ def _content(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind is not None and not isinstance(kind, str):
+            raise RequestError(f"{at}.type: must be a string, not {kind_of(kind)}", f"{at}.type", "invalid_type")
         if kind in _IMAGE_PARTS:
             raise RequestError(f"{at}: image content ({kind}) is not supported", at, "unsupported_value")
         if kind != "text" and kind is not None:

@@ -93,6 +93,8 @@ def _parse_line(lineno: int, raw: bytes) -> BatchLine:
         return BatchLine(lineno, custom_id, url, request=parse_request(url, body))
     except RequestError as e:
         return bad(error_code(e), str(e), custom_id, url)
+    except Exception as e:  # noqa: BLE001 - a parser bug: this line's error record, never the whole run's end
+        return bad("internal_error", f"the body could not be read ({type(e).__name__}: {e})", custom_id, url)
 
 
 def errors_path(output: str | Path) -> Path:

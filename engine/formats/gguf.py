@@ -168,7 +168,10 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
             dims = [cur.scalar("<Q") for _ in range(n_dims)]
             infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or not 0 < int(align) <= 1 << 20:
+            raise ModelLoadError(f"{self.path}: general.alignment is {align!r}; it must be a positive integer")
+        align = int(align)
         data_start = -(-cur.pos // align) * align
         self.entries: dict[str, TensorEntry] = {}
         for name, dims, type_id, rel in infos:

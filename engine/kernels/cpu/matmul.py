@@ -229,15 +229,17 @@ class Int8Kernels(ExactKernels):
 
     def _group(self, ws: Sequence[QTensor]) -> tuple[int8.PreparedWeights | None, list[slice]]:
         """Checked once per weight group: (Prepared, column slice of each matrix), or (None, ...) when a float
-        weight sends the group to the exact path. The entry keeps the QTensors alive so their ids stay unique."""
-        key = tuple(map(id, ws))
+        weight sends the group to the exact path. Keyed by where the weights' bytes are (which stays put while
+        the model is loaded), not by the QTensor objects: a head's row slices are made anew on some calls, and an
+        id() key grew the memo by one entry per such call."""
+        key = tuple((_address(w.raw), _address(w.packed), w.shape, int(w.ggml_type)) for w in ws)
         hit = self._groups.get(key)
         if hit is None:
             quantized = all(w.ggml_type not in int8.FLOAT_TYPES for w in ws)
             ends = np.cumsum([w.rows for w in ws]).tolist()
             slices = [slice(a, b) for a, b in zip([0] + ends[:-1], ends)]
-            hit = self._groups[key] = (int8.prepare(ws) if quantized else None, slices, list(ws))
-        return hit[0], hit[1]
+            hit = self._groups[key] = (int8.prepare(ws) if quantized else None, slices)
+        return hit
 
     def use_prompt_gemm8(self, on: bool) -> None:
         """Run prompts over K-quant matrices on the int8 GEMM (where the CPU can), or on dequantize + sgemm."""
