@@ -25,6 +25,7 @@ from engine import get_threads, load_model, set_threads
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec)
 from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
+from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
 from engine.sessions import DEFAULT_SESSIONS
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
@@ -93,6 +94,12 @@ def serve(
         "--session-memory", metavar="MIB", help="KV memory the warm sessions of a model may hold "
                                                 "(default: 2048, or a quarter of the available memory if less).")]
     = None,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", help="Open connections at most; beyond, new ones get 503 with Retry-After.")]
+    = DEFAULT_MAX_CONNECTIONS,
+    read_deadline: Annotated[float, typer.Option(
+        "--read-deadline", help="Seconds a client has to send a request's headers and body (from connecting, or "
+                                "from its last answer); a slower one is cut off.")] = DEFAULT_READ_DEADLINE_S,
     session_dir: Annotated[Optional[Path], typer.Option(
         "--session-dir", help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")]
     = None,
@@ -105,7 +112,8 @@ def serve(
         config = ServerConfig(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
                               max_queue=max_queue, max_concurrent=max_concurrent, prefill_chunk=prefill_chunk,
                               max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
-                              kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir)
+                              kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
+                              max_connections=max_connections, read_deadline_s=read_deadline)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref in specs]
@@ -153,6 +161,7 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
               f"({m.backend.describe()}), {limit}, {_threads(config)} threads")
     _note(f"limits: request body {_size(server.body_cap)}, {config.max_concurrent} sequences at once and "
           f"queue {config.max_queue} per model, prompt chunks of {config.prefill_chunk}, "
+          f"{config.max_connections} connections, {config.read_deadline_s:g} s to send a request, "
           f"SSE keep-alive after {config.keepalive_s:g} s of silence")
     pools = [sch.sessions for sch in server.state.schedulers.values() if sch.sessions is not None]
     if pools:

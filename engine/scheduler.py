@@ -115,14 +115,23 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job, or raise QueueFull (max_queue already waiting beyond the free sequence slots)."""
         with self._cv:
-            if self._closed:
-                raise ShuttingDown()
-            free = max(0, self.max_concurrent - self._slots)
-            if len(self._waiting) >= self.max_queue + free:
-                self.rejected += 1
-                raise QueueFull(self._retry_after(), len(self._waiting))
+            self._refuse_if_full()
             self._waiting.append(job)
             self._cv.notify()
+
+    def check_room(self) -> None:
+        """Raise QueueFull (or ShuttingDown) now if a job submitted now would be refused: a server asks before a
+        request's tokenising and grammar work, which a refused request should not cost. submit checks again."""
+        with self._cv:
+            self._refuse_if_full()
+
+    def _refuse_if_full(self) -> None:
+        if self._closed:
+            raise ShuttingDown()
+        free = max(0, self.max_concurrent - self._slots)
+        if len(self._waiting) >= self.max_queue + free:
+            self.rejected += 1
+            raise QueueFull(self._retry_after(), len(self._waiting))
 
     def withdraw(self, job: Job, reason: str) -> None:
         """The job's client is gone: forget it if it still waits, stop it if it runs."""

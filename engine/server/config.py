@@ -13,6 +13,8 @@ from engine.models.base import Model
 from engine.models.base import PREFILL_CHUNK
 from engine.requests import context_window
 from engine.kernels.cpu.matmul import PROMPT_TILE
+from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
+from engine.server.intake import LOOPBACK_NAMES
 from engine.scheduler import DEFAULT_MAX_CONCURRENT
 from engine.sessions import DEFAULT_SESSIONS
 
@@ -46,6 +48,9 @@ class ServerConfig:
     kv_sessions: int = DEFAULT_SESSIONS  # warm sessions kept per model for prompt-prefix reuse (0: none)
     session_memory_mib: int | None = None  # their KV memory per model (None: sessions.default_budget_bytes)
     session_dir: Path | None = None  # where warm sessions are written at eviction and shutdown, read at start
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections; beyond, 503 with Retry-After
+    read_deadline_s: float = DEFAULT_READ_DEADLINE_S  # for a request's headers and body, from the connection's
+    # start or its last answer
 
     @property
     def tls(self) -> bool:
@@ -54,6 +59,14 @@ class ServerConfig:
     @property
     def loopback(self) -> bool:
         return is_loopback(self.host)
+
+    @property
+    def allowed_hosts(self) -> frozenset[str] | None:
+        """The Host names a request may carry: loopback names when bound to loopback without a key (intake.
+        check_host says why); None (any) otherwise."""
+        if not self.loopback or self.api_key:
+            return None
+        return LOOPBACK_NAMES | {self.host.lower().strip("[]")}
 
     def check(self) -> None:
         """Refuse settings that cannot work or are unsafe, before anything heavy happens."""
@@ -76,6 +89,10 @@ class ServerConfig:
             raise ServerConfigError(f"--prefill-chunk must be a positive multiple of {PROMPT_TILE} (a prompt's "
                                     f"chunks end on its tiles, so a reused prefix continues exactly), "
                                     f"got {self.prefill_chunk}")
+        if self.max_connections < 1:
+            raise ServerConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if not self.read_deadline_s > 0:
+            raise ServerConfigError(f"--read-deadline must be > 0, got {self.read_deadline_s}")
         if self.kv_sessions < 0:
             raise ServerConfigError(f"--kv-sessions must be >= 0, got {self.kv_sessions}")
         if self.session_memory_mib is not None and self.session_memory_mib < 0:

@@ -60,8 +60,18 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self._expect_request()
         if isinstance(self.connection, ssl.SSLSocket):
             self.connection.do_handshake()  # here, in the connection's thread, not in the accept loop
+
+    def _expect_request(self) -> None:
+        """The next request's headers and body must arrive within --read-deadline (guard.py)."""
+        if self.state.guard is not None:
+            self.state.guard.expect_request(self.connection)
+
+    def _request_read(self) -> None:
+        if self.state.guard is not None:
+            self.state.guard.request_read(self.connection)
 
     def handle(self) -> None:
         try:
@@ -102,6 +112,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_expect_100(self) -> bool:
         # Refuse an over-limit or unauthenticated body before the client sends it.
         try:
+            intake.check_host(self.headers, self.state.allowed_hosts)
             intake.check_auth(self.headers, self.state.api_key)
             intake.declared_length(self.headers, self.state.body_cap)
         except HTTPError as e:
@@ -131,7 +142,10 @@ class Handler(BaseHTTPRequestHandler):
         self._usage: tuple[int, int] | None = None
         path = urlsplit(self.path).path
         self._dialect = self._route_dialect()
+        if not intake.has_body(self.headers):
+            self._request_read()  # the headers were the whole request
         try:
+            intake.check_host(self.headers, self.state.allowed_hosts)
             intake.check_auth(self.headers, self.state.api_key)
             if path == "/health":
                 self._only("GET")
@@ -172,6 +186,19 @@ class Handler(BaseHTTPRequestHandler):
                                                   None, "internal_error"))
             self.close_connection = True
         self._access(path)
+        self._expect_request()  # the connection's next request, if it sends one
+
+    def _admissible(self, scheduler, name: str, attempt) -> None:
+        """attempt() (a queue check, or the submission), its refusals as the answers they get."""
+        try:
+            attempt()
+        except QueueFull as e:
+            raise HTTPError(429, error_object(
+                f"{name} is busy: {e.waiting} requests are waiting (--max-queue {scheduler.max_queue}); "
+                f"retry after {e.retry_after} s", "rate_limit_error", None, "queue_full"),
+                {"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown:
+            raise self._shutting_down() from None
 
     def _route_dialect(self) -> Dialect:
         """The wire format of this request's route (a new one per request), if it has one: its errors take that
@@ -197,6 +224,7 @@ class Handler(BaseHTTPRequestHandler):
     def _read_body(self) -> bytes:
         data = intake.read_body(self.headers, self.rfile, self.state.body_cap)
         self._body_read = True
+        self._request_read()
         return data
 
     # ------------------------------------------------------------------ generation
@@ -219,20 +247,13 @@ class Handler(BaseHTTPRequestHandler):
             if dialect.counts_tokens:
                 self._send_json(200, dialect.count(len(prompt_ids(served.model, req))))
                 return
+            scheduler = self.state.schedulers[served.name]
+            self._admissible(scheduler, served.name, scheduler.check_room)  # before tokenising and grammar work
             prep = prepare(served.model, req, window=served.window)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         job = Job(prep, cancel, dialect.new_id(req))
-        scheduler = self.state.schedulers[served.name]
-        try:
-            scheduler.submit(job)
-        except QueueFull as e:
-            raise HTTPError(429, error_object(
-                f"{served.name} is busy: {e.waiting} requests are waiting (--max-queue {scheduler.max_queue}); "
-                f"retry after {e.retry_after} s", "rate_limit_error", None, "queue_full"),
-                {"Retry-After": str(e.retry_after)}) from None
-        except ShuttingDown:
-            raise self._shutting_down() from None
+        self._admissible(scheduler, served.name, lambda: scheduler.submit(job))
         try:
             if req.stream:
                 self._stream(job, req, served.name)

@@ -40,6 +40,28 @@ def check_auth(headers, key: str | None) -> None:
                         {"WWW-Authenticate": 'Bearer realm="goinfer"'})
 
 
+MAX_TRAILERS = 100  # as http.client bounds header fields
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def check_host(headers, allowed: frozenset[str] | None) -> None:
+    """Refuse (403) a request whose Host names another machine, when the server checks (loopback, no key): a web
+    page can make a browser POST to 127.0.0.1 under a name it controls (DNS rebinding), and a keyless loopback
+    server would serve it. A request without Host (HTTP/1.0 tools) is not a browser's and passes."""
+    if allowed is None:
+        return
+    host = headers.get("Host")
+    if host is None:
+        return
+    host = host.strip().lower()
+    name = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
+        else host
+    if name not in allowed:
+        raise HTTPError(403, error_object(f"Host {host!r} is not this server's: a loopback server without an API "
+                                          "key answers only to localhost names (set --api-key to serve others)",
+                                          "invalid_request_error", None, "host_not_allowed"))
+
+
 def has_body(headers) -> bool:
     return "chunked" in headers.get("Transfer-Encoding", "").lower() or \
         headers.get("Content-Length", "0").strip() not in ("", "0")
@@ -96,8 +118,12 @@ def _read_chunked(rfile, cap: int) -> bytes:
             raise HTTPError(400, error_object("malformed chunked request body", "invalid_request_error", None,
                                               "invalid_request")) from None
         if size == 0:
-            while rfile.readline(65537) not in (b"\r\n", b"\n", b""):
-                pass  # trailer fields, ignored
+            for _ in range(MAX_TRAILERS + 1):  # trailer fields, ignored, but not without end
+                if rfile.readline(65537) in (b"\r\n", b"\n", b""):
+                    break
+            else:
+                raise HTTPError(431, error_object(f"more than {MAX_TRAILERS} chunked trailer fields",
+                                                  "invalid_request_error", None, "request_header_fields_too_large"))
             break
         total += size
         if total > cap:

@@ -13,6 +13,7 @@ from http.server import ThreadingHTTPServer
 from typing import Callable
 
 from engine.server.config import ServedModel, ServerConfig, ServerConfigError
+from engine.server.guard import ConnectionGuard
 from engine.server.handler import Handler
 from engine.server.state import ServerState
 
@@ -25,11 +26,22 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog: a burst of clients must not meet refused connections
     state: ServerState
+    guard: ConnectionGuard
+    tls = False
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind resolves the host's FQDN (a DNS lookup that can stall startup); skip it.
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = self.server_address[:2]
+
+    def process_request(self, request, client_address) -> None:
+        if not self.guard.admit(request, self.tls):  # full: answered 503 and closed here, no thread spent
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        self.guard.closed(request)
+        super().shutdown_request(request)
 
     def handle_error(self, request, client_address) -> None:
         exc = sys.exc_info()[1]
@@ -56,6 +68,8 @@ class Server:
             self._close_schedulers("startup failed")
             raise ServerConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
         self.httpd.state = self.state
+        self.httpd.guard = self.state.guard = ConnectionGuard(config.max_connections, config.read_deadline_s)
+        self.httpd.tls = config.tls
         if config.tls:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -101,6 +115,7 @@ class Server:
         while self.state.active_requests and time.monotonic() < deadline:
             time.sleep(0.05)
         self.httpd.server_close()
+        self.httpd.guard.stop()
         return in_flight
 
     def _close_schedulers(self, reason: str) -> None:

@@ -22,6 +22,8 @@ class ServerState:
     def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None]):
         self.models = {m.name: m for m in models}
         self.api_key = config.api_key
+        self.allowed_hosts = config.allowed_hosts
+        self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
         self.body_cap = body_cap(config, models)
         self.keepalive_s = config.keepalive_s
         self.max_queue = config.max_queue
@@ -99,7 +101,9 @@ class ServerState:
                 "uptime_s": round(time.time() - self.started, 1),
                 "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue,
                            "max_concurrent": self.max_concurrent, "prefill_chunk": self.prefill_chunk,
-                           "kv_sessions": self.kv_sessions},
+                           "kv_sessions": self.kv_sessions,
+                           "max_connections": self.guard.max_connections if self.guard else None,
+                           "open_connections": self.guard.open_connections if self.guard else None},
                 "models": [s.health() for s in self.schedulers.values()],
                 "selftest": _selftest_report()}
 

@@ -1,0 +1,124 @@
+"""Server limits as a hostile or careless client meets them (a real `goinfer serve`, the real default model): a
+cap on open connections (503 with Retry-After beyond it), a deadline for a request's headers and body
+(slowloris), a bound on chunked trailers, a Host check on a keyless loopback server (DNS rebinding), and
+admission before a request's tokenising (a request that gets a 429 costs no prompt work)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+import engine
+from engine.server import ServedModel, Server, ServerConfig
+from tests.test_server import start_server, stop
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, smollm2_gguf):
+    s = start_server(tmp_path_factory.mktemp("log") / "serve.log", "--model", str(smollm2_gguf),
+                     "--max-connections", "3", "--read-deadline", "1.5")
+    yield s
+    stop(s)
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.split("//")[1].split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    out = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    return out
+
+
+def test_connections_past_the_cap_get_503_with_retry_after(served):
+    idle = [_connect(served.url) for _ in range(3)]
+    try:
+        time.sleep(0.3)
+        r = httpx.get(served.url + "/health", timeout=10)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "too_many_connections"
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.3)
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200  # the places came back
+
+
+def test_a_client_that_sends_its_request_too_slowly_is_cut_off(served):
+    s = _connect(served.url)
+    t0 = time.monotonic()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    try:
+        for _ in range(20):  # a header byte now and then, each well within any per-read timeout
+            s.sendall(b"X")
+            time.sleep(0.25)
+    except OSError:
+        pass  # cut off: what this test wants
+    s.settimeout(5)
+    _read_all(s)
+    assert time.monotonic() - t0 < 4.5  # the 1.5 s deadline, not the 5 s this client wanted
+    s.close()
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+
+
+def test_endless_chunked_trailers_are_refused(served):
+    s = _connect(served.url)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n"
+              + b"X-Trailer: y\r\n" * 150 + b"\r\n")
+    s.settimeout(10)
+    reply = _read_all(s)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+
+
+@pytest.mark.parametrize("host, status", [("evil.example", 403), ("localhost:8080", 200), ("127.0.0.1", 200),
+                                          ("[::1]:9", 200)])
+def test_a_keyless_loopback_server_answers_only_to_loopback_host_names(served, host, status):
+    r = httpx.get(served.url + "/health", headers={"Host": host}, timeout=10)
+    assert r.status_code == status
+    if status == 403:
+        assert r.json()["error"]["code"] == "host_not_allowed"
+
+
+def test_a_request_refused_for_a_full_queue_is_not_tokenised(monkeypatch, smollm2_gguf):
+    import engine.server.handler as handler
+
+    model = engine.load_model(smollm2_gguf)
+    server = Server([ServedModel.of("m", model, 512)], ServerConfig(port=0, max_queue=0, max_concurrent=1),
+                    log=lambda line: None)
+    server.start()
+    prepared = []
+    real = handler.prepare
+    monkeypatch.setattr(handler, "prepare", lambda *a, **k: prepared.append(1) or real(*a, **k))
+    try:
+        long = threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
+                                kwargs={"json": {"prompt": "Count slowly:", "max_tokens": 200, "temperature": 0,
+                                                 "logit_bias": {"0": -100, "2": -100}}, "timeout": 120})
+        long.start()
+        deadline = time.monotonic() + 60
+        while not server.state.schedulers["m"].health()["running_requests"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = len(prepared)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 2000, "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 429 and json.loads(r.text)["error"]["code"] == "queue_full"
+        assert len(prepared) == before  # refused before its 2,000 words were tokenised
+        long.join(120)
+    finally:
+        server.stop()
