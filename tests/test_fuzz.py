@@ -200,3 +200,36 @@ def test_every_field_of_a_valid_body_takes_every_type(url, smol):
             else:
                 parent[path[-1]] = bad
             _check(url, body, smol)
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, smollm2_gguf):
+    from tests.test_server import start_server, stop
+
+    # a 64-token window: a generated body that is valid generates little
+    s = start_server(tmp_path_factory.mktemp("fuzzlog") / "serve.log", "--model", str(smollm2_gguf), "--ctx", "64")
+    yield s
+    stop(s)
+
+
+HTTP_EXAMPLES = int(os.environ.get("GOINFER_FUZZ_HTTP_EXAMPLES", "40"))
+
+
+@pytest.mark.parametrize("url", sorted(VALID))
+def test_through_http_no_body_gets_a_5xx_or_a_dropped_connection(url, small_server):
+    import httpx
+
+    @settings(max_examples=HTTP_EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def run(data):
+        body = _mutate(data, json.loads(json.dumps(VALID[url])))
+        raw = json.dumps(body).encode()  # NaN and Infinity as Python writes them: the server reads them too
+        r = httpx.post(small_server.url + url, content=raw, headers={"Content-Type": "application/json"},
+                       timeout=120)  # a dropped connection raises here
+        assert r.status_code < 500, (body, r.status_code, r.text[:300])
+        if r.headers.get("content-type", "").startswith("application/json"):
+            r.json()
+
+    run()
+    assert "Traceback" not in small_server.log_text()
