@@ -232,6 +232,9 @@ def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smol
         json.dumps({"custom_id": "m9", "method": "POST", "url": "/v1/completions",
                     "body": {"prompt": "x", "frobnicate": True}}),
         json.dumps(["a", "list"]),
+        # a role that is not a string once raised out of the parser and ended the run with a traceback
+        json.dumps({"custom_id": "m10", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": {}, "content": "x"}]}}),
     ]
     inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
@@ -244,8 +247,8 @@ def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smol
     got = {(e["custom_id"], e["error"]["code"]) for e in errs}
     assert got == {(None, "invalid_json_line"), (None, "missing_required_parameter"), ("m4", "invalid_method"),
                    ("m5", "invalid_url"), ("m6", "missing_required_parameter"), ("m7", "invalid_value"),
-                   ("m8", "invalid_value"), ("m9", "unsupported_parameter")}
-    assert len(errs) == 9
+                   ("m8", "invalid_value"), ("m9", "unsupported_parameter"), ("m10", "invalid_type")}
+    assert len(errs) == 10
     for e in errs:
         assert e["response"] is None and e["id"].startswith("batch_req_")
         assert re.match(r"line \d+: ", e["error"]["message"])
@@ -255,7 +258,7 @@ def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smol
     # only this run's failures, and with no runnable line left the model is not even loaded
     r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"), *FLAGS)
     assert r.returncode == 1, r.stderr
-    assert len(records(tmp_path / "out.errors.jsonl")) == 9
+    assert len(records(tmp_path / "out.errors.jsonl")) == 10
     assert [rec["custom_id"] for rec in records(out)] == ["c1"]
 
 
