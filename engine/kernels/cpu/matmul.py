@@ -56,8 +56,8 @@ def tiled_gemm(x: np.ndarray, wt: np.ndarray, out: np.ndarray | None = None) -> 
     """x (T, cols) @ wt (cols, rows) with each PROMPT_TILE rows of x computed as in a call of their own (see
     PROMPT_TILE); out (T, rows) may be a column slice of a wider array. The whole tiles go in one call where
     this BLAS was seen to give every row the numbers a one-tile call gives (_one_call_is_tiles); else a call
-    each (measured here: OpenBLAS's SkylakeX sgemm passes, 20 % faster prompts than a call per tile; its Haswell
-    kernel does not)."""
+    each (measured here: OpenBLAS's SkylakeX sgemm passes, and SmolLM2's prompts ran 20 % faster than with a call
+    per 128-row tile; its Haswell kernel does not pass)."""
     T = x.shape[0]
     if out is None:
         out = np.empty((T, wt.shape[1]), np.float32)
