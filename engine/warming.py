@@ -37,7 +37,7 @@ class Warming:
         return bool(self.pending) or self._current is not None
 
     def add(self, ids: list[int] | None) -> None:
-        if ids and not self.model.new_cache(1).state:
+        if ids and not self.model.config.state_shapes:  # a recurrent model's sessions are not warmed
             self.pending.append(list(ids))
 
     def stop(self) -> None:
