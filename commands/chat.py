@@ -97,7 +97,7 @@ def chat(
         set_threads(threads)
         progress = FetchProgress()
         try:
-            llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest)
+            llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest, background_compile=True)
         finally:
             progress.close()
         session.warm = WarmConversation(llm, path=session_file, threads=threads,

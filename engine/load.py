@@ -7,6 +7,7 @@ before any heavy work.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from engine.errors import InvalidRequest
@@ -30,13 +31,15 @@ QUANT_MODES = {"auto": "fast", "f32": "exact"}
 
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
-               selftest: bool = True, context: int | None = None) -> Model:
+               selftest: bool = True, context: int | None = None, background_compile: bool = False) -> Model:
     """Load a model from a .gguf path, a Hugging Face checkpoint directory, a built-in name or an hf: reference
     (None: the default built-in model).
 
     selftest=False (or GOINFER_NO_SELFTEST=1) skips the once-per-process kernel self-test. context: the window
     the caller means to use; past the model's default one, a model with long-context RoPE factors (Phi-3's
-    LongRoPE) switches to them for good (models/config.py: with_context).
+    LongRoPE) switches to them for good (models/config.py: with_context). background_compile: where the compiled
+    decode step is not in numba's cache yet, a detached process compiles it and the model decodes without it
+    until then (kernels/cpu/step_compile.py; a first `goinfer chat` answers without the minute or two of compile).
     """
     quant = quant or "auto"
     if quant not in QUANT_MODES:
@@ -70,9 +73,12 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
     skip = not selftest or os.environ.get("GOINFER_NO_SELFTEST", "").strip() not in ("", "0")
-    backend = load_backend("cpu", QUANT_MODES[quant], selftest=not skip)
+    types = _matrix_types(weights, config, fam)
+    compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant] if background_compile else None
+    backend = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, types=types,
+                           background_compile=compile_command)
     # The compiled decode step runs every matrix type's fast kernel: none while the self-test suspects one.
-    suspect = backend.stepped_down & _matrix_types(weights, config, fam)
+    suspect = backend.stepped_down & types
     backend.prepare(config, weights, None if suspect or fam.step_flags is None else fam.step_flags(config))
     return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=backend,
                  tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
@@ -81,7 +87,8 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
 def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:
     names = ["token_embd"] + (["output"] if weights.has("output") else [])
     names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.tensors_of(config, i)]
-    return frozenset(int(weights.tensor(n).ggml_type) for n in names if weights.has_weight(n))
+    tensors = [weights.tensor(n) for n in names if weights.has_weight(n)]
+    return frozenset(int(t.ggml_type) for t in tensors if len(t.shape) == 2 and t.rows > 1)  # not the norms
 
 
 def _resolve(ref, progress) -> Path:

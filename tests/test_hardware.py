@@ -78,17 +78,26 @@ def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selft
 
 
 def test_a_load_checks_what_its_path_runs_and_check_hardware_the_rest(fresh_selftest, tmp_path):
-    # Each checked kernel compiles on the first run: a default (int8) load leaves the exact path's f32 matvec
-    # alone, an exact-path load checks it, and `check --hardware` adds whatever is left without repeating.
+    # Each checked kernel compiles on the first run, per weight type: a default (int8) load leaves the exact
+    # path's f32 matvec alone, an exact-path load checks it, both on the model's matrix types only, and
+    # `check --hardware` adds whatever is left without repeating.
     from engine.load import load_model
 
     path = mf.write_llama_fixture(tmp_path / "tiny.gguf")
-    load_model(path)
+    model = load_model(path)
     assert {r.kernel for r in selftest.report_results()} == {"matvec_q8", "packed_q8", "dequantize", "embed"}
     load_model(path, quant="f32")
     assert {r.kernel for r in selftest.report_results()} == {"matvec_q8", "packed_q8", "dequantize", "embed", "matvec"}
+    matrices = [model.weights.tensor(n[: -len(".weight")]) for n in model.weights._file.entries
+                if n.endswith(".weight")]
+    model_types = {t.ggml_type.name for t in matrices if t.rows > 1}
+    assert {r.type for r in selftest.report_results()} == model_types != {t.name for t in GGMLType}
     n = len(selftest.report_results())
-    assert selftest.run_selftest().status == "ok" and len(selftest.report_results()) == n  # nothing left to run
+    assert selftest.run_selftest().status == "ok"  # check --hardware: every kernel on every type
+    results = selftest.report_results()
+    assert {r.type for r in results} == {t.name for t in GGMLType} and len(results) > n
+    assert len({(r.kernel, r.type) for r in results}) == len(results)  # none checked twice
+    assert selftest.run_selftest().status == "ok" and len(selftest.report_results()) == len(results)  # nothing left
 
 
 def test_no_selftest_skips_it(fresh_selftest, monkeypatch, tmp_path):
@@ -112,8 +121,16 @@ def test_health_carries_the_selftest(fresh_selftest, tmp_path):
         body = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    # the int8 path's kernels: matvec_q8, dequantize and embed for 12 types (MXFP4 the 12th), packed_q8 for 5
-    assert body["selftest"]["status"] == "ok" and body["selftest"]["kernels_checked"] == 41
+    # the int8 path's kernels on the model's matrix types: matvec_q8, dequantize and embed for each, packed_q8 for
+    # the packable ones
+    from engine.kernels.cpu.packed import PACKABLE
+
+    matrices = [model.weights.tensor(n[: -len(".weight")]) for n in model.weights._file.entries
+                if n.endswith(".weight")]
+    types = {t.ggml_type for t in matrices if t.rows > 1}
+    assert len(types) >= 10  # the fixture spreads quantized and float types over the layers
+    assert body["selftest"]["status"] == "ok"
+    assert body["selftest"]["kernels_checked"] == 3 * len(types) + len(types & PACKABLE)
     assert body["selftest"]["failed"] == []
 
 

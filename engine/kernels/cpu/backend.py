@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_roles, step_tables
+from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_compile, step_roles, step_tables
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
@@ -38,12 +38,16 @@ class CpuBackend:
     prompt_tile = PROMPT_TILE
 
     def __init__(self, path: str = "fast", kernels: MatmulKernels | None = None,
-                 stepped_down: frozenset[int] = frozenset()):
+                 stepped_down: frozenset[int] = frozenset(), background_compile: list[str] | None = None,
+                 compiling=None):
         self.path = path
         self.kernels = kernels if kernels is not None else kernels_for(KERNEL_SET[path])
         self.stepped_down = stepped_down  # GGML type codes the self-test sent to the reference tier
         self.step: step_tables.DecodeStep | None = None  # the compiled one-token step (prepare), or None
         self.packed_buffer: np.ndarray | None = None  # every packed copy of the model (prepare), one buffer
+        self._pending: step_compile.PendingStep | None = None  # the step while it compiles elsewhere
+        # a command that compiles the step elsewhere (step_compile.py), and the process already running it
+        self._background_compile, self._compiling = background_compile, compiling
 
     @property
     def kv_dtype(self) -> str:
@@ -59,7 +63,9 @@ class CpuBackend:
         """On the fast path, with every matrix type on its fast kernels: the layers' and the head's legacy-block
         matrices get their row-interleaved copies (their mapped pages are let go) and the compiled step is
         built. Not for split models (no single buffer): those decode layer by layer. Prompts take the int8 GEMM
-        where it carries most of the layers' matrix work (gemm8.carries_most)."""
+        where it carries most of the layers' matrix work (gemm8.carries_most). With a background compile
+        (cpu_backend) and the step not in numba's cache yet, the model decodes without the step until the
+        compile elsewhere has put it there (step_compile.py)."""
         if self.path == "fast" and hasattr(self.kernels, "use_prompt_gemm8"):
             names = [n for i in range(config.n_layer) for n in step_roles.role_tensors(i, step_flags or {}) if n]
             self.kernels.use_prompt_gemm8(gemm8.carries_most([weights.tensor(n) for n in names if weights.has(n)]))
@@ -67,6 +73,11 @@ class CpuBackend:
             return
         self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
         self.step = step_tables.build(config, weights, step_flags, self.packed_buffer)
+        if self._background_compile and self.step is not None:
+            sig = self.step.signature([self.new_cache(config, 1)])
+            self._pending = step_compile.start(self.step, sig, self._background_compile, self._compiling)
+            if self._pending is not None:
+                self.step = None
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:
         return KVCache(len(config.kv_layers), config.n_head_kv, config.head_dim, max_tokens, self.kv_dtype,
@@ -74,6 +85,11 @@ class CpuBackend:
 
     @property
     def has_decode_step(self) -> bool:
+        pending = self._pending  # (read once: another thread may take the step up meanwhile)
+        if pending is not None:  # compiling elsewhere: take the step up once numba's cache has it
+            step = pending.ready()
+            if step is not None:
+                self.step, self._pending = step, None
         return self.step is not None
 
     def decode(self, ids, caches: Sequence[KVCache]) -> np.ndarray:
@@ -138,22 +154,31 @@ class CpuBackend:
     delta_rule = staticmethod(recurrent.delta_rule)
 
 
-def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None) -> CpuBackend:
-    """The CPU backend in configuration `path`, after the kernel self-test of what that configuration runs (first
-    load of the process): a type whose fast kernel disagreed with the reference runs on the reference tier.
-    note(line): what the user should hear (the first run's compile, a kernel stepped down); default stderr."""
+def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None, types=None,
+                background_compile: list[str] | None = None) -> CpuBackend:
+    """The CPU backend in configuration `path`, after the kernel self-test of what that configuration runs on
+    weights of `types` (GGML type codes, a model's; None: all): a type whose fast kernel disagreed with the
+    reference runs on the reference tier. note(line): what the user should hear (the first run's compile, a
+    kernel stepped down); default stderr. background_compile: a command that compiles the decode step (and,
+    on a first run, the prompt pass's kernels alongside this process's self-test) elsewhere: prepare says."""
     note = note or (lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
-    if kernels_uncompiled():  # say why the first run after install sits silent for a minute
-        note("compiling the CPU kernels for this machine (first run only: about a minute)")
+    compiling = None
+    if path == "fast" and kernels_uncompiled():  # say why the first run after install sits silent
+        if background_compile:  # a second core compiles the prompt pass's kernels meanwhile, then the step
+            compiling = step_compile.spawn(background_compile)
+            note("compiling the CPU kernels for this machine (first run only: ~20 s; the compiled decode step "
+                 "follows in the background)")
+        else:
+            note("compiling the CPU kernels for this machine (first run only: about a minute)")
     kernels = kernels_for(KERNEL_SET[path])
     if not selftest:
         self_test.mark_skipped()
-        return CpuBackend(path, kernels)
-    self_test.run_selftest(warn=note, kernels=self_test.PATH_KERNELS[path])
+        return CpuBackend(path, kernels, background_compile=background_compile, compiling=compiling)
+    self_test.run_selftest(warn=note, kernels=self_test.PATH_KERNELS[path], types=types, remembered=True)
     slow = self_test.disabled_types()
     if slow:
         kernels = self_test.TieredKernels(kernels, kernels_for(self_test.TIERS[1]), slow)
-    return CpuBackend(path, kernels, slow)
+    return CpuBackend(path, kernels, slow, background_compile, compiling)
 
 
 def kernels_uncompiled() -> bool:

@@ -15,6 +15,8 @@ reduction vectorizes only with it), so matvec results differ from the reference 
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -27,42 +29,64 @@ from engine.kernels.quant_types import GGMLType, row_bytes, type_name
 # =========================================================================================================
 
 
-@njit(parallel=True, cache=True)
-def _dequantize_rows(raw, code, out):
-    for r in prange(raw.shape[0]):
-        dequant_row(raw[r], code, out[r])
+# Each driver is compiled per weight type (a closure holding its code, dequant_row's dispatch inlined: numba prunes
+# the other types' branches before typing and caches each variant apart), so a model's load compiles the decoders
+# of its own types only (int8.py's _matvec_of says more).
+_row_of = njit(inline="always")(dequant_row.py_func)
 
 
-@njit(cache=True)
-def _dequantize_rows_serial(raw, code, out):
-    for r in range(raw.shape[0]):
-        dequant_row(raw[r], code, out[r])
+@functools.cache
+def _dequantize_rows(code: int):
+    @njit(parallel=True, cache=True)
+    def dequantize_rows(raw, out):
+        for r in prange(raw.shape[0]):
+            _row_of(raw[r], code, out[r])
+
+    return dequantize_rows
 
 
-@njit(cache=True)
-def _gather_rows(raw, code, ids, out):
-    # Serial: a handful of rows per call, not worth a parallel launch.
-    for i in range(ids.shape[0]):
-        dequant_row(raw[ids[i]], code, out[i])
+@functools.cache
+def _dequantize_rows_serial(code: int):
+    @njit(cache=True)
+    def dequantize_rows_serial(raw, out):
+        for r in range(raw.shape[0]):
+            _row_of(raw[r], code, out[r])
+
+    return dequantize_rows_serial
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _matvec(raw, code, x, out, n_chunks):
-    # raw (rows, row_bytes) u8, x (T, cols) f32, out (T, rows) f32.
-    # Rows are split into n_chunks contiguous chunks (static schedule); each chunk owns an L1-sized f32
-    # buffer that holds one dequantized row at a time, reused for all T inputs.
-    rows, T, cols = raw.shape[0], x.shape[0], x.shape[1]
-    bufs = np.empty((n_chunks, cols), dtype=np.float32)
-    for ch in prange(n_chunks):
-        buf = bufs[ch]
-        for r in range(ch * rows // n_chunks, (ch + 1) * rows // n_chunks):
-            dequant_row(raw[r], code, buf)
-            for t in range(T):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += buf[c] * xt[c]
-                out[t, r] = acc
+@functools.cache
+def _gather_rows(code: int):
+    @njit(cache=True)
+    def gather_rows(raw, ids, out):
+        # Serial: a handful of rows per call, not worth a parallel launch.
+        for i in range(ids.shape[0]):
+            _row_of(raw[ids[i]], code, out[i])
+
+    return gather_rows
+
+
+@functools.cache
+def _matvec(code: int):
+    @njit(parallel=True, fastmath=True, cache=True)
+    def matvec(raw, x, out, n_chunks):
+        # raw (rows, row_bytes) u8, x (T, cols) f32, out (T, rows) f32.
+        # Rows are split into n_chunks contiguous chunks (static schedule); each chunk owns an L1-sized f32
+        # buffer that holds one dequantized row at a time, reused for all T inputs.
+        rows, T, cols = raw.shape[0], x.shape[0], x.shape[1]
+        bufs = np.empty((n_chunks, cols), dtype=np.float32)
+        for ch in prange(n_chunks):
+            buf = bufs[ch]
+            for r in range(ch * rows // n_chunks, (ch + 1) * rows // n_chunks):
+                _row_of(raw[r], code, buf)
+                for t in range(T):
+                    xt = x[t]
+                    acc = np.float32(0.0)
+                    for c in range(cols):
+                        acc += buf[c] * xt[c]
+                    out[t, r] = acc
+
+    return matvec
 
 
 # =========================================================================================================
@@ -97,7 +121,7 @@ def dequantize_into(raw: np.ndarray, ggml_type: GGMLType | int, out: np.ndarray,
     """
     code = _check(raw, ggml_type, out.shape[-1])
     _check_out(out, (raw.shape[0], out.shape[-1]))
-    (_dequantize_rows if parallel else _dequantize_rows_serial)(raw, code, out)
+    (_dequantize_rows if parallel else _dequantize_rows_serial)(code)(raw, out)
     return out
 
 
@@ -108,7 +132,7 @@ def dequantize_rows_into(raw: np.ndarray, ggml_type: GGMLType | int, ids: np.nda
     _check_out(out, (ids.shape[0], out.shape[-1]))
     if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
         raise IndexError(f"row ids must be in [0, {raw.shape[0]}), got {ids.min()}..{ids.max()}")
-    _gather_rows(raw, code, ids, out)
+    _gather_rows(code)(raw, ids, out)
     return out
 
 
@@ -119,5 +143,5 @@ def matvec(raw: np.ndarray, ggml_type: GGMLType | int, x: np.ndarray, out: np.nd
     code = _check(raw, ggml_type, x.shape[1])
     _check_out(out, (x.shape[0], raw.shape[0]))
     # A few chunks per thread; numba.get_num_threads() is read here because inside njit it blocks caching.
-    _matvec(raw, code, x, out, max(1, min(raw.shape[0], 4 * numba.get_num_threads())))
+    _matvec(code)(raw, x, out, max(1, min(raw.shape[0], 4 * numba.get_num_threads())))
     return out

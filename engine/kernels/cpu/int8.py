@@ -24,6 +24,7 @@ with quantize.py's quantize_legacy_into and quantize_k_into.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import numba
@@ -33,7 +34,7 @@ from numba import njit
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
 from engine.kernels.cpu import plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
-from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, F32_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE,
+from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE,
                                    Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
 from engine.kernels.cpu.kquant import idots_q4_k, idots_q5_k, idots_q6_k, rows_q4_k, rows_q5_k, rows_q6_k
 from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
@@ -141,6 +142,43 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_ch
                       xq8, xs8, xqk, xdk, xbk, x, out, np.int64(starts[i]), tier)
 
 
+# The Python API's matvec over 1-3 matrices, compiled per combination of their types: rows_into's dispatch inlined
+# with the codes as constants (closure cells: numba prunes the other branches before typing, and its cache keys a
+# closure by the values it holds), so a first run compiles the row kernels of its model's types only, ~1 s a
+# combination instead of ~11 s for every type at once. The decode step keeps the dispatch at run time.
+_rows_of = njit(inline="always")(rows_into.py_func)
+_NO_CODE = -1  # an unused slot
+
+
+@functools.cache
+def _matvec_of(codes: tuple[int, ...]):
+    """The compiled matvec over matrices of these types (1-3): (w0, w1, w2, <QInput fields>, out, tier, n_chunks, ch)
+    runs range ch of n_chunks of all their rows (unused slots: 0-row matrices)."""
+    c0, c1, c2 = (tuple(codes) + (_NO_CODE, _NO_CODE))[:3]
+
+    @njit(nogil=True, cache=True)
+    def matvec_of(w0, w1, w2, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_chunks, ch):
+        s1 = w0.shape[0]
+        s2 = s1 + w1.shape[0]
+        lo, hi = ch * (s2 + w2.shape[0]) // n_chunks, (ch + 1) * (s2 + w2.shape[0]) // n_chunks
+        a, z = max(lo, 0), min(hi, s1)
+        if a < z:
+            _rows_of(c0, w0.reshape(-1), np.int64(0), w0.shape[1], a, z, xq8, xs8, xqk, xdk, xbk, x, out, np.int64(0),
+                     tier)
+        if c1 != _NO_CODE:
+            a, z = max(lo, s1), min(hi, s2)
+            if a < z:
+                _rows_of(c1, w1.reshape(-1), np.int64(0), w1.shape[1], a - s1, z - s1, xq8, xs8, xqk, xdk, xbk, x,
+                         out, np.int64(s1), tier)
+        if c2 != _NO_CODE:
+            a, z = max(lo, s2), hi
+            if a < z:
+                _rows_of(c2, w2.reshape(-1), np.int64(0), w2.shape[1], a - s2, z - s2, xq8, xs8, xqk, xdk, xbk, x,
+                         out, np.int64(s2), tier)
+
+    return matvec_of
+
+
 @njit(cache=True)
 def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
     # out (M, rows, n) int32: n = K/32 block dots (legacy) or 2 per super-block (K types)
@@ -169,16 +207,6 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
                     idots_q5_k(raw, r * rb, nsb, xqk, m * xqk.shape[1], xbk, bo, out, oo, tier)
                 else:
                     idots_q6_k(raw, r * rb, nsb, xqk, m * xqk.shape[1], xbk, bo, out, oo, tier)
-
-
-@njit(nogil=True, cache=True)
-def _matvec3(w0, t0, w1, t1, w2, t2, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_chunks, ch):
-    # Up to three matrices as plain array arguments: numba unboxes arrays on its fast C path, while a tuple
-    # of arrays is typed in Python (several us per call). Unused slots have 0 rows.
-    s1 = w0.shape[0]
-    s2 = s1 + w1.shape[0]
-    matvec_into((w0, w1, w2), (t0, t1, t2), (0, s1, s2, s2 + w2.shape[0]), xq8, xs8, xqk, xdk, xbk, x, out,
-                tier, n_chunks, ch)
 
 
 # =========================================================================================================
@@ -305,12 +333,11 @@ def matvec(ws: Sequence | PreparedWeights, qin: QInput, out: np.ndarray | None =
     if n_chunks is None:  # one range of rows per thread
         n_chunks = max(1, min(p.rows, numba.get_num_threads()))
     tok = tier_token(tier)
-    if len(p.raws) <= 3:
+    if len(p.raws) <= 3:  # the matrices as plain array arguments: numba unboxes arrays on its fast C path, while
+        # a tuple of arrays is typed in Python (several us per call)
         w = p.raws + (_NO_WEIGHT,) * (3 - len(p.raws))
-        c = p.codes + (F32_CODE,) * (3 - len(p.codes))
-        args = (w[0], c[0], w[1], c[1], w[2], c[2], qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out, tok,
-                n_chunks)
-        plain_threads.split(_matvec3, args, n_chunks)
+        args = (w[0], w[1], w[2], qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out, tok, n_chunks)
+        plain_threads.split(_matvec_of(p.codes), args, n_chunks)
     else:
         starts = np.cumsum((0,) + tuple(r.shape[0] for r in p.raws)).astype(np.int64)
         args = (p.raws, np.array(p.codes, np.int64), starts, qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out,

@@ -25,6 +25,8 @@ over it are in packed_kernels.py; the decode matvec unpacks each block once for 
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from numba import njit
@@ -120,17 +122,6 @@ def dequantize_into(src, code, g0, g1, cols, out):
 
 
 @njit(cache=True)
-def gather_rows_into(src, code, ids, cols, out):
-    """out[k] = row ids[k] (each in a packed group) of a packed matrix: an embedding lookup from the packed
-    copy (a whole group is decoded per row: 8x the arithmetic of one row, still microseconds)."""
-    scratch = np.empty((8, cols), np.float32)
-    for k in range(ids.shape[0]):
-        g = ids[k] // 8
-        dequantize_into(src, code, g, g + 1, cols, scratch)
-        out[k, :] = scratch[ids[k] % 8]
-
-
-@njit(cache=True)
 def quantize_natural_into(x, xq, xs, c0, c1):
     """Columns [c0, c1) (multiples of 32; 0 and K for all) of x (M, K) f32 -> xq (M, K) int8 in natural order,
     xs (M, 2 * K/32) [dx, dx * sum(q)] per block: the same values as quantize.quantize_legacy_into, without its
@@ -176,10 +167,45 @@ def groups_into(code, w, base, nb, g0, g1, xq, xs, out, c0, tier):
                 g_q5_1(w, wo, nb, ng, xq, xo, K, xs, so, ns, flat, oo, R, mb, tier)
 
 
-@njit(nogil=True, cache=True)
-def _groups_chunk(code, w, nb, n_groups, xq, xs, out, tier, n_chunks, ch):
-    """Chunk ch of n_chunks of the row groups (plain_threads.split runs the chunks at once)."""
-    groups_into(code, w, 0, nb, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks, xq, xs, out, 0, tier)
+# The Python side's kernels, compiled per type: closures holding the code, the dispatch inlined (int8.py's
+# _matvec_of says why); the decode step dispatches at run time.
+_groups_of = njit(inline="always")(groups_into.py_func)
+_dequantize_of = njit(inline="always")(dequantize_into.py_func)
+
+
+@functools.cache
+def _groups_chunk(code: int):
+    @njit(nogil=True, cache=True)
+    def groups_chunk(w, nb, n_groups, xq, xs, out, tier, n_chunks, ch):
+        """Chunk ch of n_chunks of the row groups (plain_threads.split runs the chunks at once)."""
+        _groups_of(code, w, 0, nb, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks, xq, xs, out, 0, tier)
+
+    return groups_chunk
+
+
+@functools.cache
+def _dequantize_groups(code: int):
+    @njit(cache=True)
+    def dequantize_groups(src, g0, g1, cols, out):
+        _dequantize_of(src, code, g0, g1, cols, out)
+
+    return dequantize_groups
+
+
+@functools.cache
+def _gather_rows(code: int):
+    @njit(cache=True)
+    def gather_rows(src, ids, cols, out):
+        """out[k] = row ids[k] (each in a packed group) of a packed matrix: an embedding lookup from the packed
+        copy (a whole group is decoded per row: 8x the arithmetic of one row, still microseconds)."""
+        scratch = np.empty((8, cols), np.float32)
+        for k in range(ids.shape[0]):
+            g = ids[k] // 8
+            _dequantize_of(src, code, g, g + 1, cols, scratch)
+            for i in range(cols):  # a loop, not a slice assignment: that one costs ~4 s more of a first run's compile
+                out[k, i] = scratch[ids[k] % 8, i]
+
+    return gather_rows
 
 
 # =========================================================================================================
@@ -198,8 +224,8 @@ def matvec(w, x: np.ndarray, tier: str | None = None) -> np.ndarray:
     xq, xs = np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32)
     quantize_natural_into(x, xq, xs, 0, K)
     chunks = max(1, min(n // ROWS, numba.get_num_threads()))  # on plain threads: see plain_threads.py
-    plain_threads.split(_groups_chunk, (int(w.ggml_type), w.packed, K // 32, n // ROWS, xq, xs, out, tier_token(tier),
-                                        chunks), chunks)
+    plain_threads.split(_groups_chunk(int(w.ggml_type)), (w.packed, K // 32, n // ROWS, xq, xs, out, tier_token(tier),
+                                                           chunks), chunks)
     if n < w.rows:
         p = int8.prepare([(w.raw[n:], w.ggml_type)])
         out[:, n:] = int8.matvec(p, int8.quantize(x, p), tier=tier)
@@ -222,7 +248,7 @@ def dequantize_rows(w, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
     if split > r0:
         if r0 % ROWS or split % ROWS:
             raise ValueError(f"packed rows are read in whole groups of {ROWS}, not [{r0}, {split})")
-        dequantize_into(w.packed, int(w.ggml_type), r0 // ROWS, -(-split // ROWS), w.cols, out[: split - r0])
+        _dequantize_groups(int(w.ggml_type))(w.packed, r0 // ROWS, -(-split // ROWS), w.cols, out[: split - r0])
     if r1 > split:
         exact.dequantize_into(w.raw[split:r1], w.ggml_type, out[split - r0 :], parallel=False)
     return out
@@ -241,7 +267,7 @@ def embed_rows(w, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     if inside.any():
         sel = np.flatnonzero(inside)
         part = np.empty((sel.size, w.cols), np.float32)
-        gather_rows_into(w.packed, int(w.ggml_type), ids[sel], w.cols, part)
+        _gather_rows(int(w.ggml_type))(w.packed, ids[sel], w.cols, part)
         out[sel] = part
     if not inside.all():
         sel = np.flatnonzero(~inside)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from engine.kernels import reference
-from engine.kernels.cpu import exact, int8, packed
+from engine.kernels.cpu import exact, int8, packed, verdicts
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 
 __all__ = ["KernelResult", "PATH_KERNELS", "SelfTest", "TIERS", "TieredKernels", "disabled_types", "report",
@@ -141,52 +141,73 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
             "packed_q8": packed_q8}
 
 
-KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace an entry to force a mismatch
+KERNELS: dict[str, Callable] = {}  # filled lazily; tests may replace it or an entry to force a mismatch
+_SHIPPED: dict[str, Callable] = {}  # what filled it: verdicts are remembered for these kernels only
 # What each configuration of the CPU backend runs, so what a load checks: the fast path's matvecs (plain and
 # packed), or the exact path's f32 one; both dequantize prompt weights and look up embeddings.
 PATH_KERNELS = {"fast": ("matvec_q8", "packed_q8", "dequantize", "embed"), "exact": ("matvec", "dequantize", "embed")}
 
 
 def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = None,
-                 kernels: Iterable[str] | None = None) -> SelfTest:
-    """Run the self-test of `kernels` (names in KERNELS; None: all) once per process: kernels already checked
-    are not run again (all again with force=True); returns the shared result. A model load checks only what
-    its compute path runs (the first run compiles each kernel it checks: the exact path's matvec alone is ~6 s
-    of it); `goinfer check --hardware` checks everything."""
+                 kernels: Iterable[str] | None = None, types: Iterable[int] | None = None,
+                 remembered: bool = False) -> SelfTest:
+    """Run the self-test of `kernels` (names in KERNELS; None: all) on weights of `types` (GGML type codes;
+    None: all) once per process: pairs already checked are not run again (all again with force=True); returns
+    the shared result. A model load checks only what its compute path runs on its own types (the kernels are
+    compiled per type, so a first run compiles what its model needs, no more); `goinfer check --hardware`
+    checks everything. remembered=True (a model load): a pair this machine already checked, with these kernel
+    sources and this compiler, takes that verdict (verdicts.py) instead of loading and running the kernel."""
     global _STATE
     with _LOCK:
         if not KERNELS:
             KERNELS.update(_cpu_kernels())
+            if not _SHIPPED:
+                _SHIPPED.update(KERNELS)
         wanted = set(KERNELS) if kernels is None else set(kernels)
-        done = set() if force or _STATE.status in ("not_run", "skipped") else {r.kernel for r in _STATE.results}
-        todo = [k for k in KERNELS if k in wanted and k not in done]  # in KERNELS' order, as before
+        gtypes = list(GGMLType) if types is None else sorted({GGMLType(int(t)) for t in types})
+        fresh = force or _STATE.status in ("not_run", "skipped")
+        done = set() if fresh else {(r.kernel, r.type) for r in _STATE.results}
+        todo = [(gtype, name) for gtype in gtypes for name in KERNELS  # in KERNELS' order, as before
+                if name in wanted and (name, gtype.name) not in done]
         if not todo:
             return _STATE
         start = time.perf_counter()
-        state = SelfTest(status="ok") if not done else _STATE
+        state = SelfTest(status="ok") if fresh else _STATE
         x = np.random.default_rng(7).normal(0, 1, (T, COLS)).astype(np.float32)
         ids = np.array([3, 0, ROWS - 1], dtype=np.int64)
-        for gtype in GGMLType:
-            w = fixed_weight(gtype)
-            for name in todo:
-                kernel = KERNELS[name]
+        weights: dict[GGMLType, QTensor] = {}
+        shipped = all(KERNELS[name] is _SHIPPED.get(name) for _, name in todo)
+        known = verdicts.load() if remembered and shipped else {}
+        found: dict[str, float | None] = {}
+        for gtype, name in todo:
+            key = f"{name}/{gtype.name}"
+            if key in known:
+                err = known[key]
+                if err is None:  # the kernel does not serve this type
+                    continue
+            else:
+                w = weights.setdefault(gtype, fixed_weight(gtype))
                 try:
-                    pair = kernel(w, x, ids)
-                    if pair is None:  # the kernel does not serve this type
+                    pair = KERNELS[name](w, x, ids)
+                    if pair is None:
+                        found[key] = None
                         continue
                     got, want = pair
                     err = _rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32))
                 except Exception as exc:  # a kernel that raises is as wrong as one that disagrees
                     log.debug("self-test %s %s raised %r", name, gtype.name, exc)
                     err = float("inf")
-                ok = err <= TOLERANCE
-                state.results.append(KernelResult(name, gtype.name, TIERS[0], err, ok))
-                if not ok and gtype.name not in state.stepped_down:
-                    state.stepped_down[gtype.name] = TIERS[1]
-                    state.status = "stepped_down"
-                    message = (f"WARN kernel self-test: {TIERS[0]} {name} {gtype.name} differs from the reference "
-                               f"(max rel err {err:.3g} > {TOLERANCE:g}); {gtype.name} now runs on tier {TIERS[1]}")
-                    (warn or log.warning)(message)
+                found[key] = err
+            ok = err <= TOLERANCE
+            state.results.append(KernelResult(name, gtype.name, TIERS[0], err, ok))
+            if not ok and gtype.name not in state.stepped_down:
+                state.stepped_down[gtype.name] = TIERS[1]
+                state.status = "stepped_down"
+                message = (f"WARN kernel self-test: {TIERS[0]} {name} {gtype.name} differs from the reference "
+                           f"(max rel err {err:.3g} > {TOLERANCE:g}); {gtype.name} now runs on tier {TIERS[1]}")
+                (warn or log.warning)(message)
+        if shipped:  # (not a test's stand-in kernels)
+            verdicts.remember(found)
         state.seconds += time.perf_counter() - start
         _STATE = state
         return state

@@ -5,7 +5,7 @@ and hybrid tables), and the callable that runs one step over M sequences' caches
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, typeof, types
 from numba.typed import List
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
@@ -83,23 +83,37 @@ class DecodeStep:
         packed_off = -1 if t.packed is None else _offset(t.packed, self.pbuf, name)
         return [off, t.rows, t.raw.shape[1], int(t.ggml_type), packed_off]
 
+    dispatcher = decode_step  # the compiled function (step_compile.py asks it whether it is compiled yet)
+
     def __call__(self, ids, caches: list[KVCache]) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) != len(caches) or not len(ids):
             raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
         for c in caches:
             c.reserve(1)
-        pos = np.array([c.length for c in caches], np.int64)
-        threads = get_threads()
-        kcs, vcs, convs, ssms = self._arrays.of(caches)
-        logits = decode_step(self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale,
-                             self.norms, self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows,
-                             self.fparams, self.iparams, ids, pos, kcs, vcs,
-                             ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases, self.rec,
-                             convs, ssms, self.layers)
+        logits = decode_step(*self.arguments(ids, caches))
         for c in caches:
             c.advance(1)
         return logits
+
+    def arguments(self, ids: np.ndarray, caches: list[KVCache], lists: tuple | None = None) -> tuple:
+        """decode_step's arguments for tokens ids (M,) int64 at the caches' ends (lists: stand-ins for the
+        caches' typed lists)."""
+        pos = np.array([c.length for c in caches], np.int64)
+        threads = get_threads()
+        kcs, vcs, convs, ssms = self._arrays.of(caches) if lists is None else lists
+        return (self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale, self.norms,
+                self.qk_norms, self.qkv_bias, self.out_norm, self.inv_freq, self.windows, self.fparams, self.iparams,
+                ids, pos, kcs, vcs, ROW_RANGES_PER_THREAD * threads, 0, self.tier, threads, self.biases, self.rec,
+                convs, ssms, self.layers)
+
+    def signature(self, caches: list[KVCache]) -> tuple:
+        """decode_step's argument types for a step over these caches, its typed lists typed without being built
+        (their helpers compile on first use: ~3 s of a first run that decodes without the step)."""
+        groups = ([c.k for c in caches], [c.v for c in caches]) + tuple(hybrid_step.states(caches))
+        lists = tuple(types.ListType(typeof(g[0])) for g in groups)
+        return tuple(a if isinstance(a, types.Type) else decode_step.typeof_pyval(a)
+                     for a in self.arguments(np.zeros(len(caches), np.int64), caches, lists))
 
     def release(self) -> None:
         """Let go of the last batch's arrays (their sequences have ended)."""
