@@ -73,22 +73,20 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
     skip = not selftest or os.environ.get("GOINFER_NO_SELFTEST", "").strip() not in ("", "0")
-    types = _matrix_types(weights, config, fam)
     compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant] if background_compile else None
-    backend = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, types=types,
-                           background_compile=compile_command)
-    # The compiled decode step runs every matrix type's fast kernel: none while the self-test suspects one.
-    suspect = backend.stepped_down & types
-    backend.prepare(config, weights, None if suspect or fam.step_flags is None else fam.step_flags(config))
+    backend = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
+    backend.prepare(config, weights, None if fam.step_flags is None else fam.step_flags(config),
+                    _matrices(weights, config, fam))
     return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=backend,
                  tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
 
 
-def _matrix_types(weights: Weights, config, fam) -> frozenset[int]:
+def _matrices(weights: Weights, config, fam) -> list[str]:
+    """The model's matrices (not the norms): what its load self-tests the kernels on."""
     names = ["token_embd"] + (["output"] if weights.has("output") else [])
     names += [f"blk.{i}.{n}" for i in range(config.n_layer) for n in fam.tensors_of(config, i)]
-    tensors = [weights.tensor(n) for n in names if weights.has_weight(n)]
-    return frozenset(int(t.ggml_type) for t in tensors if len(t.shape) == 2 and t.rows > 1)  # not the norms
+    names = [n for n in names if weights.has_weight(n)]
+    return [n for n in names if len(weights.tensor(n).shape) == 2 and weights.tensor(n).rows > 1]
 
 
 def _resolve(ref, progress) -> Path:

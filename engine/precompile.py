@@ -1,12 +1,12 @@
 """`python -m engine.precompile MODEL [QUANT]`: compile a model's kernels into numba's on-disk cache.
 
-What a first `goinfer chat` starts in the background (engine/kernels/cpu/step_compile.py says why): load the model
-the way the foreground does (no self-test), run a short chat prompt through the prompt pass and one token through
-it (the kernels the foreground needs right after its self-test: on a first run the two processes compile side by
-side, and whichever is first leaves the kernel in the cache for the other), then one decode step, which compiles
-the step (a minute or two) and writes it to the cache. Niced, so the foreground's answer comes first; under the
-step-compile lock, so a second one started meanwhile leaves at once. Run by hand (or in a container image's
-build, or CI) it compiles everything but the self-test's kernels in the foreground.
+What a first `goinfer chat` starts in the background (engine/kernels/cpu/step_compile.py says why), beside its own
+self-test: load the model the way the foreground does (no self-test), generate two tokens of a short chat through
+the prompt pass (the kernels the foreground needs after its self-test; whichever process compiles a kernel first
+leaves it in the cache for the other), then run one decode step, which compiles the step (a minute or two) and
+writes it to the cache. Niced, so the foreground's answer comes first; under the step-compile lock, so a second one
+started meanwhile leaves at once. Run by hand (or in a container image's build, or CI) it compiles all but the
+self-test's kernels in the foreground.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from engine.generate import generate
 from engine.kernels.cpu.step_compile import hold_lock
 from engine.load import load_model
 
@@ -29,10 +30,13 @@ def main(argv: list[str]) -> int:
             return 0
         model = load_model(model_ref, quant, selftest=False)
         ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": WARM_MESSAGE}]))
-        cache = model.new_cache(len(ids) + 2)
-        model.prefill(ids, cache)  # the prompt pass
-        model.prefill(ids[-1:], cache)  # one token through it: how the foreground decodes until the step is ready
-        model.decode(ids[-1:], [cache])  # the step
+        step, model.backend.step = model.backend.step, None  # the prompt pass at one token, as a first run decodes
+        try:
+            for _ in generate(model, ids, max_tokens=2, temperature=0):
+                pass
+        finally:
+            model.backend.step = step
+        model.decode(ids[-1:], [model.new_cache(1)])  # the step
     return 0
 
 

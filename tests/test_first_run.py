@@ -13,7 +13,7 @@ import pytest
 import engine
 from engine import precompile
 from engine.kernels.cpu import backend as cpu_backend
-from engine.kernels.cpu import exact, int8, selftest, step_compile, verdicts
+from engine.kernels.cpu import exact, int8, packed, selftest, step_compile, verdicts
 from engine.kernels.cpu.decode_step import decode_step
 
 PROMPT = "What is the capital of France? Answer in one sentence."
@@ -119,16 +119,20 @@ def test_the_background_compile_runs(smollm2_gguf, tmp_path):
     assert list(tmp_path.glob("goinfer-*-step-compile.lock"))
 
 
-def test_a_load_compiles_the_kernels_of_its_own_types_only(monkeypatch, smollm2_gguf):
+def test_a_load_compiles_the_kernels_it_runs_on_its_own_types_only(monkeypatch, smollm2_gguf):
     monkeypatch.setattr(selftest, "_STATE", selftest.SelfTest())
     monkeypatch.setattr(selftest, "KERNELS", dict(selftest._cpu_kernels()))
     monkeypatch.delenv("GOINFER_NO_SELFTEST", raising=False)
-    kernels = (int8._matvec_of, exact._dequantize_rows_serial, exact._dequantize_rows, exact._gather_rows)
-    for made in kernels:
+    plain = (int8._matvec_of, exact._dequantize_rows_serial, exact._dequantize_rows, exact._gather_rows)
+    packs = (packed._groups_chunk, packed._dequantize_groups)
+    for made in plain + packs:
         made.cache_clear()
-    engine.load_model(smollm2_gguf)
-    assert {r.type for r in selftest.report_results()} == {"Q4_1", "Q8_0"}  # its matrices' types
-    assert [made.cache_info().currsize for made in kernels] == [2, 2, 2, 2]  # one variant each
+    model = engine.load_model(smollm2_gguf)
+    # every matrix (Q4_1, the Q8_0 embedding/head) is packed: its packed kernels are checked, per type
+    assert {(r.kernel, r.type) for r in selftest.report_results()} == {("packed_q8", "Q4_1"), ("packed_q8", "Q8_0")}
+    assert [made.cache_info().currsize for made in packs] == [2, 2]  # one variant each
+    assert [made.cache_info().currsize for made in plain] == [0, 0, 0, 0]  # not even compiled
+    assert _reply(model) == "The capital of France is Paris."
 
 
 @pytest.fixture
@@ -151,7 +155,7 @@ def test_later_loads_take_the_self_test_verdicts_this_machine_reached(own_verdic
     engine.load_model(smollm2_gguf)
     first = selftest.report()
     assert first["status"] == "ok" and own_verdicts.exists()
-    assert set(verdicts.load()) >= {"matvec_q8/Q4_1", "packed_q8/Q4_1", "dequantize/Q8_0", "embed/Q8_0"}
+    assert set(verdicts.load()) >= {"packed_q8/Q4_1", "packed_q8/Q8_0"}
     monkeypatch.setattr(selftest, "_STATE", selftest.SelfTest())  # the next process
     _no_kernel_runs(monkeypatch)
     engine.load_model(smollm2_gguf)
@@ -164,7 +168,7 @@ def test_later_loads_take_the_self_test_verdicts_this_machine_reached(own_verdic
 
 def test_a_remembered_failure_steps_its_type_down(own_verdicts, monkeypatch, smollm2_gguf, capsys):
     engine.load_model(smollm2_gguf)
-    verdicts.remember({"matvec_q8/Q4_1": 0.5})
+    verdicts.remember({"packed_q8/Q4_1": 0.5})
     monkeypatch.setattr(selftest, "_STATE", selftest.SelfTest())
     _no_kernel_runs(monkeypatch)
     model = engine.load_model(smollm2_gguf)

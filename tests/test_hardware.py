@@ -79,8 +79,9 @@ def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selft
 
 def test_a_load_checks_what_its_path_runs_and_check_hardware_the_rest(fresh_selftest, tmp_path):
     # Each checked kernel compiles on the first run, per weight type: a default (int8) load leaves the exact
-    # path's f32 matvec alone, an exact-path load checks it, both on the model's matrix types only, and
-    # `check --hardware` adds whatever is left without repeating.
+    # path's f32 matvec alone, an exact-path load checks it, both on the model's matrix types only (a packed
+    # matrix's packed kernels, another's plain ones), and `check --hardware` adds whatever is left without
+    # repeating.
     from engine.load import load_model
 
     path = mf.write_llama_fixture(tmp_path / "tiny.gguf")
@@ -121,16 +122,16 @@ def test_health_carries_the_selftest(fresh_selftest, tmp_path):
         body = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    # the int8 path's kernels on the model's matrix types: matvec_q8, dequantize and embed for each, packed_q8 for
-    # the packable ones
-    from engine.kernels.cpu.packed import PACKABLE
-
+    # the int8 path's kernels on the model's matrix types: packed_q8 for a type with packed matrices, matvec_q8,
+    # dequantize and embed for a type with matrices (or rows) outside the packed layout
     matrices = [model.weights.tensor(n[: -len(".weight")]) for n in model.weights._file.entries
                 if n.endswith(".weight")]
-    types = {t.ggml_type for t in matrices if t.rows > 1}
-    assert len(types) >= 10  # the fixture spreads quantized and float types over the layers
+    matrices = [t for t in matrices if t.rows > 1]
+    packed_types = {t.ggml_type for t in matrices if t.packed is not None}
+    plain_types = {t.ggml_type for t in matrices if t.packed is None or t.rows % 8}
+    assert len(packed_types | plain_types) >= 10 and packed_types  # the fixture spreads types over the layers
     assert body["selftest"]["status"] == "ok"
-    assert body["selftest"]["kernels_checked"] == 3 * len(types) + len(types & PACKABLE)
+    assert body["selftest"]["kernels_checked"] == len(packed_types) + 3 * len(plain_types)
     assert body["selftest"]["failed"] == []
 
 

@@ -124,10 +124,12 @@ class Backend(Protocol):
         """One line for logs: the configuration and the kernels behind it."""
 
     # --- layouts and the decode step, set up once per model ---
-    def prepare(self, config: ModelConfig, weights: Weights, step_flags: dict | None) -> None:
-        """Lay the weights out as this backend wants them and build its decode step (step_flags: what the
-        family's step needs to know; None: no compiled step, decode runs the forward pass one token at a time).
-        A step compiling elsewhere (load_backend's background_compile) makes has_decode_step False until then."""
+    def prepare(self, config: ModelConfig, weights: Weights, step_flags: dict | None,
+                matrices: Sequence[str] = ()) -> None:
+        """Lay the weights out as this backend wants them, self-test the kernels the named `matrices` run (where
+        the loader asked for a self-test) and build its decode step (step_flags: what the family's step needs to
+        know; None: no compiled step, decode runs the forward pass one token at a time). A step compiling
+        elsewhere (load_backend's background_compile) makes has_decode_step False until then."""
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache: ...
 

@@ -11,19 +11,18 @@ from engine.kernels.backend import PATHS, Backend
 BACKENDS = ("cpu",)
 
 
-def load_backend(name: str = "cpu", path: str = "fast", *, selftest: bool = True, note=None, types=None,
+def load_backend(name: str = "cpu", path: str = "fast", *, selftest: bool = True, note=None,
                  background_compile: list[str] | None = None) -> Backend:
     """A new backend instance: `name` the hardware ("cpu"), `path` its configuration ("fast", "exact").
-    selftest: check the kernels that configuration runs first (once per process); a type whose fast kernel
+    selftest: its prepare checks the kernels the model runs first (once per process); a type whose fast kernel
     disagreed with the reference then runs on the reference tier (`stepped_down`). note(line): what the user
-    should hear meanwhile (a first run's compile, a kernel stepped down); default: stderr. types: the GGML type
-    codes of the model's matrices, the weights the self-test checks the kernels on (None: every type).
-    background_compile: a command (engine/precompile.py) that compiles the model's kernels into numba's cache;
-    where they are not there yet, it runs detached and the model decodes without its compiled step meanwhile."""
+    should hear meanwhile (a first run's compile, a kernel stepped down); default: stderr. background_compile:
+    a command (engine/precompile.py) that compiles the model's kernels into numba's cache; where they are not
+    there yet, it runs detached and the model decodes without its compiled step meanwhile."""
     if path not in PATHS:
         raise ValueError(f"unknown compute path {path!r}; choose from {', '.join(PATHS)}")
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose from: {', '.join(BACKENDS)}")
     from engine.kernels.cpu.backend import cpu_backend
 
-    return cpu_backend(path, selftest=selftest, note=note, types=types, background_compile=background_compile)
+    return cpu_backend(path, selftest=selftest, note=note, background_compile=background_compile)

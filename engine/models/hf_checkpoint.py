@@ -115,6 +115,10 @@ class HFCheckpoint:
                 raise UnsupportedModel(f"{self.path.name}: tensor {src!r} has {words.ndim} dimensions")
         items += [(n + ".weight", v.reshape(1, -1), GGMLType.F32) for n, v in generated.items()]
         self._buffer, self._tensors = _lay_out(items)
+        # Read-only from here on, as a mapped GGUF file is: the kernels and the compiled step are compiled per
+        # argument type, and a writable buffer is another type (another minute or two of the step's compile).
+        for a in [self._buffer] + [t.raw for t in self._tensors.values()]:
+            a.flags.writeable = False
         self.file_size = sum(t.raw.nbytes for t in self._tensors.values())
 
     @property

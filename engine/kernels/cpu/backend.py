@@ -39,10 +39,11 @@ class CpuBackend:
 
     def __init__(self, path: str = "fast", kernels: MatmulKernels | None = None,
                  stepped_down: frozenset[int] = frozenset(), background_compile: list[str] | None = None,
-                 compiling=None):
+                 compiling=None, check=None):
         self.path = path
         self.kernels = kernels if kernels is not None else kernels_for(KERNEL_SET[path])
         self.stepped_down = stepped_down  # GGML type codes the self-test sent to the reference tier
+        self._check = check  # where the self-test's warnings go (prepare runs it), None: no self-test
         self.step: step_tables.DecodeStep | None = None  # the compiled one-token step (prepare), or None
         self.packed_buffer: np.ndarray | None = None  # every packed copy of the model (prepare), one buffer
         self._pending: step_compile.PendingStep | None = None  # the step while it compiles elsewhere
@@ -59,25 +60,45 @@ class CpuBackend:
 
     # --- layouts and the decode step ------------------------------------------------------------------------
 
-    def prepare(self, config: ModelConfig, weights: Weights, step_flags: dict | None) -> None:
-        """On the fast path, with every matrix type on its fast kernels: the layers' and the head's legacy-block
-        matrices get their row-interleaved copies (their mapped pages are let go) and the compiled step is
-        built. Not for split models (no single buffer): those decode layer by layer. Prompts take the int8 GEMM
-        where it carries most of the layers' matrix work (gemm8.carries_most). With a background compile
-        (cpu_backend) and the step not in numba's cache yet, the model decodes without the step until the
-        compile elsewhere has put it there (step_compile.py)."""
+    def prepare(self, config: ModelConfig, weights: Weights, step_flags: dict | None,
+                matrices: Sequence[str] = ()) -> None:
+        """On the fast path: the layers' and the head's legacy-block matrices get their row-interleaved copies
+        (their mapped pages are let go); then the self-test of the kernels the model's `matrices` run (a type
+        whose fast kernel disagrees with the reference goes to the reference tier), and, with every matrix type
+        on its fast kernels, the compiled step is built. Not for split models (no single buffer): those decode
+        layer by layer. Prompts take the int8 GEMM where it carries most of the layers' matrix work
+        (gemm8.carries_most). With a background compile (cpu_backend) and the step not in numba's cache yet,
+        the model decodes without the step until the compile elsewhere has put it there (step_compile.py)."""
         if self.path == "fast" and hasattr(self.kernels, "use_prompt_gemm8"):
             names = [n for i in range(config.n_layer) for n in step_roles.role_tensors(i, step_flags or {}) if n]
             self.kernels.use_prompt_gemm8(gemm8.carries_most([weights.tensor(n) for n in names if weights.has(n)]))
-        if self.path != "fast" or not step_tables.supported(config, weights, step_flags):
+        steps = self.path == "fast" and step_tables.supported(config, weights, step_flags)
+        if steps:
+            self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
+        types = self._self_test([weights.tensor(n) for n in matrices])
+        if not steps or self.stepped_down & types:  # the step runs every matrix type's fast kernel
             return
-        self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
         self.step = step_tables.build(config, weights, step_flags, self.packed_buffer)
         if self._background_compile and self.step is not None:
             sig = self.step.signature([self.new_cache(config, 1)])
             self._pending = step_compile.start(self.step, sig, self._background_compile, self._compiling)
             if self._pending is not None:
                 self.step = None
+
+    def _self_test(self, tensors: list[QTensor]) -> frozenset[int]:
+        """Check the kernels these matrices run (once per process, self_test.run_selftest): a packed matrix's
+        packed kernels, another's plain ones, on its type. Returns the matrices' type codes."""
+        packed_types = {int(t.ggml_type) for t in tensors if t.packed is not None}
+        plain_types = {int(t.ggml_type) for t in tensors if t.packed is None or packed.packed_rows(t.rows) < t.rows}
+        if self._check is not None:
+            plain = tuple(k for k in self_test.PATH_KERNELS[self.path] if k != "packed_q8")
+            self_test.run_selftest(warn=self._check, kernels=("packed_q8",), types=packed_types, remembered=True)
+            self_test.run_selftest(warn=self._check, kernels=plain, types=plain_types, remembered=True)
+            slow = self_test.disabled_types()
+            if slow and not self.stepped_down:
+                self.kernels = self_test.TieredKernels(self.kernels, kernels_for(self_test.TIERS[1]), slow)
+            self.stepped_down = slow
+        return frozenset(packed_types | plain_types)
 
     def new_cache(self, config: ModelConfig, max_tokens: int) -> KVCache:
         return KVCache(len(config.kv_layers), config.n_head_kv, config.head_dim, max_tokens, self.kv_dtype,
@@ -154,13 +175,12 @@ class CpuBackend:
     delta_rule = staticmethod(recurrent.delta_rule)
 
 
-def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None, types=None,
+def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None,
                 background_compile: list[str] | None = None) -> CpuBackend:
-    """The CPU backend in configuration `path`, after the kernel self-test of what that configuration runs on
-    weights of `types` (GGML type codes, a model's; None: all): a type whose fast kernel disagreed with the
-    reference runs on the reference tier. note(line): what the user should hear (the first run's compile, a
-    kernel stepped down); default stderr. background_compile: a command that compiles the decode step (and,
-    on a first run, the prompt pass's kernels alongside this process's self-test) elsewhere: prepare says."""
+    """The CPU backend in configuration `path`; its prepare runs the kernel self-test of what the model runs
+    (selftest=False: none). note(line): what the user should hear (the first run's compile, a kernel stepped
+    down); default stderr. background_compile: a command that compiles the decode step (and, on a first run,
+    the prompt pass's kernels alongside this process's self-test) elsewhere: prepare says."""
     note = note or (lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
     compiling = None
     if path == "fast" and kernels_uncompiled():  # say why the first run after install sits silent
@@ -170,15 +190,10 @@ def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None, types=N
                  "follows in the background)")
         else:
             note("compiling the CPU kernels for this machine (first run only: about a minute)")
-    kernels = kernels_for(KERNEL_SET[path])
     if not selftest:
         self_test.mark_skipped()
-        return CpuBackend(path, kernels, background_compile=background_compile, compiling=compiling)
-    self_test.run_selftest(warn=note, kernels=self_test.PATH_KERNELS[path], types=types, remembered=True)
-    slow = self_test.disabled_types()
-    if slow:
-        kernels = self_test.TieredKernels(kernels, kernels_for(self_test.TIERS[1]), slow)
-    return CpuBackend(path, kernels, slow, background_compile, compiling)
+    return CpuBackend(path, kernels_for(KERNEL_SET[path]), background_compile=background_compile,
+                      compiling=compiling, check=note if selftest else None)
 
 
 def kernels_uncompiled() -> bool:

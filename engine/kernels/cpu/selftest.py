@@ -131,7 +131,11 @@ def _cpu_kernels() -> dict[str, Callable[[QTensor, np.ndarray, np.ndarray], tupl
         packed.repack(w.raw, w.ggml_type, dst)
         dst.setflags(write=False)  # as Weights.pack hands out its packed copies
         p = QTensor(w.name, w.ggml_type, w.shape, w.raw, dst)
-        _, want = matvec_q8(w, x, ids)
+        M, K = x.shape  # the oracle: the activations as the packed kernels quantize them, times the weight, in f64
+        xq, xs = np.empty((M, K), np.int8), np.empty((M, 2 * (K // 32)), np.float32)
+        packed.quantize_natural_into(x, xq, xs, 0, K)
+        xd = (xq.reshape(M, -1, 32) * xs.reshape(M, -1, 2)[..., :1]).reshape(M, K).astype(np.float64)
+        want = xd @ reference.dequantize(w).astype(np.float64).T
         got = packed.matvec(p, x)
         deq = packed.dequantize_rows(p, 0, w.rows, np.empty(w.shape, np.float32))
         ref = reference.dequantize(w)
