@@ -1,7 +1,9 @@
 """Kernel self-test: every dispatched CPU kernel against the numpy reference on a fixed small input.
 
-Each kernel runs once per process, in a few ms once numba's cache is warm: a model load (engine.load) checks
-the kernels its compute path runs (PATH_KERNELS), `goinfer check --hardware` all of them.
+Each kernel runs once per process and type, in a few ms once numba's cache is warm: a model load checks the
+kernels its matrices run on their types (CpuBackend.prepare, after packing: a packed matrix's `packed_q8`,
+another's plain kernels of PATH_KERNELS), taking a verdict this machine already reached where verdicts.py has
+one; `goinfer check --hardware` runs all of them on every type.
 Kernels checked, per GGML type: `matvec` (exact f32 path: fused, reads blocks in place), `matvec_q8` (the
 default path's int8 kernels, tier ir.TIER, against the float64 product of the dequantized weight and the
 int8 activations they compute with), `dequantize` (prefill: serial and parallel decode before BLAS) and
@@ -157,7 +159,7 @@ def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = No
                  remembered: bool = False) -> SelfTest:
     """Run the self-test of `kernels` (names in KERNELS; None: all) on weights of `types` (GGML type codes;
     None: all) once per process: pairs already checked are not run again (all again with force=True); returns
-    the shared result. A model load checks only what its compute path runs on its own types (the kernels are
+    the shared result. A model load checks only the kernels its matrices run, on their types (the kernels are
     compiled per type, so a first run compiles what its model needs, no more); `goinfer check --hardware`
     checks everything. remembered=True (a model load): a pair this machine already checked, with these kernel
     sources and this compiler, takes that verdict (verdicts.py) instead of loading and running the kernel."""
