@@ -15,7 +15,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
-from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
+from commands.options import (ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption,
+                             ThreadsOption, thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.batch import BatchPlan, LineResult, run_batch
@@ -62,6 +63,8 @@ def batch(
              "alone).")] = 1,
     threads: ThreadsOption = None,
     no_selftest: NoSelftestOption = False,
+    thinking: ThinkingOption = "template",
+    reasoning_budget: ReasoningBudgetOption = "auto",
 ) -> None:
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
@@ -75,6 +78,7 @@ def batch(
         raise fail(f"--top-k must be >= 0, got {top_k}")
     if max_tokens is not None and max_tokens < 1:
         raise fail(f"--max must be >= 1, got {max_tokens}")
+    settings = thinking_settings(thinking, reasoning_budget)
     defaults = SamplingOptions(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                                seed=None if seed is None else seed % (1 << 64))
     view = _ProgressView()
@@ -92,7 +96,7 @@ def batch(
         try:
             summary = run_batch(input_file, output, load, defaults=defaults, system=system,
                                 should_stop=stop.requested, on_plan=view.plan, on_line=view.line,
-                                on_token=view.token, parallel=parallel)
+                                on_token=view.token, parallel=parallel, thinking=settings)
         finally:
             view.close()
     view.finish(summary)

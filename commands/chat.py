@@ -14,13 +14,16 @@ from typing import Annotated, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import ModelOption, NoSelftestOption, QuantOption, ThreadsOption
-from commands.ui import FetchProgress, say
+from commands.options import (ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption,
+                             ThreadsOption, thinking_settings)
+from commands.ui import FetchProgress, say, thought
 from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
-from engine.requests import encode_prompt
+from engine.reasoning import ThinkingPlan, ThinkingSettings
+from engine.requests import encode_prompt, thinking_of
+from engine.templates.thinking import MODES, render_prompt
 from engine.store.paths import goinfer_home
 
 HELP = """Chat with a model in the terminal, or answer one prompt and exit.
@@ -41,10 +44,15 @@ Examples:
 
 The REPL keeps the conversation's KV cache between turns: each turn evaluates only what is new.
 
-In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /quit. Ctrl-C stops a reply; Ctrl-D quits.
+A thinking model's reasoning prints dimmed on stderr before its answer (--hide-thinking: a marker instead); only
+the answer goes to stdout and into the conversation.
+
+In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /think MODE, /quit. Ctrl-C stops a reply; Ctrl-D
+quits.
 """
 
-REPL_HELP = "/reset  /system TEXT  /temp T  /seed N  /max N  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
+REPL_HELP = ("/reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /quit   "
+             "(Ctrl-C stops a reply, Ctrl-D quits)")
 
 
 @dataclass
@@ -60,6 +68,8 @@ class ChatState:
     messages: list[dict] = field(default_factory=list)
     grammar: Grammar | None = None  # --schema: replies constrained to it
     warm: WarmConversation | None = None  # the conversation's KV cache, kept between turns
+    thinking: ThinkingSettings = ThinkingSettings()  # --thinking / --reasoning-budget, /think
+    show_thinking: bool = True
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -82,6 +92,11 @@ def chat(
     session_file: Annotated[Optional[Path], typer.Option(
         "--session", help="Resume the conversation saved in this file (its messages and KV cache); written after "
                           "each turn.")] = None,
+    thinking: ThinkingOption = "template",
+    reasoning_budget: ReasoningBudgetOption = "auto",
+    show_thinking: Annotated[bool, typer.Option(
+        "--show-thinking/--hide-thinking", help="Print a thinking model's reasoning (dimmed, on stderr) before its "
+                                                 "answer, or only a marker.")] = True,
 ) -> None:
     if temp < 0:
         raise fail(f"--temp must be >= 0, got {temp}")
@@ -91,7 +106,8 @@ def chat(
         raise fail(f"--threads must be >= 1, got {threads}")
     if session_file is not None and prompt is not None:
         raise fail("--session resumes a REPL conversation; it does not go with --prompt")
-    session = ChatState(system, temp, top_k, top_p, seed, max_tokens)
+    session = ChatState(system, temp, top_k, top_p, seed, max_tokens,
+                        thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
@@ -132,15 +148,27 @@ def _schema_grammar(path: Path) -> Grammar:
 
 
 def _reply(llm, session: ChatState) -> str:
-    """Stream one assistant reply to stdout; return its text (also when stopped by Ctrl-C)."""
-    text = llm.render_chat(session.conversation(), add_generation_prompt=True)
-    ids = encode_prompt(llm, text)  # no second BOS when the template writes one
+    """Stream one assistant reply to stdout (a thinking model's reasoning dimmed on stderr before it); return the
+    answer's text (also when stopped by Ctrl-C)."""
+    thinking = thinking_of(llm)
+    mode = "off" if session.grammar is not None else session.thinking.mode  # a grammar wants JSON from token 1
+    prompt = render_prompt(llm.template, thinking, session.conversation(), mode=mode)
+    ids = encode_prompt(llm, prompt.text)  # no second BOS when the template writes one
+    plan = None if thinking is None else ThinkingPlan(thinking.open, thinking.close, prompt.inside,
+                                                      thinking.close_id, server=session.thinking.budget)
     parts: list[str] = []
+    shown = False  # the reasoning (or its marker) was printed: the answer starts on a new line
     try:
         procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
         for ev in session.warm.reply(ids, max_tokens=session.max_tokens, temperature=session.temperature,
                                      top_k=session.top_k, top_p=session.top_p, seed=session.seed,
-                                     processors=procs, logprobs=False):
+                                     processors=procs, logprobs=False, thinking=plan):
+            if ev.reasoning and not (shown and not session.show_thinking):
+                thought(ev.reasoning if session.show_thinking else "(thinking…)")
+                shown = True
+            if ev.text and shown:
+                thought("\n")
+                shown = False
             if ev.text:
                 parts.append(ev.text)
                 sys.stdout.write(ev.text)
@@ -214,6 +242,11 @@ def _command(line: str, session: ChatState) -> bool:
             session.temperature = value
         elif name == "/seed":
             session.seed = int(arg) if arg else None
+        elif name == "/think":
+            if arg not in MODES:
+                raise ValueError
+            session.thinking = ThinkingSettings(arg, session.thinking.budget)
+            say(f"thinking: {arg}")
         elif name == "/max":
             value = int(arg)
             if value < 1:

@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["ModelOption", "NoSelftestOption", "QuantOption", "ThreadsOption"]
+__all__ = ["ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption", "ThinkingOption",
+           "ThreadsOption", "thinking_settings"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="A .gguf path, a safetensors checkpoint directory, a built-in name or "
@@ -23,3 +24,24 @@ ThreadsOption = Annotated[Optional[int], typer.Option(
     help="CPU threads for the kernels and BLAS (default: all cores).")]
 
 NoSelftestOption = Annotated[bool, typer.Option("--no-selftest", help="Skip the kernel self-test at model load.")]
+
+ThinkingOption = Annotated[str, typer.Option(
+    "--thinking", help="Thinking models: template (what the model's chat template does unasked), asis (no block "
+                       "after the assistant header; the model decides), on or off. A request's own choice wins.")]
+
+ReasoningBudgetOption = Annotated[str, typer.Option(
+    "--reasoning-budget", help="Tokens a reply may think before its answer is forced: N, auto (at most 3/4 of the "
+                               "reply's max tokens) or unlimited. A request's own budget comes first.")]
+
+
+def thinking_settings(mode: str, budget: str):
+    """--thinking and --reasoning-budget as engine settings; a bad value is a one-line usage error."""
+    from commands.errors import fail
+    from engine.reasoning import ThinkingSettings, parse_budget
+    from engine.templates.thinking import MODES
+    if mode not in MODES:
+        raise fail(f"--thinking must be one of {', '.join(MODES)}, got {mode!r}")
+    try:
+        return ThinkingSettings(mode, parse_budget(budget))
+    except ValueError:
+        raise fail(f"--reasoning-budget must be a number of tokens, auto or unlimited, got {budget!r}") from None

@@ -19,7 +19,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import NoSelftestOption, QuantOption
+from commands.options import NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption, thinking_settings
 from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
@@ -103,9 +103,12 @@ def serve(
     session_dir: Annotated[Optional[Path], typer.Option(
         "--session-dir", help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")]
     = None,
+    thinking: ThinkingOption = "template",
+    reasoning_budget: ReasoningBudgetOption = "auto",
 ) -> None:
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
+    settings = thinking_settings(thinking, reasoning_budget)
     specs = [parse_model_spec(s) for s in model] if model else [(None, None)]
     with user_errors():
         host, port = parse_addr(addr)
@@ -113,7 +116,7 @@ def serve(
                               max_queue=max_queue, max_concurrent=max_concurrent, prefill_chunk=prefill_chunk,
                               max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
                               kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
-                              max_connections=max_connections, read_deadline_s=read_deadline)
+                              max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref in specs]

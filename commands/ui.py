@@ -24,6 +24,11 @@ def say(text: str, *, lead: str = "", lead_style: str = "", style: str = "", con
     (console or err).print(line, soft_wrap=True)
 
 
+def thought(text: str) -> None:
+    """A piece of a thinking model's reasoning, dimmed on stderr as it streams (stdout keeps only the answer)."""
+    err.print(Text(text, style="dim"), end="", soft_wrap=True)
+
+
 class FetchProgress:
     """A progress callback for engine.store: a Rich bar on a terminal, plain lines otherwise."""
 

@@ -17,6 +17,7 @@ from engine.errors import ContextOverflow, InvalidRequest
 from engine.kernels.backend import KVCache
 from engine.kernels.cpu import vmath
 from engine.models.base import Model
+from engine.reasoning import ReasoningSplitter, ThinkingPlan, thinking_budget
 from engine.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
 from engine.tokenizer import IncrementalDecoder
 
@@ -31,6 +32,8 @@ class TokenEvent:
     # the most likely tokens at this step as (id, logprob), best first; only when generate(top_logprobs=k)
     top_logprobs: list[tuple[int, float]] | None = None
     stop_sequence: str | None = None  # the stop string that ended generation, if one did
+    reasoning: str = ""  # thinking text this token adds (a reply split by a ThinkingPlan); `text` is the answer
+    thinking: bool = False  # the token was generated inside the thinking block (a reasoning token)
 
 
 def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
@@ -39,19 +42,21 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              logit_bias: dict[int, float] | None = None, cache: KVCache | None = None,
              top_logprobs: int = 0, logprobs: bool = True, on_prefill: Callable[[int], None] | None = None,
-             processors: Sequence[Processor] = ()) -> Iterator[TokenEvent]:
+             processors: Sequence[Processor] = (), thinking: ThinkingPlan | None = None) -> Iterator[TokenEvent]:
     """Checks every argument now (raising InvalidRequest / ContextOverflow); the work starts at the first
     next(). `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run).
     `processors` run after the sampling ones (a grammar mask last); one with an `accept(token)` method is
     told each sampled token before the model evaluates it (so it can prepare the next step meanwhile).
     `logprobs=False` leaves each event's `.logprob` None and skips its normalizer (a pass over the vocabulary
     per token): what a caller that shows no log-probabilities passes. `cache` (default: a new one) may hold the
-    prompt's first positions already (a warm session): those are not evaluated again."""
+    prompt's first positions already (a warm session): those are not evaluated again. `thinking` splits a
+    thinking reply: each event's `reasoning` apart from its `text` (stop strings match the answer only), with the
+    reasoning budget forced (engine/reasoning.py)."""
     window = cache.max_tokens if cache is not None else model.context_length
     gen = Generation(model, prompt_ids, max_tokens, window=window, temperature=temperature, seed=seed, stop=stop,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                     top_logprobs=top_logprobs, logprobs=logprobs, processors=processors)
+                     top_logprobs=top_logprobs, logprobs=logprobs, processors=processors, thinking=thinking)
     cache = cache if cache is not None else model.new_cache(gen.cache_tokens)
     return _run(model, gen, cache, on_prefill)
 
@@ -67,7 +72,7 @@ class Generation:
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None, top_logprobs: int = 0, logprobs: bool = True,
-                 processors: Sequence[Processor] = ()):
+                 processors: Sequence[Processor] = (), thinking: ThinkingPlan | None = None):
         """Checks every argument (InvalidRequest, ContextOverflow); `window` is the most tokens the sequence may
         hold, prompt included."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -98,6 +103,16 @@ class Generation:
         self._pending = ""  # decoded text not yet shown: it may be the start of a stop string
         self.generated = 0
         self.finished = False
+        # A thinking reply: its text split as it comes, and the budget after which the close is forced.
+        self._plan = thinking
+        self._split = ReasoningSplitter(thinking.open, thinking.close, thinking.inside) if thinking else None
+        self._budget = thinking_budget(self._plan, self.max_tokens) if self._plan else None
+        self.thought_tokens = 0  # tokens generated inside the thinking block (what the budget counts)
+
+    @property
+    def splits(self) -> bool:
+        """The reply is split into reasoning and answer (reasoning_format none keeps the raw text)."""
+        return self._plan is not None and self._plan.splits
 
     def next(self, logits: np.ndarray) -> TokenEvent:
         """The next token from logits (vocab,), the model's output after the latest token; the event's
@@ -106,33 +121,59 @@ class Generation:
         # The normalizer is a pass over the vocabulary (0.35 ms a token on a 262k one): only when asked for.
         lse = _logsumexp(logits) if want_logprob else 0.0
         work = logits.copy() if want_logprob and processors else logits  # processors work in place
-        for proc in processors:
-            work = proc(work, self._history)
-        token = self._sampler(work)
+        if self._budget is not None and self._split.thinking and self.thought_tokens >= self._budget:
+            token = self._plan.close_id  # the budget is spent: the block is closed and the answer follows
+        else:
+            for proc in processors:
+                work = proc(work, self._history)
+            token = self._sampler(work)
         self._history.append(token)
         self.generated += 1
         for accept in self._accepts:
             accept(token)
         lp = float(logits[token]) - lse if want_logprob else None
         top = top_logprobs_of(logits.astype(np.float64) - lse, self._top_logprobs) if self._top_logprobs else None
+        was_thinking = self._split is not None and self._split.thinking
         ev = self._event(token, lp, top)
+        if self._split is not None and (was_thinking or self._split.thinking):
+            ev.thinking = True  # the open and close delimiters count as reasoning tokens too
+            self.thought_tokens += self._split.thinking
         self.finished = ev.finish_reason is not None
         return ev
 
     def _event(self, token: int, lp: float | None, top) -> TokenEvent:
-        if token in self._tok.eog_ids:
-            return TokenEvent(token, self._pending + self._decoder.flush(), lp, "stop", top)
-        self._pending += self._decoder.push(token)
-        pending, stops = self._pending, self._stops
+        eog = token in self._tok.eog_ids
+        last = eog or self.generated == self.max_tokens
+        text = "" if eog else self._decoder.push(token)
+        if last:
+            text += self._decoder.flush()
+        reasoning, answer = self._route(text, last)
+        pending, stops = self._pending + answer, self._stops
+        if eog:
+            return TokenEvent(token, pending, lp, "stop", top, reasoning=reasoning)
         cut = _find_stop(pending, stops)
         if cut is not None:
             which = next(st for st in stops if pending.find(st) == cut)
-            return TokenEvent(token, pending[:cut], lp, "stop", top, which)
-        if self.generated == self.max_tokens:
-            return TokenEvent(token, pending + self._decoder.flush(), lp, "length", top)
+            return TokenEvent(token, pending[:cut], lp, "stop", top, which, reasoning)
+        if last:
+            return TokenEvent(token, pending, lp, "length", top, reasoning=reasoning)
         safe = _safe_prefix_len(pending, stops)
         self._pending = pending[safe:]
-        return TokenEvent(token, pending[:safe], lp, None, top)
+        return TokenEvent(token, pending[:safe], lp, None, top, reasoning=reasoning)
+
+    def _route(self, text: str, last: bool) -> tuple[str, str]:
+        """(reasoning, answer) of a token's text. The splitter runs whatever the format (it tells the budget when
+        the block is open); none and deepseek-legacy answer with the raw text, none with no reasoning apart."""
+        if self._split is None:
+            return "", text
+        reasoning, answer = self._split.push(text)
+        if last:
+            more = self._split.flush()
+            reasoning, answer = reasoning + more[0], answer + more[1]
+        fmt = self._plan.format
+        if fmt in ("none", "deepseek-legacy"):
+            return ("" if fmt == "none" else reasoning), text
+        return reasoning, answer
 
 
 def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None) -> Iterator[TokenEvent]:

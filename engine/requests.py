@@ -11,6 +11,7 @@ both go through here, so a request means the same thing on every route.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterator
 
@@ -18,6 +19,8 @@ from engine.constrain.grammar import Grammar, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
 from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_of
 from engine.models.base import Model
+from engine.reasoning import ThinkingPlan, ThinkingSettings
+from engine.templates.thinking import PromptText, ThinkingTemplate, read_thinking, render_prompt
 from engine.templates.tools import ToolCall, parse_tool_calls, render_messages, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
 
@@ -70,6 +73,13 @@ class GenerationRequest:
     tools: tuple[dict, ...] | None = field(default=None, hash=False)
     tool_choice: str = "auto"  # "none" | "auto" | "required" | "function" (one named tool: tools holds it)
     parallel_tool_calls: bool = True
+    # Thinking (engine/reasoning.py): "on" / "off" as the request asks (None: the runner's mode), how the reply
+    # is split ("auto", "deepseek", "none", "deepseek-legacy"), the request's own reasoning budget, and more
+    # variables for the chat template (chat_template_kwargs).
+    thinking: str | None = None
+    reasoning_format: str = "auto"
+    thinking_budget: int | None = None
+    template_variables: dict | None = field(default=None, hash=False)
 
     @property
     def kind(self) -> str:
@@ -83,6 +93,13 @@ class GenerationRequest:
     @property
     def tool_names(self) -> set[str]:
         return {t["name"] for t in self.tools or ()}
+
+    @property
+    def constrained(self) -> bool:
+        """Grammar-constrained from the first token (a JSON format, a forced tool call): rendered thinking-off."""
+        if self.grammar is None:
+            return False
+        return self.grammar.what != "tool_calls" or self.tool_choice in ("required", "function")
 
 
 def apply_defaults(req: GenerationRequest, options: SamplingOptions | None = None,
@@ -115,6 +132,8 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None  # echoed prompt tokens, then generated ones (EOG excluded)
     tool_calls: list[ToolCall] | None = None  # the calls the answer makes (requests with tools only)
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    reasoning: str | None = None  # the thinking apart from the answer (None: a reply that is not split)
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the thinking block
 
 
 @dataclass
@@ -152,11 +171,36 @@ def encode_prompt(model: Model, text: str) -> list[int]:
     return tok.encode(text, add_bos=False if starts_with_bos else None)
 
 
-def prompt_ids(model: Model, req: GenerationRequest) -> list[int]:
+_THINKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def thinking_of(model: Model) -> ThinkingTemplate | None:
+    """How the model's chat template thinks (None: no recognised thinking control); read once per model."""
+    if model not in _THINKING:
+        _THINKING[model] = read_thinking(model.template, model.tokenizer)
+    return _THINKING[model]
+
+
+def thinking_mode(req: GenerationRequest, settings: ThinkingSettings) -> str:
+    """The mode a chat request renders with: off when constrained from the first token (a prompt that ends inside
+    an open block would contradict the grammar), else the request's own choice, else the runner's."""
+    if req.constrained:
+        return "off"
+    return req.thinking or settings.mode
+
+
+def render_request(model: Model, req: GenerationRequest, settings: ThinkingSettings = ThinkingSettings()
+                   ) -> PromptText:
+    """A chat request's prompt text, thinking as `settings` and the request say."""
+    tools = list(req.tools or ()) if req.calls_tools else None
+    messages, template_tools = render_messages(list(req.messages), tools, model.template.source)
+    return render_prompt(model.template, thinking_of(model), messages, tools=template_tools,
+                         mode=thinking_mode(req, settings), variables=req.template_variables)
+
+
+def prompt_ids(model: Model, req: GenerationRequest, settings: ThinkingSettings = ThinkingSettings()) -> list[int]:
     if req.messages is not None:
-        tools = list(req.tools or ()) if req.calls_tools else None
-        messages, template_tools = render_messages(list(req.messages), tools, model.template.source)
-        return encode_prompt(model, model.render_chat(messages, add_generation_prompt=True, tools=template_tools))
+        return encode_prompt(model, render_request(model, req, settings).text)
     if isinstance(req.prompt, str):
         return encode_prompt(model, req.prompt)
     ids = [int(t) for t in req.prompt or ()]
@@ -164,6 +208,16 @@ def prompt_ids(model: Model, req: GenerationRequest) -> list[int]:
     if bad:
         raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary of {model.vocab_size}", "prompt")
     return ids
+
+
+def thinking_plan(model: Model, req: GenerationRequest, prompt: PromptText,
+                  settings: ThinkingSettings = ThinkingSettings()) -> ThinkingPlan | None:
+    """How a chat reply is split (None: a completion, or a model whose template does not think)."""
+    thinking = thinking_of(model) if req.messages is not None else None
+    if thinking is None:
+        return None
+    return ThinkingPlan(thinking.open, thinking.close, prompt.inside, thinking.close_id, req.thinking_budget,
+                        settings.budget, req.reasoning_format)
 
 
 def continuation_ids(model: Model, req: GenerationRequest, reply: str) -> list[int] | None:
@@ -211,10 +265,18 @@ def context_window(model: Model, limit: int | None = None) -> int:
     return model.context_length if limit is None else max(1, min(limit, model.context_length))
 
 
-def prepare(model: Model, req: GenerationRequest, *, window: int | None = None) -> Prepared:
-    """Check `req` against `model` (at most `window` tokens of context) without running it."""
+def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
+            thinking: ThinkingSettings = ThinkingSettings()) -> Prepared:
+    """Check `req` against `model` (at most `window` tokens of context) without running it; `thinking`: the
+    runner's thinking mode and reasoning budget, for what the request leaves unsaid."""
     opts = req.options.fill(API_DEFAULTS)
-    ids = prompt_ids(model, req)
+    plan = None
+    if req.messages is not None:
+        prompt = render_request(model, req, thinking)
+        ids = encode_prompt(model, prompt.text)
+        plan = thinking_plan(model, req, prompt, thinking)
+    else:
+        ids = prompt_ids(model, req)
     if not ids:
         raise RequestError("prompt: is empty (no tokens)", "prompt")
     window = context_window(model, window)
@@ -234,7 +296,7 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None) 
                                   min_p=opts.min_p, repetition_penalty=opts.repetition_penalty,
                                   presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
                                   logit_bias=opts.logit_bias, top_logprobs=req.top_logprobs if req.logprobs else 0,
-                                  logprobs=bool(req.logprobs), processors=procs))
+                                  logprobs=bool(req.logprobs), processors=procs, thinking=plan))
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
@@ -251,6 +313,8 @@ class Delta:
     finish_reason: str | None  # set on the choice's last piece
     new_tokens: int  # generated tokens in this piece: 1, or 0 for the echoed prompt
     stop_sequence: str | None = None  # on the last piece: the stop string that ended the choice, if one did
+    reasoning: str = ""  # thinking text in this piece (a split reply); `text` is the answer's
+    thinking: bool = False  # its token was a reasoning token
 
 
 class ChoiceOutput:
@@ -277,7 +341,7 @@ class ChoiceOutput:
                 top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
                 lps.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, self._offset))
                 self._offset += len(self._decoder.push(ev.token))
-        return Delta(self._index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence)
+        return Delta(self._index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence, ev.reasoning, ev.thinking)
 
 
 def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None) -> Iterator[Delta]:
@@ -316,6 +380,8 @@ class Collector:
         self._tokens = [0] * n
         self._logprobs = [[] if prep.request.logprobs else None for _ in range(n)]
         self._stops: list[str | None] = [None] * n
+        self._reasoning: list[list[str] | None] = [[] if g.splits else None for g in prep.choices]
+        self._thought = [0] * n
         self.generated = 0  # tokens over all choices
 
     def add(self, d: Delta) -> None:
@@ -327,10 +393,15 @@ class Collector:
             self._stops[d.index] = d.stop_sequence
         if d.logprobs:
             self._logprobs[d.index].extend(d.logprobs)
+        if d.reasoning:
+            self._reasoning[d.index].append(d.reasoning)
+        self._thought[d.index] += d.thinking
 
     def result(self) -> Completion:
-        choices = [Choice("".join(p), f, n, lp, stop_sequence=st) for p, f, n, lp, st in
-                   zip(self._parts, self._finish, self._tokens, self._logprobs, self._stops)]
+        choices = [Choice("".join(p), f, n, lp, stop_sequence=st, reasoning=None if r is None else "".join(r),
+                          reasoning_tokens=t) for p, f, n, lp, st, r, t in
+                   zip(self._parts, self._finish, self._tokens, self._logprobs, self._stops, self._reasoning,
+                       self._thought)]
         if self._request.calls_tools:
             for c in choices:
                 text, calls = parse_tool_calls(c.text, self._request.tool_names)
@@ -346,10 +417,11 @@ class Collector:
 
 
 def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,
-            on_token: Callable[[int], None] | None = None, window: int | None = None) -> Completion:
+            on_token: Callable[[int], None] | None = None, window: int | None = None,
+            thinking: ThinkingSettings = ThinkingSettings()) -> Completion:
     """Run one request to the end. `should_stop` is polled between tokens (True raises Cancelled);
     `on_token(n)` is told how many tokens have been generated so far (over all choices)."""
-    prep = prepare(model, req, window=window)
+    prep = prepare(model, req, window=window, thinking=thinking)
     out = Collector(prep)
     for d in run(model, prep, should_stop=should_stop):
         out.add(d)

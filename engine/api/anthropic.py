@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from engine.api.fields import float_field, int_field, kind_of, object_body, str_field
@@ -48,8 +48,6 @@ def parse_messages_request(body: Any) -> GenerationRequest:
     """A /v1/messages body -> GenerationRequest (RequestError names what is wrong)."""
     body = object_body(body)
     _known(body, _FIELDS)
-    if body.get("thinking") not in (None, {"type": "disabled"}):
-        raise RequestError("thinking: extended thinking is not supported", "thinking", "unsupported_parameter")
     max_tokens = int_field(body, "max_tokens", 1)
     if max_tokens is None:
         raise RequestError("max_tokens: Field required", "max_tokens", "missing_required_parameter")
@@ -63,9 +61,7 @@ def parse_messages_request(body: Any) -> GenerationRequest:
     options = SamplingOptions(max_tokens=max_tokens, temperature=float_field(body, "temperature", 0.0, 1.0),
                               top_p=float_field(body, "top_p", 0.0, 1.0, low_open=True), top_k=int_field(body, "top_k", 0),
                               stop=tuple(s for s in stops or () if s))
-    return GenerationRequest(messages=req.messages, options=options, stream=stream, model=req.model,
-                             grammar=req.grammar, tools=req.tools, tool_choice=req.tool_choice,
-                             parallel_tool_calls=req.parallel_tool_calls)
+    return replace(req, options=options, stream=stream)
 
 
 def parse_count_tokens(body: Any) -> GenerationRequest:
@@ -82,8 +78,26 @@ def _translate(body: dict) -> GenerationRequest:
     if chosen and choice != "none":
         grammar = tool_call_grammar(list(chosen), forced=choice != "auto", parallel=parallel)
     messages = _system(body.get("system")) + _messages(body.get("messages"))
+    thinking, budget = _thinking(body.get("thinking"))
     return GenerationRequest(messages=tuple(messages), model=str_field(body, "model"), grammar=grammar, tools=chosen,
-                             tool_choice=choice, parallel_tool_calls=parallel)
+                             tool_choice=choice, parallel_tool_calls=parallel, thinking=thinking,
+                             thinking_budget=budget)
+
+
+def _thinking(value: Any) -> tuple[str | None, int | None]:
+    """(mode, budget) of the `thinking` parameter: enabled (with budget_tokens) / adaptive -> on, disabled -> off,
+    absent -> the server's mode."""
+    if value is None:
+        return None, None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return "off", None
+    if kind == "adaptive":
+        return "on", None
+    if kind != "enabled":
+        raise RequestError('thinking: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                           '{"type": "disabled"}', "thinking", "invalid_value")
+    return "on", int_field(value, "budget_tokens", 0)
 
 
 def _known(body: dict, allowed: set[str]) -> None:
@@ -130,12 +144,18 @@ def _messages(value: Any) -> list[dict]:
         if not isinstance(content, list):
             raise RequestError(f"{where}.content: must be a string or an array of blocks", f"{where}.content",
                                "invalid_type")
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for j, b in enumerate(content):
             at = f"{where}.content.{j}"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
                 texts.append(_text_block(b, at))
+            elif kind == "thinking" and role == "assistant":  # replayed reasoning (Claude Code sends it each turn)
+                if not isinstance(b.get("thinking"), str):
+                    raise RequestError(f"{at}.thinking: must be a string", f"{at}.thinking", "invalid_type")
+                thoughts.append(b["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by another provider: nothing a local model can read
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(b.get("name"), str):
                     raise RequestError(f"{at}.name: required", f"{at}.name", "missing_required_parameter")
@@ -158,6 +178,8 @@ def _messages(value: Any) -> list[dict]:
         msg = {"role": role, "content": "\n".join(texts)}
         if calls:
             msg["tool_calls"] = calls
+        if thoughts:
+            msg["reasoning_content"] = "\n".join(thoughts)
         if texts or calls or role == "assistant":
             out.append(msg)
     return out
@@ -219,6 +241,12 @@ def stop_reason(finish: str, stop_sequence: str | None) -> str:
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
+def _thinking_block(text: str) -> dict:
+    # The signature is Anthropic's proof that it wrote the thinking; a local model's has none, and clients send
+    # the block back as they got it (it is read as replayed reasoning, never checked).
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _tool_use(call) -> dict:
     try:
         args = json.loads(call.arguments)
@@ -234,7 +262,9 @@ def _tool_use_id(call_id: str) -> str:
 def message_object(result: Completion, *, model_name: str, message_id: str | None = None) -> dict:
     """The Messages API "message" for a result (its first choice: Messages has no n)."""
     c = result.choices[0]
-    content = ([{"type": "text", "text": c.text}] if c.text or not c.tool_calls else [])
+    content = [_thinking_block(c.reasoning)] if c.reasoning else []
+    # A reply that ended inside its thinking has only the thinking block (and stop_reason max_tokens).
+    content += [{"type": "text", "text": c.text}] if c.text or not (c.tool_calls or content) else []
     content += [_tool_use(t) for t in c.tool_calls or []]
     return {"id": message_id or new_id(), "type": "message", "role": "assistant", "model": model_name,
             "content": content, "stop_reason": stop_reason(c.finish_reason, c.stop_sequence),
@@ -272,6 +302,7 @@ class MessageStream:
     cached_tokens: Callable[[], int] = lambda: 0
     _block: int = -1  # index of the last block opened (-1: none yet)
     _open: bool = False
+    _thinking: bool = False  # the open block is a thinking block
     _output: int = 0
     _reader: ToolCallStream | None = field(init=False)  # reads the calls, when the request has tools
 
@@ -284,8 +315,23 @@ class MessageStream:
                "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
         return named_event("message_start", {"type": "message_start", "message": msg})
 
-    def _text(self, text: str) -> bytes:
+    def _thought(self, text: str) -> bytes:
+        """Reasoning: into the open thinking block, or a new one (a thinking block comes before the answer's)."""
         out = b""
+        if not (self._open and self._thinking):
+            out += self._close()
+            self._block += 1
+            self._open = self._thinking = True
+            out += named_event("content_block_start", {"type": "content_block_start", "index": self._block,
+                                                       "content_block": {"type": "thinking", "thinking": "",
+                                                                         "signature": ""}})
+            if self._block == 0:
+                out += named_event("ping", {"type": "ping"})
+        return out + named_event("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                         "delta": {"type": "thinking_delta", "thinking": text}})
+
+    def _text(self, text: str) -> bytes:
+        out = self._close() if self._thinking else b""
         if not self._open:
             self._block += 1
             self._open = True
@@ -301,17 +347,22 @@ class MessageStream:
     def _close(self) -> bytes:
         if not self._open:
             return b""
-        self._open = False
-        return named_event("content_block_stop", {"type": "content_block_stop", "index": self._block})
+        out = b""
+        if self._thinking:  # a thinking block ends with its signature, as Anthropic's do (empty here)
+            out = named_event("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                      "delta": {"type": "signature_delta", "signature": ""}})
+        self._open = self._thinking = False
+        return out + named_event("content_block_stop", {"type": "content_block_stop", "index": self._block})
 
     def events(self, d: Delta) -> bytes:
         """The events for one piece of the answer (choice 0)."""
         self._output += d.new_tokens
+        out = self._thought(d.reasoning) if d.reasoning else b""
         if self._reader is None:
-            out = self._text(d.text) if d.text else b""
+            out += self._text(d.text) if d.text else b""
         else:
-            out = b"".join(self._event(e) for e in self._reader.push(d.text) +
-                           (self._reader.finish() if d.finish_reason else []))
+            out += b"".join(self._event(e) for e in self._reader.push(d.text) +
+                            (self._reader.finish() if d.finish_reason else []))
         if d.finish_reason:
             if self._block < 0:
                 out += self._text("")  # a message always has a content block, even an empty one

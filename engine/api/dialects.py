@@ -190,9 +190,10 @@ class ResponsesDialect(_Generating):
     def new_id(self, req: GenerationRequest) -> str:
         return responses.new_id()
 
-    def answer(self, req, result, *, job_id, model_name, created, message_id: str | None = None) -> dict:
+    def answer(self, req, result, *, job_id, model_name, created, message_id: str | None = None,
+               reasoning_id: str | None = None) -> dict:
         obj = responses.response_object(self.rr, result, response_id=job_id, model_name=model_name,
-                                        created=created, message_id=message_id)
+                                        created=created, message_id=message_id, reasoning_id=reasoning_id)
         if self.rr.store:
             self.store.put(obj, responses.conversation(self.rr, result))
         return obj
@@ -213,7 +214,7 @@ class _ResponsesStream(_NamedStream):
         info = self.info
         result = info.sent(out.result())
         obj = self.dialect.answer(None, result, job_id=info.id, model_name=info.model, created=info.created,
-                                  message_id=info.msg_id)
+                                  message_id=info.msg_id, reasoning_id=info.reasoning_id)
         return info.end(obj)
 
 

@@ -17,6 +17,7 @@ import json
 import re
 from typing import Any
 
+from engine.api import thinking as thinking_fields
 from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
 from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar
 from engine.constrain.tools import tool_call_grammar
@@ -33,13 +34,15 @@ MAX_STOP = 4
 MAX_N = 16  # choices per request; they run one after another, so each one costs a whole generation
 
 # Accepted and without effect here: routing, bookkeeping and hints about how to deliver.
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier",
-            "prompt_cache_key", "reasoning_effort"}
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
-_CHAT_FIELDS = _IGNORED | _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                       "response_format", "tools", "tool_choice", "parallel_tool_calls"}
-_COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format"}
+_CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls"}
+# A plain completion has no template to think with: reasoning_effort is accepted there and does nothing.
+_COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format",
+                                             "reasoning_effort"}
 # Asked for by name, and not done yet: refused with a message that says so.
 _UNSUPPORTED_CHAT = {"functions": "functions (legacy function calling; use tools)",
                      "function_call": "function_call (legacy function calling; use tool_choice)", "audio": "audio output",
@@ -91,7 +94,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     stream, include_usage = _stream(body)
     return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
                              n=_n(body), stream=stream, include_usage=include_usage, model=str_field(body, "model"),
-                             grammar=grammar, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+                             grammar=grammar, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+                             **thinking_fields.thinking_controls(body))
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -279,6 +283,9 @@ def _messages(value: Any) -> tuple[dict, ...]:
         msg = {"role": _ROLES[role], "content": _content(content, f"{where}.content")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        reasoning = thinking_fields.replayed_reasoning(m, where) if role == "assistant" else None
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning  # rendered as the model's template renders it (or dropped)
         out.append(msg)
     return tuple(out)
 

@@ -22,12 +22,15 @@ def chat_completion(result: Completion, *, model_name: str, request_id: str | No
         "choices": [{"index": i, "message": _message(c),
                      "logprobs": chat_logprobs(c.logprobs or []) if with_logprobs else None,
                      "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
-        "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
+        "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens,
+                       sum(c.reasoning_tokens for c in result.choices)),
     }
 
 
 def _message(c) -> dict:
     msg = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.reasoning:  # a thinking model's reasoning, apart from the answer (llama.cpp's and DeepSeek's field)
+        msg["reasoning_content"] = c.reasoning
     if c.tool_calls:
         msg["content"] = c.text or None
         msg["tool_calls"] = [tool_call_object(t) for t in c.tool_calls]
@@ -65,11 +68,15 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; cached_tokens: prompt tokens a warm session held (engine/sessions.py)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens a warm session held (engine/sessions.py);
+    reasoning_tokens: of the completion tokens, those a thinking model spent inside its block."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def _token_str(piece: bytes) -> str:

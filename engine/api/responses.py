@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.api import thinking as thinking_fields
 from engine.api.fields import float_field, int_field, kind_of, str_field
 from engine.api.openai import parse_tool_choice, parse_tools, response_format_grammar
 from engine.api.sse import named_event
@@ -30,7 +31,7 @@ RESPONSES_URL = "/v1/responses"
 _FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
            "previous_response_id", "text", "tools", "tool_choice", "parallel_tool_calls", "metadata", "user",
            "service_tier", "truncation", "reasoning", "include", "prompt_cache_key", "safety_identifier",
-           "stream_options", "background", "top_logprobs"}
+           "stream_options", "background", "top_logprobs"} | thinking_fields.FIELDS
 
 
 class ResponseStore:
@@ -115,9 +116,30 @@ def parse_responses_request(body: Any, lookup: Callable[[str], tuple[dict, tuple
                               temperature=float_field(body, "temperature", 0.0, 2.0),
                               top_p=float_field(body, "top_p", 0.0, 1.0, low_open=True))
     req = GenerationRequest(messages=tuple(messages), options=options, stream=stream, model=str_field(body, "model"),
-                            grammar=grammar, tools=chosen, tool_choice=choice, parallel_tool_calls=parallel)
+                            grammar=grammar, tools=chosen, tool_choice=choice, parallel_tool_calls=parallel,
+                            **thinking_fields.thinking_controls(body, _effort(body.get("reasoning"))))
     return ResponsesRequest(req, store, prev, instructions, fmt, raw_tools, body.get("tool_choice", "auto"),
                             body.get("metadata") or {})
+
+
+def _effort(reasoning: Any) -> Any:
+    """reasoning.effort ("none" turns thinking off; any other value changes nothing, as on chat/completions)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise RequestError(f"reasoning: must be an object, not {kind_of(reasoning)}", "reasoning", "invalid_type")
+    return reasoning.get("effort")
+
+
+def _reasoning_text(item: dict, at: str) -> str:
+    """A replayed reasoning item's text: its reasoning_text parts, else its summary's."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise RequestError(f"{at}.content: must be an array of parts", f"{at}.content", "invalid_type")
+    texts = [p.get("text") for p in parts if isinstance(p, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise RequestError(f"{at}.content: each part needs a text string", f"{at}.content", "invalid_value")
+    return "\n".join(texts)
 
 
 def _input(value: Any) -> list[dict]:
@@ -126,18 +148,25 @@ def _input(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError("input: must be a string or a non-empty array of items", "input", "invalid_value")
     out: list[dict] = []
+    reasoning = None  # a replayed reasoning item: it belongs to the assistant turn that follows it
     for i, item in enumerate(value):
         at = f"input[{i}]"
         if not isinstance(item, dict):
             raise RequestError(f"{at}: must be an object", at, "invalid_type")
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning = _reasoning_text(item, at)
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{at}.role: must be user, assistant, system or developer (got {role!r})",
                                    f"{at}.role", "invalid_value")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _content(item.get("content"), f"{at}.content")})
+            msg = {"role": "system" if role == "developer" else role,
+                   "content": _content(item.get("content"), f"{at}.content")}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            out.append(msg)
         elif kind == "function_call":
             call = {"id": str(item.get("call_id") or ""), "type": "function",
                     "function": {"name": str(item.get("name")), "arguments": str(item.get("arguments") or "{}")}}
@@ -145,6 +174,8 @@ def _input(value: Any) -> list[dict]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning is not None:
+                    out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
@@ -181,24 +212,32 @@ def _message_item(text: str, item_id: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
+def _reasoning_item(text: str, item_id: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call) -> dict:
     return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
             "name": call.name, "arguments": call.arguments, "status": "completed"}
 
 
 def response_object(rr: ResponsesRequest, result: Completion | None, *, response_id: str, model_name: str,
-                    created: int | None = None, status: str | None = None, message_id: str | None = None) -> dict:
+                    created: int | None = None, status: str | None = None, message_id: str | None = None,
+                    reasoning_id: str | None = None) -> dict:
     """The "response" object (in progress when `result` is None)."""
     output, usage, incomplete = [], None, None
     if result is not None:
         c = result.choices[0]
+        if c.reasoning:
+            output.append(_reasoning_item(c.reasoning, reasoning_id or "rs_" + uuid.uuid4().hex))
         if c.text or not c.tool_calls:
             output.append(_message_item(c.text, message_id or "msg_" + uuid.uuid4().hex))
         output += [_call_item(t) for t in c.tool_calls or []]
         usage = {"input_tokens": result.prompt_tokens, "output_tokens": c.completion_tokens,
                  "total_tokens": result.prompt_tokens + c.completion_tokens,
                  "input_tokens_details": {"cached_tokens": result.cached_tokens},
-                 "output_tokens_details": {"reasoning_tokens": 0}}
+                 "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}
         if c.finish_reason == "length":
             incomplete = {"reason": "max_output_tokens"}
         status = status or ("incomplete" if incomplete else "completed")
@@ -218,6 +257,8 @@ def conversation(rr: ResponsesRequest, result: Completion) -> tuple[dict, ...]:
     """What a later previous_response_id continues: this request's messages and the answer."""
     c = result.choices[0]
     answer = {"role": "assistant", "content": c.text}
+    if c.reasoning:
+        answer["reasoning_content"] = c.reasoning  # replayed as the model's template replays it
     if c.tool_calls:
         answer["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
                                 for t in c.tool_calls]
@@ -226,7 +267,9 @@ def conversation(rr: ResponsesRequest, result: Completion) -> tuple[dict, ...]:
 
 @dataclass
 class ResponseStream:
-    """The events of one streamed response: response.created, response.in_progress, then the message item
+    """The events of one streamed response: response.created, response.in_progress, then a thinking model's
+    reasoning item (response.output_item.added, response.reasoning_text.delta..., .done, output_item.done), the
+    message item
     (response.output_item.added, response.content_part.added, response.output_text.delta...,
     response.output_text.done, response.content_part.done, response.output_item.done) and each function_call
     item (response.output_item.added, response.function_call_arguments.delta..., .done,
@@ -241,6 +284,10 @@ class ResponseStream:
     _seq: int = 0
     msg_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     _open: bool = False  # the message item is open
+    _msg_at: int = 0  # the message item's output_index (1 after a reasoning item)
+    reasoning_id: str = field(default_factory=lambda: "rs_" + uuid.uuid4().hex)
+    _reasoning: list[str] | None = None  # the reasoning item's text so far (None: no reasoning item)
+    _reasoning_done: bool = False
     _items: int = 0  # output items added so far
     _text: list[str] = field(default_factory=list)
     _open_calls: dict = field(default_factory=dict)  # call index -> (ToolCall, output_index)
@@ -261,39 +308,65 @@ class ResponseStream:
     def _open_message(self) -> bytes:
         if self._open:
             return b""
-        self._open, self._items = True, self._items + 1
-        return (self._ev("response.output_item.added", {"output_index": 0, "item": {
+        out = self._close_reasoning()
+        self._open, self._msg_at, self._items = True, self._items, self._items + 1
+        at = self._msg_at
+        return out + (self._ev("response.output_item.added", {"output_index": at, "item": {
                     "type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}})
-                + self._ev("response.content_part.added", {"item_id": self.msg_id, "output_index": 0,
+                + self._ev("response.content_part.added", {"item_id": self.msg_id, "output_index": at,
                                                            "content_index": 0, "part": {"type": "output_text",
                                                                                         "text": "", "annotations": []}}))
 
     def _close_message(self) -> bytes:
+        out = self._close_reasoning()
         if not self._open:
-            return b""
-        self._open = False
+            return out
+        self._open, at = False, self._msg_at
         full = "".join(self._text)
-        return (self._ev("response.output_text.done", {"item_id": self.msg_id, "output_index": 0,
+        return out + (self._ev("response.output_text.done", {"item_id": self.msg_id, "output_index": at,
                                                        "content_index": 0, "text": full, "logprobs": []})
-                + self._ev("response.content_part.done", {"item_id": self.msg_id, "output_index": 0,
+                + self._ev("response.content_part.done", {"item_id": self.msg_id, "output_index": at,
                                                           "content_index": 0, "part": {"type": "output_text",
                                                                                        "text": full, "annotations": []}})
-                + self._ev("response.output_item.done", {"output_index": 0,
+                + self._ev("response.output_item.done", {"output_index": at,
                                                          "item": _message_item(full, self.msg_id)}))
 
     def _text_delta(self, text: str) -> bytes:
         self._text.append(text)
-        return self._open_message() + self._ev("response.output_text.delta", {
-            "item_id": self.msg_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []})
+        out = self._open_message()
+        return out + self._ev("response.output_text.delta", {
+            "item_id": self.msg_id, "output_index": self._msg_at, "content_index": 0, "delta": text, "logprobs": []})
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        """A thinking model's reasoning: its own output item, before the message's."""
+        out = b""
+        if self._reasoning is None:
+            self._reasoning, self._items = [], self._items + 1
+            out = self._ev("response.output_item.added", {"output_index": 0, "item": {
+                **_reasoning_item("", self.reasoning_id, "in_progress"), "content": []}})
+        self._reasoning.append(text)
+        return out + self._ev("response.reasoning_text.delta", {"item_id": self.reasoning_id, "output_index": 0,
+                                                                "content_index": 0, "delta": text})
+
+    def _close_reasoning(self) -> bytes:
+        if self._reasoning is None or self._reasoning_done:
+            return b""
+        self._reasoning_done = True
+        full = "".join(self._reasoning)
+        return (self._ev("response.reasoning_text.done", {"item_id": self.reasoning_id, "output_index": 0,
+                                                          "content_index": 0, "text": full})
+                + self._ev("response.output_item.done", {"output_index": 0,
+                                                         "item": _reasoning_item(full, self.reasoning_id)}))
 
     def events(self, d: Delta) -> bytes:
+        out = self._reasoning_delta(d.reasoning) if d.reasoning else b""
         if self._reader is None:
-            out = self._text_delta(d.text) if d.text else b""
+            out += self._text_delta(d.text) if d.text else b""
         else:
-            out = b"".join(self._event(e) for e in self._reader.push(d.text) +
+            out += b"".join(self._event(e) for e in self._reader.push(d.text) +
                            (self._reader.finish() if d.finish_reason else []))
         if d.finish_reason:
-            if not self._items:
+            if not self._items or (self._items == 1 and self._reasoning is not None):
                 out += self._open_message()  # an answer always has its message item, even an empty one
             out += self._close_message()
         return out

@@ -2,9 +2,10 @@
 
 Pure functions, no I/O. A stream of one request is, as OpenAI sends it:
 
-    chat:         a role chunk per choice (delta {"role": "assistant", "content": ""}), content chunks
-                  (delta {"content": ...}), with tools tool_calls chunks (a call's index, id, type and name,
-                  then its arguments piece by piece), a finish chunk per choice (delta {}, finish_reason), then
+    chat:         a role chunk per choice (delta {"role": "assistant", "content": ""}), a thinking model's
+                  reasoning chunks (delta {"reasoning_content": ...}), content chunks (delta {"content": ...}),
+                  with tools tool_calls chunks (a call's index, id, type and name, then its arguments piece by
+                  piece), a finish chunk per choice (delta {}, finish_reason), then
                   with stream_options.include_usage a last chunk with "choices": [] and the usage
                   (every other chunk then carries "usage": null), then `data: [DONE]`.
     completions:  text chunks, the last of each choice with its finish_reason; usage and [DONE] alike.
@@ -75,6 +76,9 @@ class Stream:
         out = []
         if first:
             out.append(self._chunk([{"index": d.index, "delta": {"role": "assistant", "content": "", "refusal": None},
+                                     "logprobs": None, "finish_reason": None}]))
+        if d.reasoning:  # a thinking model's reasoning streams apart from the answer
+            out.append(self._chunk([{"index": d.index, "delta": {"reasoning_content": d.reasoning},
                                      "logprobs": None, "finish_reason": None}]))
         text, events, finish = d.text, [], d.finish_reason
         if self.tool_names is not None:

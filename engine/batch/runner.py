@@ -18,6 +18,7 @@ from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
 from engine.kernels.cpu.threads import get_threads
+from engine.reasoning import ThinkingSettings
 from engine.requests import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
 from engine.scheduler import Finished, Job, Scheduler
 from engine.sessions import SessionPool
@@ -25,9 +26,10 @@ from engine.sessions import SessionPool
 
 def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
                 should_stop: Callable[[], bool] | None = None,
-                on_token: Callable[[int], None] | None = None, window: int | None = None) -> dict:
+                on_token: Callable[[int], None] | None = None, window: int | None = None,
+                thinking: ThinkingSettings = ThinkingSettings()) -> dict:
     """Execute `req` on `model` and return the response object the endpoint it came from answers with."""
-    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window)
+    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window, thinking=thinking)
     return response_object(req, result, model_name=model_name or model.name)
 
 
@@ -68,15 +70,17 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
               should_stop: Callable[[], bool] | None = None,
               on_plan: Callable[[BatchPlan], None] | None = None,
               on_line: Callable[[LineResult], None] | None = None,
-              on_token: Callable[[int], None] | None = None, parallel: int = 1) -> BatchSummary:
+              on_token: Callable[[int], None] | None = None, parallel: int = 1,
+              thinking: ThinkingSettings = ThinkingSettings()) -> BatchSummary:
     """Run every line of `input_path` not yet in `output_path`; with `parallel` > 1, that many lines at once
     through a scheduler (decoded together; each line's answer is the one it gets alone), recorded as they end.
 
     `defaults` fill what a line's body leaves unset (the body wins; the API defaults fill the rest);
-    `system` is the system prompt for chats that have none. `load_model()` is called only when some line
-    needs the model. `should_stop()` is polled between tokens and lines: True abandons the current line
-    (nothing of it is written) and ends the run with `interrupted` set. File-level problems (unreadable
-    input, duplicate custom_id, unwritable output) raise BatchFileError before any work."""
+    `system` is the system prompt for chats that have none; `thinking` the mode and reasoning budget for lines
+    that set none (a line's chat_template_kwargs / reasoning_effort / thinking_token_budget win). `load_model()`
+    is called only when some line needs the model. `should_stop()` is polled between tokens and lines: True
+    abandons the current line (nothing of it is written) and ends the run with `interrupted` set. File-level
+    problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work."""
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     input_path, output_path = Path(input_path), Path(output_path)
@@ -102,7 +106,7 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
         if any(ln.request is not None for ln in pending):
             model = load_model()
             summary.model_loaded = True
-        ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary)
+        ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary, thinking)
         if parallel > 1 and model is not None:
             _run_parallel(pending, ctx, parallel)
         else:
@@ -132,6 +136,7 @@ class _Run:
     on_token: Callable[[int], None] | None
     on_line: Callable[[LineResult], None] | None
     summary: BatchSummary
+    thinking: ThinkingSettings = ThinkingSettings()
 
     def request(self, line: BatchLine) -> GenerationRequest:
         return apply_defaults(line.request, self.defaults, self.system)
@@ -178,7 +183,7 @@ def _run_line(line: BatchLine, ctx: _Run) -> LineResult | None:
     req = ctx.request(line)
     try:
         body = run_request(ctx.model, req, model_name=ctx.model_name, should_stop=ctx.stopped,
-                           on_token=ctx.on_token)
+                           on_token=ctx.on_token, thinking=ctx.thinking)
     except Cancelled:
         return None
     except Exception as e:  # noqa: BLE001 - recorded as the line's failure
@@ -230,7 +235,7 @@ def _launch(line: BatchLine, ctx: _Run, sched: Scheduler, flying: dict, ended: q
         return
     req = ctx.request(line)
     try:
-        prep = prepare(ctx.model, req)
+        prep = prepare(ctx.model, req, thinking=ctx.thinking)
     except Exception as e:  # noqa: BLE001 - recorded as the line's failure
         ctx.record(ctx.refused(line, e, start))
         return

@@ -11,6 +11,7 @@ from pathlib import Path
 from engine.errors import GoinferError
 from engine.models.base import Model
 from engine.models.base import PREFILL_CHUNK
+from engine.reasoning import ThinkingSettings
 from engine.requests import context_window
 from engine.kernels.cpu.matmul import PROMPT_TILE
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
@@ -51,6 +52,7 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections; beyond, 503 with Retry-After
     read_deadline_s: float = DEFAULT_READ_DEADLINE_S  # for a request's headers and body, from the connection's
     # start or its last answer
+    thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/reasoning.py)
 
     @property
     def tls(self) -> bool:

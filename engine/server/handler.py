@@ -245,11 +245,11 @@ class Handler(BaseHTTPRequestHandler):
                 raise self._unknown_model(req.model)
             self._model_name = served.name
             if dialect.counts_tokens:
-                self._send_json(200, dialect.count(len(prompt_ids(served.model, req))))
+                self._send_json(200, dialect.count(len(prompt_ids(served.model, req, self.state.thinking))))
                 return
             scheduler = self.state.schedulers[served.name]
             self._admissible(scheduler, served.name, scheduler.check_room)  # before tokenising and grammar work
-            prep = prepare(served.model, req, window=served.window)
+            prep = prepare(served.model, req, window=served.window, thinking=self.state.thinking)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         job = Job(prep, cancel, dialect.new_id(req))

@@ -30,6 +30,7 @@ class ServerState:
         self.max_concurrent = config.max_concurrent
         self.prefill_chunk = config.prefill_chunk
         self.kv_sessions = config.kv_sessions
+        self.thinking = config.thinking
         self.log = log
         self.started = time.time()
         self.closing = False

@@ -61,6 +61,8 @@ def render_messages(messages: list[dict], tools: list[dict] | None, template_sou
     """(messages, tools) to hand the template: as they are when it renders tools, else rewritten for the
     built-in tool prompt. `tools` are {"name", "description", "parameters"} each."""
     if template_supports_tools(template_source):
+        if _OBJECT_ARGUMENTS.search(template_source):
+            messages = [_with_object_arguments(m) for m in messages]
         return messages, [_function(t) for t in tools] if tools else None
     out: list[dict] = []
     for m in messages:
@@ -85,6 +87,29 @@ def render_messages(messages: list[dict], tools: list[dict] | None, template_sou
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, None
+
+
+# A template that walks a call's arguments as a mapping (Qwen3.5: `arguments|items`) needs them as an object; the
+# OpenAI wire sends a JSON string (llama.cpp converts them the same way for such templates).
+_OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*items|arguments\.items\(\)")
+
+
+def _with_object_arguments(message: dict) -> dict:
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**fn, "arguments": parsed}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 def _call_json(call: dict) -> dict:
