@@ -42,16 +42,20 @@ VALID = {
                                           {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
                "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "stop": ["\n"], "seed": 1, "n": 1,
                "logprobs": True, "top_logprobs": 2, "logit_bias": {"1": 2}, "tools": [TOOL], "tool_choice": "auto",
-               "response_format": {"type": "json_object"}, "stream": False},
+               "response_format": {"type": "json_object"}, "stream": False,
+               "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
+               "reasoning_format": "deepseek", "thinking_token_budget": 8},
     COMPLETIONS_URL: {"model": "m", "prompt": "Once", "max_tokens": 4, "echo": True, "logprobs": 2, "stop": "x",
                       "presence_penalty": 0.1, "frequency_penalty": 0.1},
     anthropic.MESSAGES_URL: {"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}],
                              "messages": [{"role": "user", "content": "Hi"},
-                                          {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+                                          {"role": "assistant", "content": [
+                                              {"type": "thinking", "thinking": "Greet.", "signature": ""},
+                                              {"type": "text", "text": "Hello"}]},
                                           {"role": "user", "content": [{"type": "text", "text": "Weather?"}]}],
                              "stop_sequences": ["\n"], "temperature": 0.2, "top_k": 5,
                              "tools": [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}],
-                             "tool_choice": {"type": "auto"}},
+                             "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 16}},
     anthropic.COUNT_TOKENS_URL: {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "system": "Brief."},
     responses.RESPONSES_URL: {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text",
                                                                                      "text": "Hi"}]}],
@@ -65,7 +69,9 @@ FIELDS = sorted({k for body in VALID.values() for k in body} | {
     "max_completion_tokens", "top_k", "min_p", "repetition_penalty", "stream_options", "parallel_tool_calls",
     "suffix", "user", "previous_response_id", "store", "metadata", "reasoning", "reasoning_effort", "best_of",
     "functions", "function_call", "input", "text", "instructions", "content", "role", "type", "name", "arguments",
-    "tool_call_id", "tool_calls", "image_url", "source", "id", "json_schema", "schema", "strict", "disable"})
+    "tool_call_id", "tool_calls", "image_url", "source", "id", "json_schema", "schema", "strict", "disable",
+    "chat_template_kwargs", "enable_thinking", "reasoning_format", "thinking_token_budget", "thinking",
+    "budget_tokens", "reasoning_content", "signature", "effort", "summary", "self"})
 
 leaves = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
@@ -133,6 +139,32 @@ def test_every_route_refuses_bad_bodies_with_a_client_error(url, smol):
     @given(st.data())
     def run(data):
         _check(url, _mutate(data, json.loads(json.dumps(VALID[url]))), smol)
+
+    run()
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    """The kit's tiny qwen3 with the real Qwen3.5 template: a model that thinks (replayed reasoning rendered,
+    budgets planned, prefills continued)."""
+    import copy
+
+    from engine.templates import ChatTemplate
+    from tests import reference_templates as ref
+    from tests.conftest import SHARED
+
+    model = copy.copy(engine.load_model(str(SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"),
+                                        selftest=False))
+    model.template = ChatTemplate(ref.reference_template("Qwen3.5-4B"), eos_token="<|im_end|>")
+    return model
+
+
+@pytest.mark.parametrize("url", [CHAT_URL, anthropic.MESSAGES_URL, responses.RESPONSES_URL])
+def test_a_thinking_model_refuses_bad_bodies_with_a_client_error(url, thinker):
+    @settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+    @given(st.data())
+    def run(data):
+        _check(url, _mutate(data, json.loads(json.dumps(VALID[url]))), thinker)
 
     run()
 

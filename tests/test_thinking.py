@@ -27,8 +27,9 @@ from tests import reference_templates as ref
 from tests.conftest import SHARED
 
 QWEN3, QWEN35, DEEPSEEK = "Qwen-Qwen3-0.6B", "Qwen3.5-4B", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"
+GEMMA4 = "google-gemma-4-31B-it"
 TOKENS = {QWEN3: ("", "<|im_end|>"), QWEN35: ("", "<|im_end|>"),
-          DEEPSEEK: ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")}
+          DEEPSEEK: ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"), GEMMA4: ("<bos>", "<turn|>")}
 KIT_QWEN3 = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
 OPEN_ID, CLOSE_ID = 1993, 1994  # the kit tokenizer's <think> and </think>
 
@@ -93,6 +94,15 @@ def test_thinking_is_read_from_the_template(kit, name, switch, default):
     assert (thinking.open_id, thinking.close_id) == (OPEN_ID, CLOSE_ID)
 
 
+def test_gemma4s_thought_channel_is_read_from_its_template(kit):
+    thinking = thinking_of(with_template(kit, GEMMA4))
+    assert (thinking.open, thinking.close) == ("<|channel>thought", "<channel|>")
+    assert (thinking.switch, thinking.default) == (True, "closed")  # Gemma 4 does not think unless asked
+    split = ReasoningSplitter(thinking.open, thinking.close)
+    got = [split.push(p) for p in ("<|channel>", "thought\nWeigh it.", "<channel|>", "Yes.")] + [split.flush()]
+    assert ("".join(r for r, _ in got), "".join(a for _, a in got)) == ("Weigh it.", "Yes.")
+
+
 def test_a_template_without_thinking_is_not_read_as_one(kit, smollm2_gguf):
     assert thinking_of(engine.load_model(str(smollm2_gguf), selftest=False)) is None
     plain = copy.copy(kit)
@@ -104,9 +114,10 @@ CASES = {"user": [{"role": "user", "content": "Hello!"}], "tool_loop": TOOL_LOOP
          "reasoning_before_last_query": EARLIER_REASONING}
 
 
-# DeepSeek's template writes no tool list (our built-in tool prompt stands in): its tool loop is not compared.
-@pytest.mark.parametrize("name,case", [(n, c) for n in (QWEN3, QWEN35, DEEPSEEK) for c in sorted(CASES)
-                                       if (n, c) != (DEEPSEEK, "tool_loop")])
+# DeepSeek's template writes no tool list (our built-in tool prompt stands in), Gemma 4's its own call syntax:
+# their tool loops are not compared.
+@pytest.mark.parametrize("name,case", [(n, c) for n in (QWEN3, QWEN35, DEEPSEEK, GEMMA4) for c in sorted(CASES)
+                                       if c != "tool_loop" or n in (QWEN3, QWEN35)])
 @pytest.mark.parametrize("mode,flag", [("template", None), ("on", True), ("off", False)])
 def test_prompts_render_as_transformers_renders_them(kit, name, case, mode, flag):
     messages = CASES[case]
@@ -156,6 +167,12 @@ def test_replayed_reasoning_from_anthropic_blocks_renders_as_reasoning_content(k
         {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]})
     text = render_request(model, req).text
     assert "<think>\nI should call the tool.\n</think>" in text and "opaque" not in text
+    # Claude Code's shape: tool results and reminder text in one user turn. Not a new query: the reasoning stays.
+    loop[2]["content"].append({"type": "text", "text": "<system-reminder>Be careful.</system-reminder>"})
+    req = parse_messages_request({"model": "m", "max_tokens": 64, "messages": loop, "tools": [
+        {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]})
+    text = render_request(model, req).text
+    assert "<think>\nI should call the tool.\n</think>" in text and "Be careful." in text
 
 
 @pytest.mark.parametrize("name", [QWEN3, QWEN35])

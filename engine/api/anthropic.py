@@ -175,6 +175,12 @@ def _messages(value: Any) -> list[dict]:
             else:
                 raise RequestError(f"{at}: content blocks of type {kind!r} are not supported in {role} messages",
                                    at, "unsupported_value")
+        results = [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+        if results and texts:
+            # Claude Code's shape: tool results plus reminder text in one user turn. The text travels with the
+            # results, so the turn is not a new query (a thinking template would drop the loop's reasoning).
+            out[-1]["content"] += "\n\n" + "\n".join(texts)
+            continue
         msg = {"role": role, "content": "\n".join(texts)}
         if calls:
             msg["tool_calls"] = calls

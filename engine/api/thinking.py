@@ -19,8 +19,9 @@ from engine.reasoning import FORMATS
 __all__ = ["FIELDS", "replayed_reasoning", "thinking_controls"]
 
 FIELDS = {"chat_template_kwargs", "reasoning_effort", "reasoning_format", "thinking_token_budget"}
-# Names the template gets from the request itself; chat_template_kwargs may not replace them.
-_RESERVED = {"messages", "tools", "add_generation_prompt", "documents"}
+# Names the template gets from the request itself (and the render call's own parameters); chat_template_kwargs
+# may not replace them.
+_RESERVED = {"messages", "tools", "add_generation_prompt", "self"}
 
 
 def thinking_controls(body: dict, effort: Any = None) -> dict:

@@ -29,8 +29,9 @@ from engine.templates.chat import ChatTemplate
 
 __all__ = ["DELIMITERS", "MODES", "PromptText", "ThinkingTemplate", "read_thinking", "render_prompt"]
 
-# The block delimiters recognised (open, close). Qwen3, Qwen3.5, DeepSeek-R1 and QwQ spell it this way.
-DELIMITERS = (("<think>", "</think>"),)
+# The block delimiters recognised (open, close): Qwen3, Qwen3.5, DeepSeek-R1 and QwQ's block; Gemma 4's thought
+# channel (its canonical template: `<|channel>thought\n...<channel|>`, switched on by `<|think|>` in the system turn).
+DELIMITERS = (("<think>", "</think>"), ("<|channel>thought", "<channel|>"))
 MODES = ("template", "asis", "on", "off")
 _PROBE = [{"role": "user", "content": "Hello"}]
 
@@ -75,7 +76,9 @@ def _shape(region: str, open_: str, close: str) -> str:
     return "closed" if close in region[at + len(open_):] else "open"
 
 
-def _suffix(template: ChatTemplate, base: str, **variables: Any) -> str | None:
+def _suffix(template: ChatTemplate, **variables: Any) -> str | None:
+    """The generation prompt the template adds to the probe under `variables` (None: it rewrites the history)."""
+    base = template.render(_PROBE, add_generation_prompt=False, **variables)
     text = template.render(_PROBE, add_generation_prompt=True, **variables)
     return text[len(base):] if text.startswith(base) else None
 
@@ -86,9 +89,8 @@ def read_thinking(template: ChatTemplate, tokenizer: Any) -> ThinkingTemplate | 
         if open_ not in template.source or close not in template.source:
             continue
         try:
-            base = template.render(_PROBE, add_generation_prompt=False)
-            tails = [_suffix(template, base), _suffix(template, base, enable_thinking=True),
-                     _suffix(template, base, enable_thinking=False)]
+            tails = [_suffix(template), _suffix(template, enable_thinking=True),
+                     _suffix(template, enable_thinking=False)]
         except TemplateError:
             return None
         if any(t is None for t in tails):
