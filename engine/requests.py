@@ -415,6 +415,11 @@ class Collector:
     def cached_tokens(self) -> int:
         return self._prep.cached_tokens
 
+    @property
+    def reasoning_tokens(self) -> int:
+        """Of the tokens generated so far, those inside a thinking block (over all choices)."""
+        return sum(self._thought)
+
 
 def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,
             on_token: Callable[[int], None] | None = None, window: int | None = None,

@@ -87,7 +87,9 @@ def test_chat_completions_split_streamed_and_not(kit_openai):
     assert reasoning and "<think>" not in message.content and "</think>" not in message.content
     assert r.usage.completion_tokens_details.reasoning_tokens >= 1
     pieces = list(kit_openai.chat.completions.create(model=KIT, messages=THINK, temperature=0, max_tokens=20,
-                                                     stream=True))
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert pieces[-1].usage.completion_tokens_details.reasoning_tokens == \
+        r.usage.completion_tokens_details.reasoning_tokens
     deltas = [c.choices[0].delta for c in pieces if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == message.content

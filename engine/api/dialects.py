@@ -110,7 +110,7 @@ class _OpenAIStream:
         return data
 
     def finish(self, out: Collector) -> bytes:
-        last = self.info.usage_chunk(self.prompt_tokens, out.generated, out.cached_tokens)
+        last = self.info.usage_chunk(self.prompt_tokens, out.generated, out.cached_tokens, out.reasoning_tokens)
         return (sse.event(last) if last is not None else b"") + sse.DONE
 
     def error(self, status: int, body: dict) -> bytes:

@@ -104,10 +104,11 @@ class Stream:
             out.append(self._chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict | None:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                    reasoning_tokens: int = 0) -> dict | None:
         """The closing usage chunk, when the request asked for one (stream_options.include_usage)."""
         if not self.include_usage:
             return None
         obj = self._chunk([])
-        obj["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        obj["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)
         return obj
