@@ -47,7 +47,11 @@ def pull(
     try:
         with user_errors():
             model = builtin.lookup(ref)
-            if model is not None:
+            if isinstance(model, builtin.BuiltinDirModel):  # a checkpoint directory: its files, their sizes
+                path = builtin.ensure_builtin(model, progress=progress)
+                result = {"name": model.name, "path": str(path), "files": [f.path for f in model.files],
+                          "size": model.size}
+            elif model is not None:
                 path = builtin.ensure_builtin(model, progress=progress)
                 result = {"name": model.name, "path": str(path), "files": [path.name], "size": path.stat().st_size}
             elif ref.strip().lower().startswith("hf:"):
@@ -63,8 +67,11 @@ def pull(
         print(json.dumps(result))
     else:
         print(result["path"])
-        say(f"goinfer: {result['name']}: {len(result['files'])} file(s), {result['size'] / 1e6:.1f} MB; "
-            f"use it with --model {result['name']}")
+        summary = f"goinfer: {result['name']}: {len(result['files'])} file(s), {result['size'] / 1e6:.1f} MB"
+        if isinstance(model, builtin.BuiltinDirModel):  # not a chat model: --model would not load it
+            say(f"{summary}: {model.description}")
+        else:
+            say(f"{summary}; use it with --model {result['name']}")
 
 
 def _pull_hf(ref: str, progress: FetchProgress, as_json: bool) -> dict:

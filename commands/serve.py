@@ -22,6 +22,7 @@ from commands.errors import fail, user_errors
 from commands.options import NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption, thinking_settings
 from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
+from engine.embeddings import load_embedding_model
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec)
 from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
@@ -62,6 +63,10 @@ def serve(
         "--model", "-m", metavar="[NAME=]REF",
         help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME; "
              "repeatable.")] = None,
+    embed_model: Annotated[Optional[List[str]], typer.Option(
+        "--embed-model", metavar="[NAME=]REF",
+        help="An embedding model for /v1/embeddings (minilm-l6, or a sentence-transformers directory), optionally "
+             "served as NAME; repeatable. Without --model, only embeddings are served.")] = None,
     addr: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
@@ -109,7 +114,8 @@ def serve(
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
     settings = thinking_settings(thinking, reasoning_budget)
-    specs = [parse_model_spec(s) for s in model] if model else [(None, None)]
+    specs = [parse_model_spec(s) for s in model] if model else [] if embed_model else [(None, None)]
+    embed_specs = [parse_model_spec(s) for s in embed_model or ()]
     with user_errors():
         host, port = parse_addr(addr)
         config = ServerConfig(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
@@ -127,11 +133,15 @@ def serve(
         for (name, ref), default in zip(specs, names):
             llm = _load(ref, quant, not no_selftest, ctx)
             served.append(ServedModel.of(default or llm.name, llm, ctx))
-        names = [s.name for s in served]
+        embedders = [_load_embedder(ref, name) for name, ref in embed_specs]
+        names = [s.name for s in served] + [e.name for e in embedders]
         if len(set(names)) < len(names):
-            raise fail("--model: two models get the same name; name them: --model NAME=REF")
-        server = Server(served, config)
+            raise fail("--model/--embed-model: two models get the same name; name them: NAME=REF")
+        server = Server(served, config, embedders=embedders)
     _banner(server, served, config)
+    for e in embedders:
+        _note(f"embedding model {e.name}: {e.path.name} (BERT encoder, {e.dimension} dimensions, {e.pooling} "
+              f"pooling{', normalised' if e.normalize else ''}), context {e.context}")
     _run_until_signal(server)
 
 
@@ -141,6 +151,18 @@ def _default_name(ref: str | None) -> str | None:
         return DEFAULT_MODEL
     builtin = lookup_builtin(ref) if not ref.endswith(".gguf") else None
     return builtin.name if builtin is not None else None
+
+
+def _load_embedder(ref: str, name: str | None):
+    """An embedding model, served as NAME, else under its built-in name, else its directory's name."""
+    if name is None:
+        builtin = lookup_builtin(ref)
+        name = builtin.name if builtin is not None else Path(ref).name
+    progress = FetchProgress()
+    try:
+        return load_embedding_model(ref, name=name, progress=progress)
+    finally:
+        progress.close()
 
 
 def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = None):
@@ -167,7 +189,9 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
           f"{config.max_connections} connections, {config.read_deadline_s:g} s to send a request, "
           f"SSE keep-alive after {config.keepalive_s:g} s of silence")
     pools = [sch.sessions for sch in server.state.schedulers.values() if sch.sessions is not None]
-    if pools:
+    if not served:
+        pass  # embeddings only: no generation, no warm sessions
+    elif pools:
         kept = f", written to {config.session_dir}" if config.session_dir else ""
         _note(f"prompt-prefix reuse: up to {config.kv_sessions} warm sessions per model in "
               f"{_size(pools[0].budget_bytes)} of KV{kept}")

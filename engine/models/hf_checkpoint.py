@@ -49,6 +49,9 @@ def read_metadata(directory: Path) -> tuple[dict[str, Any], Family, dict[str, An
     config = hf_config.text_config(read_json_object(directory / "config.json"))
     model_type = str(config.get("model_type", ""))
     arch = HF_MODEL_TYPES.get(model_type)
+    if arch is None and model_type == "bert":  # an encoder: it embeds, it does not chat
+        raise UnsupportedModel(f"{directory.name} is an embedding model (BERT encoder), not a chat model: serve it "
+                               "with goinfer serve --embed-model")
     if arch is None:
         raise UnsupportedModel(f"{directory.name}: Hugging Face model_type {model_type or '(none)'!r} is not "
                                f"supported (supported: {', '.join(sorted(HF_MODEL_TYPES))})")

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from engine.api import sse
 from engine.api.dialects import ROUTES, Dialect, OpenAIDialect, dialect_for
+from engine.api.embeddings import EMBEDDINGS_URL, embeddings_object, parse_embeddings_request, token_lists
 from engine.api.openai_objects import error_body, error_object, error_status, model_list, model_object
 from engine.api.responses import RESPONSES_URL
 from engine.errors import Cancelled, GoinferError
@@ -152,16 +153,22 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200 if not self.state.closing else 503, self.state.health())
             elif path == "/v1/models":
                 self._only("GET")
-                self._send_json(200, model_list([self._model_entry(m) for m in self.state.models.values()]))
+                entries = [self._model_entry(m) for m in self.state.models.values()]
+                entries += [self._embedder_entry(m) for m in self.state.embedders.values()]
+                self._send_json(200, model_list(entries))
             elif path.startswith("/v1/models/"):
                 self._only("GET")
-                served = self.state.models.get(path[len("/v1/models/"):])
-                if served is None:
-                    raise self._unknown_model(path[len("/v1/models/"):])
-                self._send_json(200, self._model_entry(served))
+                name = path[len("/v1/models/"):]
+                served, embedder = self.state.models.get(name), self.state.embedders.get(name)
+                if served is None and embedder is None:
+                    raise self._unknown_model(name)
+                self._send_json(200, self._model_entry(served) if served else self._embedder_entry(embedder))
             elif path in ROUTES:
                 self._only("POST")
                 self._generate()
+            elif path == EMBEDDINGS_URL:
+                self._only("POST")
+                self._embed()
             elif path.startswith(RESPONSES_URL + "/"):
                 self._only("GET")
                 found = self.state.response_store.get(path[len(RESPONSES_URL) + 1:])
@@ -171,7 +178,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200, found[0])
             else:
                 routes = ", ".join(["GET /health", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
-                                   + [f"GET {RESPONSES_URL}/ID"])
+                                   + [f"POST {EMBEDDINGS_URL}", f"GET {RESPONSES_URL}/ID"])
                 raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
                                                   "invalid_request_error", None, "not_found"))
         except HTTPError as e:
@@ -214,6 +221,10 @@ class Handler(BaseHTTPRequestHandler):
     def _model_entry(self, served) -> dict:
         return model_object(served.name, created=served.created, context_window=served.window)
 
+    def _embedder_entry(self, model) -> dict:
+        entry = model_object(model.name, created=int(self.state.started), context_window=model.context)
+        return {**entry, "type": "embedding", "dimensions": model.dimension}
+
     def _unknown_model(self, name: str) -> HTTPError:
         served = ", ".join(self.state.models)
         return HTTPError(404, error_object(f"model {name!r} does not exist here (served: {served})",
@@ -229,13 +240,37 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self) -> None:
+    def _json_body(self):
         raw = self._read_body()
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to parse
             raise HTTPError(400, error_object(f"the request body is not valid JSON: {e}", "invalid_request_error",
                                               None, "invalid_json")) from None
+
+    def _embed(self) -> None:
+        """POST /v1/embeddings: the inputs' vectors, computed here (the encoder's batches take turns with the
+        generation models' computations)."""
+        body = self._json_body()
+        try:
+            req = parse_embeddings_request(body)
+            model = self.state.embedder(req.model)
+            if model is None:
+                served = ", ".join(self.state.embedders) or "none"
+                raise HTTPError(404, error_object(f"model {req.model!r} is not an embedding model served here "
+                                                  f"(embedding models: {served})", "invalid_request_error", "model",
+                                                  "model_not_found"))
+            self._model_name = model.name
+            lists = token_lists(model, req)
+            vectors = model.embed(lists)
+        except GoinferError as e:
+            raise HTTPError(error_status(e), error_body(e)) from None
+        tokens = sum(len(ids) for ids in lists)
+        self._usage = (tokens, 0)
+        self._send_json(200, embeddings_object(model, req, vectors, tokens))
+
+    def _generate(self) -> None:
+        body = self._json_body()
         dialect = self._dialect
         cancel = threading.Event()
         try:

@@ -54,12 +54,13 @@ class _HTTPServer(ThreadingHTTPServer):
 class Server:
     """Serve `models` as configured. start() binds and serves in a background thread; stop() ends it."""
 
-    def __init__(self, models: list[ServedModel], config: ServerConfig, *, log: Callable[[str], None] = _stderr):
-        if not models:
+    def __init__(self, models: list[ServedModel], config: ServerConfig, *, log: Callable[[str], None] = _stderr,
+                 embedders: list = ()):
+        if not models and not embedders:
             raise ServerConfigError("no model to serve")
         config.check()
         self.config = config
-        self.state = ServerState(models, config, log)
+        self.state = ServerState(models, config, log, embedders)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         server_class = type("GoinferHTTPServer", (_HTTPServer,), {"address_family": family})
         try:

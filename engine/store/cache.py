@@ -1,6 +1,6 @@
 """What the goinfer cache holds, and removing entries (`goinfer cache`, `goinfer cache rm`).
 
-Complete entries are the published built-in files and hf: pulls (a directory with manifest.json);
+Complete entries are the published built-in files (or directories) and hf: pulls (a directory with manifest.json);
 incomplete ones are pulls left in staging by an interrupted run (the next pull of the same reference
 resumes them). Nothing here touches the network.
 """
@@ -26,14 +26,17 @@ class CacheEntry:
     kind: str  # "builtin", "gguf" or "safetensors"
     size: int  # bytes on disk
     complete: bool
-    path: str  # the file to load (complete GGUF), else the directory
+    path: str  # the file to load (complete GGUF), else the directory (a built-in directory model's too)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+def _dir_size(path: Path, *, hidden: bool = False) -> int:
+    """Bytes of the files under `path`. Dot-files are bookkeeping (a pull's .plan.json, partial downloads) and
+    left out unless `hidden`: a built-in directory's own dot-files (.gitattributes) are part of the model."""
+    return sum(p.stat().st_size for p in path.rglob("*")
+               if p.is_file() and (hidden or not p.name.startswith(".")))
 
 
 def list_cache() -> list[CacheEntry]:
@@ -41,8 +44,12 @@ def list_cache() -> list[CacheEntry]:
     for model in builtin.BUILTINS.values():
         path = builtin.model_path(model)
         if path.is_file():
-            entries.append(CacheEntry(model.name, "builtin", path.stat().st_size,
-                                      builtin.cached_path(model) is not None, str(path)))
+            size = path.stat().st_size
+        elif path.is_dir():  # a directory model (BuiltinDirModel); complete when every pinned file is whole
+            size = _dir_size(path, hidden=True)
+        else:
+            continue
+        entries.append(CacheEntry(model.name, "builtin", size, builtin.cached_path(model) is not None, str(path)))
     hf_root = models_dir() / "hf"
     if hf_root.is_dir():
         for manifest_path in sorted(hf_root.glob(f"*/*/*/{MANIFEST}")):

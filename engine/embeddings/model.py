@@ -1,0 +1,148 @@
+"""An embedding model: a sentence-transformers checkpoint directory (config.json, safetensors, tokenizer.json,
+modules.json with its pooling and normalisation) loaded and run: texts or token ids in, one vector per input out.
+
+    load_embedding_model(ref)          a directory, or a built-in name (minilm-l6), -> EmbeddingModel
+    model.tokenize(texts)              token ids per text ([CLS] ... [SEP] as the tokenizer's post-processor adds)
+    model.embed(token_lists)           (n, dimension) float32, pooled as the checkpoint declares, L2-normalised
+
+Inputs are run in batches sorted by length (padding wasted only between neighbours), at most MAX_BATCH_TOKENS
+padded tokens per forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from engine.embeddings.bert import BertConfig, BertEncoder
+from engine.errors import ModelLoadError, UnsupportedModel
+from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
+
+__all__ = ["EmbeddingModel", "POOLINGS", "load_embedding_model"]
+
+POOLINGS = ("mean", "cls", "last")
+MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: bounds the attention scores and activations
+_BERT_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining", None}
+# One computation at a time per process, with the generation models (numba's parallel launches must not overlap).
+_COMPUTE = threading.RLock()
+
+
+class EmbeddingModel:
+    def __init__(self, *, name: str, path: Path, encoder: BertEncoder, tokenizer, pooling: str, normalize: bool,
+                 context: int):
+        self.name, self.path, self.encoder, self.tokenizer = name, path, encoder, tokenizer
+        self.pooling, self.normalize, self.context = pooling, normalize, context
+        self.dimension = encoder.config.hidden
+        self.vocab_size = encoder.config.vocab
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    def embed(self, token_lists: list[list[int]]) -> np.ndarray:
+        """(n, dimension) float32 vectors of the token lists (each non-empty and within the context)."""
+        out = np.empty((len(token_lists), self.dimension), np.float32)
+        order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+        start = 0
+        while start < len(order):
+            longest = len(token_lists[order[start]])
+            end = start + 1
+            # sorted ascending: the batch's longest is its last; grow while the padded batch stays in bounds
+            while end < len(order) and (end - start + 1) * len(token_lists[order[end]]) <= MAX_BATCH_TOKENS:
+                end += 1
+            longest = len(token_lists[order[end - 1]])
+            batch = order[start:end]
+            ids = np.zeros((len(batch), longest), np.int64)
+            mask = np.zeros((len(batch), longest), np.int64)
+            for row, i in enumerate(batch):
+                ids[row, :len(token_lists[i])] = token_lists[i]
+                mask[row, :len(token_lists[i])] = 1
+            with _COMPUTE:
+                hidden = self.encoder.forward(ids, mask)
+            out[batch] = self._pool(hidden, mask)
+            start = end
+        return out
+
+    def _pool(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        elif self.pooling == "last":
+            pooled = hidden[np.arange(len(hidden)), mask.sum(axis=1) - 1]
+        else:
+            weights = mask.astype(np.float32)[:, :, None]
+            pooled = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+        pooled = pooled.astype(np.float32)
+        if self.normalize:
+            pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return pooled
+
+
+def _json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path.parent}: {path.name} is missing")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(data, dict) and not isinstance(data, list):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return data
+
+
+def _pooling_and_normalize(directory: Path) -> tuple[str, bool]:
+    """The pooling and normalisation the sentence-transformers modules declare (mean and normalised if none)."""
+    modules = _json(directory / "modules.json", required=False) or []
+    normalize = any(isinstance(m, dict) and str(m.get("type", "")).endswith("Normalize") for m in modules)
+    pooling_dir = next((m.get("path") for m in modules if isinstance(m, dict)
+                        and str(m.get("type", "")).endswith("Pooling")), None)
+    if not modules:
+        return "mean", True
+    config = _json(directory / (pooling_dir or "1_Pooling") / "config.json", required=False)
+    if config.get("pooling_mode_cls_token"):
+        return "cls", normalize
+    if config.get("pooling_mode_lasttoken"):
+        return "last", normalize
+    if config.get("pooling_mode_max_tokens") or config.get("pooling_mode_mean_sqrt_len_tokens"):
+        raise UnsupportedModel(f"{directory}: only mean, CLS and last-token pooling are supported")
+    return "mean", normalize
+
+
+def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None) -> EmbeddingModel:
+    """A sentence-transformers directory (or a built-in name that resolves to one) as an EmbeddingModel."""
+    from tokenizers import Tokenizer
+
+    from engine.store.resolve import resolve_model_ref
+
+    path = Path(resolve_model_ref(str(ref), progress=progress))
+    if not path.is_dir():
+        raise UnsupportedModel(f"{path}: an embedding model is a checkpoint directory (BERT-style encoder); "
+                               "GGUF embedding models are not supported yet")
+    config = _json(path / "config.json")
+    arch = (config.get("architectures") or [None])[0]
+    if config.get("model_type") != "bert" or arch not in _BERT_ARCHS:
+        raise UnsupportedModel(f"{path}: {arch or config.get('model_type')!r} is not an encoder goinfer embeds with "
+                               "(supported: BERT, e.g. sentence-transformers/all-MiniLM-L6-v2)")
+    bert = BertConfig.of(config)
+    checkpoint = SafetensorsCheckpoint(path)
+    names = set(checkpoint.names)
+
+    def weight(key: str) -> np.ndarray:
+        for full in (key, "bert." + key):
+            if full in names:
+                return np.ascontiguousarray(to_f32(checkpoint.array(full), checkpoint.dtype(full)))
+        raise ModelLoadError(f"{path}: tensor {key!r} is missing")
+
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path}: tokenizer.json is missing")
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.no_truncation()  # over-long inputs are refused by the caller, never cut silently
+    tokenizer.no_padding()
+    pooling, normalize = _pooling_and_normalize(path)
+    limit = _json(path / "sentence_bert_config.json", required=False).get("max_seq_length")
+    context = min(int(limit), bert.positions) if isinstance(limit, int) and limit > 0 else bert.positions
+    return EmbeddingModel(name=name or path.name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
+                          pooling=pooling, normalize=normalize, context=context)

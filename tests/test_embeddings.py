@@ -1,0 +1,117 @@
+"""Embeddings: the built-in sentence encoder (minilm-l6, all-MiniLM-L6-v2 from PyPI) against the reference vectors of
+../shared/families/embeddings-minilm (transformers float32), and /v1/embeddings over HTTP with the official openai
+SDK: single input, a batch, dimensions, base64, token ids, and every bad input a 400 naming its field."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from engine.embeddings import load_embedding_model
+from tests.conftest import SERVER_KEY, SHARED
+from tests.test_server import start_server, stop
+
+REFERENCE = json.loads((SHARED / "families" / "embeddings-minilm" / "reference.json").read_text())
+STRINGS = REFERENCE["strings"]
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_embedding_model("minilm-l6")
+
+
+def test_the_builtin_encoder_is_minilm(minilm):
+    assert (minilm.dimension, minilm.pooling, minilm.normalize, minilm.context) == (384, "mean", True, 256)
+
+
+def test_tokens_are_the_reference_tokens(minilm):
+    assert minilm.tokenize([s["text"] for s in STRINGS]) == [s["hf_tokens"] for s in STRINGS]
+
+
+def test_every_reference_vector_is_matched_at_f32(minilm):
+    ours = minilm.embed(minilm.tokenize([s["text"] for s in STRINGS]))
+    reference = np.array([s["embedding"] for s in STRINGS], np.float32)
+    assert _cosines(ours, reference).min() >= 0.99999
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_a_batch_gives_each_input_the_vector_it_gets_alone(minilm):
+    texts = [s["text"] for s in STRINGS[:8]]
+    together = minilm.embed(minilm.tokenize(texts))  # padded to the longest of each length-sorted batch
+    alone = np.concatenate([minilm.embed(minilm.tokenize([t])) for t in texts])
+    assert _cosines(together, alone).min() >= 0.999999
+
+
+# ---------------------------------------------------------------------------------------------- over HTTP
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory, smollm2_gguf):
+    s = start_server(tmp_path_factory.mktemp("serve-embed") / "serve.log", "--model", str(smollm2_gguf),
+                     "--embed-model", "minilm-l6", "--api-key", SERVER_KEY)
+    yield s
+    stop(s)
+
+
+@pytest.fixture(scope="module")
+def sdk(embed_server):
+    return openai.OpenAI(base_url=embed_server.url + "/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
+
+
+def test_the_sdk_embeds_one_input_and_a_batch(sdk):
+    one = sdk.embeddings.create(model="minilm-l6", input=STRINGS[0]["text"])  # the SDK asks base64, decodes it
+    reference = np.array([s["embedding"] for s in STRINGS[:5]], np.float32)
+    assert len(one.data) == 1 and _cosines(np.array([one.data[0].embedding]), reference[:1])[0] >= 0.99999
+    assert one.usage.prompt_tokens == len(STRINGS[0]["hf_tokens"]) and one.model == "minilm-l6"
+    batch = sdk.embeddings.create(model="minilm-l6", input=[s["text"] for s in STRINGS[:5]])
+    assert [d.index for d in batch.data] == list(range(5))
+    assert _cosines(np.array([d.embedding for d in batch.data]), reference).min() >= 0.99999
+    ids = sdk.embeddings.create(model="minilm-l6", input=[STRINGS[0]["hf_tokens"], STRINGS[1]["hf_tokens"]])
+    assert _cosines(np.array([d.embedding for d in ids.data]), reference[:2]).min() >= 0.99999
+
+
+def test_dimensions_and_base64(sdk):
+    full = np.array(sdk.embeddings.create(model="minilm-l6", input="a cat").data[0].embedding)
+    short = sdk.embeddings.create(model="minilm-l6", input="a cat", dimensions=64, encoding_format="base64")
+    vector = np.frombuffer(base64.b64decode(short.data[0].embedding), "<f4")
+    assert len(vector) == 64 and abs(np.linalg.norm(vector) - 1) < 1e-5
+    assert np.allclose(vector, full[:64] / np.linalg.norm(full[:64]), atol=1e-6)
+
+
+def test_models_lists_the_embedding_model_with_its_dimension(sdk):
+    entries = {m.id: m for m in sdk.models.list().data}
+    assert entries["minilm-l6"].model_extra["dimensions"] == 384
+    assert entries["minilm-l6"].model_extra["type"] == "embedding"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "minilm-l6"}, "input"),
+    ({"model": "minilm-l6", "input": ""}, "input"),
+    ({"model": "minilm-l6", "input": []}, "input"),
+    ({"model": "minilm-l6", "input": ["a", ""]}, "input[1]"),
+    ({"model": "minilm-l6", "input": ["a", 5]}, "input[1]"),
+    ({"model": "minilm-l6", "input": {"text": "a"}}, "input"),
+    ({"model": "minilm-l6", "input": ["a"] * 2049}, "input"),
+    ({"model": "minilm-l6", "input": "word " * 300}, "input"),
+    ({"model": "minilm-l6", "input": [1, 2, 10 ** 6]}, "input"),
+    ({"model": "minilm-l6", "input": "a", "dimensions": 385}, "dimensions"),
+    ({"model": "minilm-l6", "input": "a", "dimensions": 0}, "dimensions"),
+    ({"model": "minilm-l6", "input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ({"model": "minilm-l6", "input": "a", "input_type": "poem"}, "input_type"),
+    ({"model": "minilm-l6", "input": "a", "truncate": True}, "truncate"),
+    ({"model": "nope", "input": "a"}, "model"),
+    ({"model": "SmolLM2-135M-Instruct.Q4_1", "input": "a"}, "model"),  # a chat model does not embed
+])
+def test_bad_input_is_a_client_error_naming_the_field(embed_server, body, param):
+    r = httpx.post(embed_server.url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {SERVER_KEY}"},
+                   timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
