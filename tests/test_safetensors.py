@@ -88,7 +88,8 @@ def _copy_kit(tmp_path, **config_changes):
 
 
 @pytest.mark.parametrize("changes,error,message", [
-    ({"model_type": "bert"}, UnsupportedModel, "model_type 'bert' is not supported"),
+    ({"model_type": "bert"}, UnsupportedModel, "is an embedding model .* goinfer serve --embed-model"),
+    ({"model_type": "t5"}, UnsupportedModel, "model_type 't5' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}}, UnsupportedModel, "'dynamic'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, ModelLoadError,
      "lacks 'original_max_position_embeddings'"),  # YaRN needs the window it stretches

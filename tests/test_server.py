@@ -325,8 +325,9 @@ def test_prompt_over_the_window_is_400_with_both_counts_before_any_stream(raw, n
 
 
 def test_unknown_route_and_wrong_method(raw):
-    err = error_of(raw.get("/v1/embeddings"), 404)
+    err = error_of(raw.get("/v1/images/generations"), 404)
     assert err["code"] == "not_found" and "/v1/chat/completions" in err["message"]
+    assert "POST /v1/embeddings" in err["message"]
     r = raw.get("/v1/chat/completions")
     assert error_of(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
 
