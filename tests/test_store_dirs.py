@@ -25,7 +25,10 @@ from engine.store import builtin, pypi
 from engine.store.builtin import BuiltinDirModel, PinnedFile, WheelMember
 from engine.store.cache import list_cache, remove
 from engine.store.resolve import resolve_model_ref
-from tests.test_store import FakeIndex, files_under, payload
+from tests import test_store
+from tests.test_store import files_under, payload
+
+home, index = test_store.home, test_store.index  # the same fixtures: a temporary goinfer home, a local index
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,23 +58,6 @@ def wheel_members(files: dict[str, bytes]) -> dict[str, bytes]:
     members["tiny_dir_model/__init__.py"] = b""
     members[f"{FOLDER}/unpinned.txt"] = b"not in the pins: left out"
     return members
-
-
-@pytest.fixture
-def index(monkeypatch):
-    fake = FakeIndex()
-    monkeypatch.setenv("GOINFER_PYPI_INDEX", fake.url)
-    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
-    monkeypatch.setattr(pypi, "RETRY_DELAYS", (0.0, 0.0))
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "goinfer-home"
-    monkeypatch.setenv("GOINFER_HOME", str(path))
-    return path
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.embeddings.bert import BertConfig, BertEncoder
 from engine.errors import ModelLoadError, UnsupportedModel
+from engine.formats.checkpoint_json import read_json_object
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
 
 __all__ = ["EmbeddingModel", "POOLINGS", "load_embedding_model"]
@@ -79,29 +80,29 @@ class EmbeddingModel:
         return pooled
 
 
-def _json(path: Path, required: bool = True) -> dict:
+def _modules(directory: Path) -> list:
+    """modules.json: the sentence-transformers pipeline (an array of modules), [] where there is none."""
+    path = directory / "modules.json"
     if not path.is_file():
-        if required:
-            raise ModelLoadError(f"{path.parent}: {path.name} is missing")
-        return {}
+        return []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot read it ({e})") from None
-    if not isinstance(data, dict) and not isinstance(data, list):
-        raise ModelLoadError(f"{path}: not a JSON object")
-    return data
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, list):
+        raise ModelLoadError(f"{path}: not a JSON array of modules")
+    return value
 
 
 def _pooling_and_normalize(directory: Path) -> tuple[str, bool]:
     """The pooling and normalisation the sentence-transformers modules declare (mean and normalised if none)."""
-    modules = _json(directory / "modules.json", required=False) or []
+    modules = _modules(directory)
     normalize = any(isinstance(m, dict) and str(m.get("type", "")).endswith("Normalize") for m in modules)
     pooling_dir = next((m.get("path") for m in modules if isinstance(m, dict)
                         and str(m.get("type", "")).endswith("Pooling")), None)
     if not modules:
         return "mean", True
-    config = _json(directory / (pooling_dir or "1_Pooling") / "config.json", required=False)
+    config = read_json_object(directory / (pooling_dir or "1_Pooling") / "config.json", required=False)
     if config.get("pooling_mode_cls_token"):
         return "cls", normalize
     if config.get("pooling_mode_lasttoken"):
@@ -121,7 +122,7 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
     if not path.is_dir():
         raise UnsupportedModel(f"{path}: an embedding model is a checkpoint directory (BERT-style encoder); "
                                "GGUF embedding models are not supported yet")
-    config = _json(path / "config.json")
+    config = read_json_object(path / "config.json")
     arch = (config.get("architectures") or [None])[0]
     if config.get("model_type") != "bert" or arch not in _BERT_ARCHS:
         raise UnsupportedModel(f"{path}: {arch or config.get('model_type')!r} is not an encoder goinfer embeds with "
@@ -142,7 +143,7 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
     tokenizer.no_truncation()  # over-long inputs are refused by the caller, never cut silently
     tokenizer.no_padding()
     pooling, normalize = _pooling_and_normalize(path)
-    limit = _json(path / "sentence_bert_config.json", required=False).get("max_seq_length")
+    limit = read_json_object(path / "sentence_bert_config.json", required=False).get("max_seq_length")
     context = min(int(limit), bert.positions) if isinstance(limit, int) and limit > 0 else bert.positions
     return EmbeddingModel(name=name or path.name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
                           pooling=pooling, normalize=normalize, context=context)
