@@ -19,6 +19,7 @@ from commands.options import (ModelOption, NoSelftestOption, QuantOption, Reason
                              ThreadsOption, thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
+from engine.embeddings import load_embedding_model
 from engine.batch import BatchPlan, LineResult, run_batch
 from engine.requests import SamplingOptions
 
@@ -65,6 +66,9 @@ def batch(
     no_selftest: NoSelftestOption = False,
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
+    embed_model: Annotated[str, typer.Option(
+        "--embed-model", help="The embedding model of /v1/embeddings lines (loaded only when there are some).")]
+    = "minilm-l6",
 ) -> None:
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
@@ -92,11 +96,19 @@ def batch(
         finally:
             fetch.close()
 
+    def load_embedder():
+        fetch = FetchProgress()
+        try:
+            return load_embedding_model(embed_model, progress=fetch)
+        finally:
+            fetch.close()
+
     with user_errors(), stop:
         try:
             summary = run_batch(input_file, output, load, defaults=defaults, system=system,
                                 should_stop=stop.requested, on_plan=view.plan, on_line=view.line,
-                                on_token=view.token, parallel=parallel, thinking=settings)
+                                on_token=view.token, parallel=parallel, thinking=settings,
+                                load_embedder=load_embedder)
         finally:
             view.close()
     view.finish(summary)

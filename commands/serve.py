@@ -155,9 +155,6 @@ def _default_name(ref: str | None) -> str | None:
 
 def _load_embedder(ref: str, name: str | None):
     """An embedding model, served as NAME, else under its built-in name, else its directory's name."""
-    if name is None:
-        builtin = lookup_builtin(ref)
-        name = builtin.name if builtin is not None else Path(ref).name
     progress = FetchProgress()
     try:
         return load_embedding_model(ref, name=name, progress=progress)

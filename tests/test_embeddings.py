@@ -115,3 +115,30 @@ def test_bad_input_is_a_client_error_naming_the_field(embed_server, body, param)
                    timeout=60)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------------------------------- batch lines
+
+def test_batch_runs_embeddings_lines_beside_chat_lines_and_resumes(tmp_path, smollm2_gguf):
+    from tests.test_cli import goinfer
+
+    lines = [{"custom_id": "e1", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "minilm-l6", "input": [STRINGS[0]["text"], STRINGS[1]["text"]]}},
+             {"custom_id": "e2", "method": "POST", "url": "/v1/embeddings", "body": {"input": ""}},
+             {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
+    assert r.returncode == 1, r.stderr  # one line failed
+    records = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"e1", "c1"}
+    body = records["e1"]["response"]["body"]
+    vectors = np.array([d["embedding"] for d in body["data"]], np.float32)
+    reference = np.array([s["embedding"] for s in STRINGS[:2]], np.float32)
+    assert _cosines(vectors, reference).min() >= 0.99999 and body["model"] == "minilm-l6"
+    assert records["c1"]["response"]["body"]["object"] == "chat.completion"
+    (error,) = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
+    assert error["custom_id"] == "e2" and "input" in error["error"]["message"]
+    again = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
+    assert again.returncode == 1 and len(out.read_text().splitlines()) == 2  # done lines are not done twice

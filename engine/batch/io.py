@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.api.embeddings import EMBEDDINGS_URL, EmbeddingRequest, parse_embeddings_request
 from engine.api.openai import URLS, parse_request
 from engine.api.openai_objects import error_code
 from engine.errors import BatchFileError, RequestError
@@ -30,8 +31,13 @@ class BatchLine:
     lineno: int  # 1-based line number in the input file
     custom_id: str | None
     url: str | None = None
-    request: GenerationRequest | None = None
+    request: GenerationRequest | EmbeddingRequest | None = None
     error: tuple[str, str] | None = None
+
+    @property
+    def embeds(self) -> bool:
+        """An embeddings line (run by the embedding model, not the chat model)."""
+        return isinstance(self.request, EmbeddingRequest)
 
 
 def read_input(path: str | Path) -> list[BatchLine]:
@@ -85,12 +91,14 @@ def _parse_line(lineno: int, raw: bytes) -> BatchLine:
         return bad("invalid_method", f"method {method!r} is not supported (only POST)", custom_id)
     if url is None:
         return bad("missing_required_parameter", "url is missing", custom_id)
-    if url not in URLS:
-        return bad("invalid_url", f"url {url!r} is not supported (supported: {', '.join(URLS)})", custom_id)
+    if url not in URLS and url != EMBEDDINGS_URL:
+        return bad("invalid_url", f"url {url!r} is not supported (supported: {', '.join(URLS)}, {EMBEDDINGS_URL})",
+                   custom_id)
     if body is None:
         return bad("missing_required_parameter", "body is missing", custom_id, url)
     try:
-        return BatchLine(lineno, custom_id, url, request=parse_request(url, body))
+        request = parse_embeddings_request(body) if url == EMBEDDINGS_URL else parse_request(url, body)
+        return BatchLine(lineno, custom_id, url, request=request)
     except RequestError as e:
         return bad(error_code(e), str(e), custom_id, url)
     except Exception as e:  # noqa: BLE001 - a parser bug: this line's error record, never the whole run's end

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.api.embeddings import embeddings_object, token_lists
 from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
@@ -71,14 +72,16 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
               on_plan: Callable[[BatchPlan], None] | None = None,
               on_line: Callable[[LineResult], None] | None = None,
               on_token: Callable[[int], None] | None = None, parallel: int = 1,
-              thinking: ThinkingSettings = ThinkingSettings()) -> BatchSummary:
+              thinking: ThinkingSettings = ThinkingSettings(),
+              load_embedder: Callable[[], object] | None = None) -> BatchSummary:
     """Run every line of `input_path` not yet in `output_path`; with `parallel` > 1, that many lines at once
     through a scheduler (decoded together; each line's answer is the one it gets alone), recorded as they end.
 
     `defaults` fill what a line's body leaves unset (the body wins; the API defaults fill the rest);
     `system` is the system prompt for chats that have none; `thinking` the mode and reasoning budget for lines
     that set none (a line's chat_template_kwargs / reasoning_effort / thinking_token_budget win). `load_model()`
-    is called only when some line needs the model. `should_stop()` is polled between tokens and lines: True
+    is called only when some line needs the model, `load_embedder()` only when some /v1/embeddings line does
+    (those lines run first, one after another: an encoder's pass is short). `should_stop()` is polled between tokens and lines: True
     abandons the current line (nothing of it is written) and ends the run with `interrupted` set. File-level
     problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work."""
     if parallel < 1:
@@ -102,11 +105,20 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
         summary = BatchSummary(plan)
         if on_plan is not None:
             on_plan(plan)
-        model = None
+        embedding = [ln for ln in pending if ln.embeds]
+        pending = [ln for ln in pending if not ln.embeds]
+        model = embedder = None
         if any(ln.request is not None for ln in pending):
             model = load_model()
             summary.model_loaded = True
-        ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary, thinking)
+        if embedding and load_embedder is not None:
+            embedder = load_embedder()
+        ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary, thinking,
+                   embedder)
+        for line in embedding:
+            if stopped() or not ctx.record(_embed_line(line, ctx)):
+                summary.interrupted = True
+                return summary
         if parallel > 1 and model is not None:
             _run_parallel(pending, ctx, parallel)
         else:
@@ -137,13 +149,14 @@ class _Run:
     on_line: Callable[[LineResult], None] | None
     summary: BatchSummary
     thinking: ThinkingSettings = ThinkingSettings()
+    embedder: object = None  # the embedding model of /v1/embeddings lines (engine/embeddings)
 
     def request(self, line: BatchLine) -> GenerationRequest:
         return apply_defaults(line.request, self.defaults, self.system)
 
     def answered(self, line: BatchLine, body: dict, start: float) -> LineResult:
         self.out.append(success_record(line.custom_id, body))
-        return LineResult(line.custom_id, line.lineno, True, body["usage"]["completion_tokens"],
+        return LineResult(line.custom_id, line.lineno, True, body["usage"].get("completion_tokens", 0),
                           time.monotonic() - start)
 
     def failed(self, line: BatchLine, code: str, message: str, start: float) -> LineResult:
@@ -186,6 +199,20 @@ def _run_line(line: BatchLine, ctx: _Run) -> LineResult | None:
                            on_token=ctx.on_token, thinking=ctx.thinking)
     except Cancelled:
         return None
+    except Exception as e:  # noqa: BLE001 - recorded as the line's failure
+        return ctx.refused(line, e, start)
+    return ctx.answered(line, body, start)
+
+
+def _embed_line(line: BatchLine, ctx: _Run) -> LineResult:
+    """Run one /v1/embeddings line on the run's embedding model and record it."""
+    start = time.monotonic()
+    if ctx.embedder is None:
+        return ctx.failed(line, "model_not_found", "a /v1/embeddings line needs an embedding model "
+                                                   "(goinfer batch --embed-model)", start)
+    try:
+        lists = token_lists(ctx.embedder, line.request)
+        body = embeddings_object(ctx.embedder, line.request, ctx.embedder.embed(lists), sum(map(len, lists)))
     except Exception as e:  # noqa: BLE001 - recorded as the line's failure
         return ctx.refused(line, e, start)
     return ctx.answered(line, body, start)

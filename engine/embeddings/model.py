@@ -113,7 +113,8 @@ def _pooling_and_normalize(directory: Path) -> tuple[str, bool]:
 
 
 def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None) -> EmbeddingModel:
-    """A sentence-transformers directory (or a built-in name that resolves to one) as an EmbeddingModel."""
+    """A sentence-transformers directory (or a built-in name that resolves to one) as an EmbeddingModel, called
+    `name` (default: the built-in's name, else the directory's)."""
     from tokenizers import Tokenizer
 
     from engine.store.resolve import resolve_model_ref
@@ -145,5 +146,9 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
     pooling, normalize = _pooling_and_normalize(path)
     limit = read_json_object(path / "sentence_bert_config.json", required=False).get("max_seq_length")
     context = min(int(limit), bert.positions) if isinstance(limit, int) and limit > 0 else bert.positions
-    return EmbeddingModel(name=name or path.name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
+    if name is None:  # a built-in goes by its built-in name, a directory by its own
+        from engine.store.builtin import lookup
+        builtin = lookup(str(ref))
+        name = builtin.name if builtin is not None else path.name
+    return EmbeddingModel(name=name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
                           pooling=pooling, normalize=normalize, context=context)
