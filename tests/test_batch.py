@@ -224,7 +224,7 @@ def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smol
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
         LINES[0],
         json.dumps({"custom_id": "m4", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}),
-        json.dumps({"custom_id": "m5", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps({"custom_id": "m5", "method": "POST", "url": "/v1/images/generations", "body": {"prompt": "x"}}),
         json.dumps({"custom_id": "m6", "method": "POST", "url": "/v1/completions"}),
         json.dumps({"custom_id": "m7", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": "hi"}}),
         json.dumps({"custom_id": "m8", "method": "POST", "url": "/v1/completions",
