@@ -142,3 +142,20 @@ def test_batch_runs_embeddings_lines_beside_chat_lines_and_resumes(tmp_path, smo
     assert error["custom_id"] == "e2" and "input" in error["error"]["message"]
     again = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
     assert again.returncode == 1 and len(out.read_text().splitlines()) == 2  # done lines are not done twice
+
+
+def test_input_type_puts_the_models_instruction_prefix_before_the_text(tmp_path, minilm):
+    import shutil
+
+    from engine.api.embeddings import parse_embeddings_request, token_lists
+
+    prompted = tmp_path / "prompted"
+    shutil.copytree(minilm.path, prompted)
+    (prompted / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "document": "passage: "}, "default_prompt_name": "document"}))
+    model = load_embedding_model(str(prompted))
+    ask = lambda **body: token_lists(model, parse_embeddings_request({"input": "a cat", **body}))[0]  # noqa: E731
+    assert ask(input_type="query") == model.tokenize(["query: a cat"])[0]
+    assert ask() == ask(input_type="document") == model.tokenize(["passage: a cat"])[0]
+    plain = token_lists(minilm, parse_embeddings_request({"input": "a cat", "input_type": "query"}))[0]
+    assert plain == minilm.tokenize(["a cat"])[0]  # no prefixes: nothing changes

@@ -89,7 +89,8 @@ def token_lists(model, req: EmbeddingRequest) -> list[list[int]]:
     if req.dimensions is not None and req.dimensions > model.dimension:
         raise RequestError(f"dimensions: at most {model.dimension} for {model.name} (got {req.dimensions})",
                            "dimensions", "invalid_value")
-    texts = [x for x in req.inputs if isinstance(x, str)]
+    prefix = model.prefix(req.input_type)  # a model with instruction prefixes: the query's or document's
+    texts = [prefix + x for x in req.inputs if isinstance(x, str)]
     tokenized = iter(model.tokenize(texts) if texts else [])
     single = len(req.inputs) == 1
     out = []

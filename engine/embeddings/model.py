@@ -33,11 +33,18 @@ _COMPUTE = threading.RLock()
 
 class EmbeddingModel:
     def __init__(self, *, name: str, path: Path, encoder: BertEncoder, tokenizer, pooling: str, normalize: bool,
-                 context: int):
+                 context: int, prompts: dict[str, str] | None = None, default_prompt: str | None = None):
         self.name, self.path, self.encoder, self.tokenizer = name, path, encoder, tokenizer
         self.pooling, self.normalize, self.context = pooling, normalize, context
+        # Instruction prefixes by input type (config_sentence_transformers.json's "prompts": query, document...)
+        self.prompts, self.default_prompt = dict(prompts or {}), default_prompt
         self.dimension = encoder.config.hidden
         self.vocab_size = encoder.config.vocab
+
+    def prefix(self, input_type: str | None) -> str:
+        """The text put before an input of this type (the default prompt when none is named; "" without)."""
+        name = input_type or self.default_prompt
+        return self.prompts.get(name, "") if name else ""
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
@@ -145,10 +152,15 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
     tokenizer.no_padding()
     pooling, normalize = _pooling_and_normalize(path)
     limit = read_json_object(path / "sentence_bert_config.json", required=False).get("max_seq_length")
+    st_config = read_json_object(path / "config_sentence_transformers.json", required=False)
+    prompts = {k: v for k, v in (st_config.get("prompts") or {}).items() if isinstance(v, str)}
+    default_prompt = st_config.get("default_prompt_name") if isinstance(st_config.get("default_prompt_name"),
+                                                                        str) else None
     context = min(int(limit), bert.positions) if isinstance(limit, int) and limit > 0 else bert.positions
     if name is None:  # a built-in goes by its built-in name, a directory by its own
         from engine.store.builtin import lookup
         builtin = lookup(str(ref))
         name = builtin.name if builtin is not None else path.name
     return EmbeddingModel(name=name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
-                          pooling=pooling, normalize=normalize, context=context)
+                          pooling=pooling, normalize=normalize, context=context, prompts=prompts,
+                          default_prompt=default_prompt)
