@@ -51,6 +51,25 @@ def test_a_batch_gives_each_input_the_vector_it_gets_alone(minilm):
     assert _cosines(together, alone).min() >= 0.999999
 
 
+@pytest.fixture(scope="module")
+def bert_ggufs(tmp_path_factory, minilm):
+    """The built-in encoder written as `bert` GGUFs the way llama.cpp's converter writes them (f16, Q8_0)."""
+    from testdata.make_bert_gguf import write_bert_gguf
+
+    root = tmp_path_factory.mktemp("bert-gguf")
+    return {kind: write_bert_gguf(minilm.path, root / f"minilm.{kind}.gguf", kind) for kind in ("f16", "q8_0")}
+
+
+@pytest.mark.parametrize("kind,floor", [("f16", 0.99999), ("q8_0", 0.999)])
+def test_the_gguf_form_gives_the_same_vectors(bert_ggufs, kind, floor):
+    model = load_embedding_model(str(bert_ggufs[kind]))
+    assert (model.dimension, model.pooling, model.normalize) == (384, "mean", True)
+    tokens = model.tokenize([s["text"] for s in STRINGS])
+    assert tokens == [s["hf_tokens"] for s in STRINGS]  # the WordPiece vocabulary read back from phantom form
+    reference = np.array([s["embedding"] for s in STRINGS], np.float32)
+    assert _cosines(model.embed(tokens), reference).min() >= floor
+
+
 # ---------------------------------------------------------------------------------------------- over HTTP
 
 @pytest.fixture(scope="module")

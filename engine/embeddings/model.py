@@ -120,16 +120,19 @@ def _pooling_and_normalize(directory: Path) -> tuple[str, bool]:
 
 
 def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None) -> EmbeddingModel:
-    """A sentence-transformers directory (or a built-in name that resolves to one) as an EmbeddingModel, called
-    `name` (default: the built-in's name, else the directory's)."""
+    """A sentence-transformers directory (or a built-in name that resolves to one), or a `bert` GGUF file, as an
+    EmbeddingModel called `name` (default: the built-in's name, else the directory's or file's)."""
     from tokenizers import Tokenizer
 
     from engine.store.resolve import resolve_model_ref
 
     path = Path(resolve_model_ref(str(ref), progress=progress))
-    if not path.is_dir():
-        raise UnsupportedModel(f"{path}: an embedding model is a checkpoint directory (BERT-style encoder); "
-                               "GGUF embedding models are not supported yet")
+    if path.is_file():  # a GGUF encoder (llama.cpp's `bert` layout); L2-normalised, as llama.cpp's embeddings are
+        from engine.embeddings.gguf_bert import read_bert_gguf
+
+        encoder, tokenizer, pooling, context = read_bert_gguf(path)
+        return EmbeddingModel(name=name or path.stem, path=path, encoder=encoder, tokenizer=tokenizer,
+                              pooling=pooling, normalize=True, context=context)
     config = read_json_object(path / "config.json")
     arch = (config.get("architectures") or [None])[0]
     if config.get("model_type") != "bert" or arch not in _BERT_ARCHS:
