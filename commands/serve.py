@@ -133,15 +133,15 @@ def serve(
         for (name, ref), default in zip(specs, names):
             llm = _load(ref, quant, not no_selftest, ctx)
             served.append(ServedModel.of(default or llm.name, llm, ctx))
-        embedders = [_load_embedder(ref, name) for name, ref in embed_specs]
+        embedders = [_load_embedder(ref, name, quant) for name, ref in embed_specs]
         names = [s.name for s in served] + [e.name for e in embedders]
         if len(set(names)) < len(names):
             raise fail("--model/--embed-model: two models get the same name; name them: NAME=REF")
         server = Server(served, config, embedders=embedders)
     _banner(server, served, config)
     for e in embedders:
-        _note(f"embedding model {e.name}: {e.path.name} (BERT encoder, {e.dimension} dimensions, {e.pooling} "
-              f"pooling{', normalised' if e.normalize else ''}), context {e.context}")
+        _note(f"embedding model {e.name}: {e.path.name} ({e.dimension} dimensions, {e.pooling} pooling"
+              f"{', normalised' if e.normalize else ''}), context {e.context}")
     _run_until_signal(server)
 
 
@@ -153,11 +153,11 @@ def _default_name(ref: str | None) -> str | None:
     return builtin.name if builtin is not None else None
 
 
-def _load_embedder(ref: str, name: str | None):
-    """An embedding model, served as NAME, else under its built-in name, else its directory's name."""
+def _load_embedder(ref: str, name: str | None, quant: str):
+    """An embedding model, served as NAME, else under its built-in name, else its directory's or file's name."""
     progress = FetchProgress()
     try:
-        return load_embedding_model(ref, name=name, progress=progress)
+        return load_embedding_model(ref, name=name, progress=progress, quant=quant)
     finally:
         progress.close()
 

@@ -70,6 +70,35 @@ def test_the_gguf_form_gives_the_same_vectors(bert_ggufs, kind, floor):
     assert _cosines(model.embed(tokens), reference).min() >= floor
 
 
+def _with_pooling(src, dst, pooling_type: int):
+    """A copy of a GGUF whose metadata declares a pooling type (llama.cpp's: 1 mean, 3 last)."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(str(dst), arch=arch, endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, {f"{arch}.pooling_type": MetadataDetails(gguf.GGUFValueType.UINT32,
+                                                                                    pooling_type)}, [])
+    return dst
+
+
+@pytest.mark.parametrize("pooling_type,pooling", [(3, "last"), (1, "mean")])
+def test_a_decoder_that_declares_a_pooling_type_embeds_fast_as_exact(tmp_path, pooling_type, pooling):
+    from engine.errors import UnsupportedModel
+
+    kit = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
+    path = _with_pooling(kit, tmp_path / "qwen3-embed.gguf", pooling_type)
+    fast, exact = load_embedding_model(str(path)), load_embedding_model(str(path), quant="f32")
+    assert (fast.pooling, fast.dimension, fast.name) == (pooling, 256, "qwen3-embed")
+    texts = ["The cat sat on the mat.", "Hello world, this is a longer sentence to embed.", "x"]
+    a, b = fast.embed(fast.tokenize(texts)), exact.embed(exact.tokenize(texts))
+    assert _cosines(a, b).min() >= 0.999  # the int8 fast path against the exact f32 path's pooled states
+    assert np.allclose(np.linalg.norm(a, axis=1), 1.0, atol=1e-5) and _cosines(a[:1], a[1:2])[0] < 0.99
+    with pytest.raises(UnsupportedModel, match="declares no pooling type"):
+        load_embedding_model(str(kit))  # a chat model is not an embedder
+
+
 # ---------------------------------------------------------------------------------------------- over HTTP
 
 @pytest.fixture(scope="module")

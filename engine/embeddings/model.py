@@ -20,6 +20,7 @@ import numpy as np
 from engine.embeddings.bert import BertConfig, BertEncoder
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.checkpoint_json import read_json_object
+from engine.formats.gguf import open_gguf
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
 
 __all__ = ["EmbeddingModel", "POOLINGS", "load_embedding_model"]
@@ -119,14 +120,17 @@ def _pooling_and_normalize(directory: Path) -> tuple[str, bool]:
     return "mean", normalize
 
 
-def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None) -> EmbeddingModel:
-    """A sentence-transformers directory (or a built-in name that resolves to one), or a `bert` GGUF file, as an
-    EmbeddingModel called `name` (default: the built-in's name, else the directory's or file's)."""
+def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None, quant: str = "auto"):
+    """A sentence-transformers directory (or a built-in name that resolves to one), a `bert` GGUF file, or a decoder
+    GGUF that declares a pooling type, as an embedding model called `name` (default: the built-in's name, else the
+    directory's or file's). `quant` is the generation models' compute path, for a decoder (auto or f32)."""
     from tokenizers import Tokenizer
 
     from engine.store.resolve import resolve_model_ref
 
     path = Path(resolve_model_ref(str(ref), progress=progress))
+    if path.is_file() and open_gguf(path).architecture != "bert":
+        return _decoder_embedder(path, name, quant)
     if path.is_file():  # a GGUF encoder (llama.cpp's `bert` layout); L2-normalised, as llama.cpp's embeddings are
         from engine.embeddings.gguf_bert import read_bert_gguf
 
@@ -167,3 +171,12 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
     return EmbeddingModel(name=name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
                           pooling=pooling, normalize=normalize, context=context, prompts=prompts,
                           default_prompt=default_prompt)
+
+
+def _decoder_embedder(path: Path, name: str | None, quant: str):
+    """A decoder GGUF that declares a pooling type, loaded as a generation model and pooled."""
+    from engine.embeddings.decoder import DecoderEmbedder, declared_pooling
+    from engine.load import load_model
+
+    pooling = declared_pooling(open_gguf(path).metadata, path.name)
+    return DecoderEmbedder(load_model(str(path), quant=quant), pooling, name or path.stem)

@@ -108,6 +108,24 @@ class Model:
             hidden = self._forward(self.config, self.weights, self.backend, ids, cache)  # (T, n_embd)
             return self.head(hidden[logits_from:]) if logits_from < len(ids) else None
 
+    def hidden_states(self, ids) -> np.ndarray:
+        """(len(ids), n_embd) float32: the final-normed hidden states of ids from a fresh cache, before the head
+        (what a decoder used as an embedder pools)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        cache = self.new_cache(max(len(ids), 1))
+        rows = []
+        try:
+            for c0 in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[c0 : c0 + PREFILL_CHUNK]
+                cache.reserve(len(chunk))
+                with COMPUTE:
+                    rows.append(np.array(self._forward(self.config, self.weights, self.backend, chunk, cache),
+                                         np.float32))  # a copy: the forward pass's buffers are reused
+        finally:
+            self.backend.end_prompt()
+            memory.trim()
+        return np.concatenate(rows) if len(rows) > 1 else rows[0]
+
     def decode(self, ids, caches: list[KVCache]) -> np.ndarray:
         """One new token for each of several sequences: ids[m] appended to caches[m]; logits (M, vocab).
         With the backend's compiled step every weight is read once for all M sequences; without one, each
