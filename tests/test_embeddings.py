@@ -70,6 +70,31 @@ def test_the_gguf_form_gives_the_same_vectors(bert_ggufs, kind, floor):
     assert _cosines(model.embed(tokens), reference).min() >= floor
 
 
+def test_concurrent_requests_share_passes_and_get_their_own_vectors(minilm):
+    import threading
+    import time
+
+    from engine.embeddings import model as embedding_model
+    from engine.embeddings.batcher import EmbeddingQueue
+
+    queue = EmbeddingQueue(minilm)
+    requests = [minilm.tokenize([s["text"], STRINGS[-1 - i]["text"]]) for i, s in enumerate(STRINGS[:8])]
+    results: dict[int, np.ndarray] = {}
+    with embedding_model._COMPUTE:  # the first pass waits on the model: the other requests queue behind it
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, queue.embed(requests[i])))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while queue.waiting < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(60)
+    assert queue.passes == 2  # the first request alone, then the seven that queued meanwhile, together
+    for i, lists in enumerate(requests):
+        assert _cosines(results[i], minilm.embed(lists)).min() >= 0.999999
+
+
 def _with_pooling(src, dst, pooling_type: int):
     """A copy of a GGUF whose metadata declares a pooling type (llama.cpp's: 1 mean, 3 last)."""
     import gguf

@@ -249,8 +249,8 @@ class Handler(BaseHTTPRequestHandler):
                                               None, "invalid_json")) from None
 
     def _embed(self) -> None:
-        """POST /v1/embeddings: the inputs' vectors, computed here (the encoder's batches take turns with the
-        generation models' computations)."""
+        """POST /v1/embeddings: the inputs' vectors, from the model's queue (concurrent requests share passes;
+        they take turns with the generation models' computations)."""
         body = self._json_body()
         try:
             req = parse_embeddings_request(body)
@@ -262,7 +262,7 @@ class Handler(BaseHTTPRequestHandler):
                                                   "model_not_found"))
             self._model_name = model.name
             lists = token_lists(model, req)
-            vectors = model.embed(lists)
+            vectors = self.state.embed_queues[model.name].embed(lists)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         tokens = sum(len(ids) for ids in lists)

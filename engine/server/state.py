@@ -9,6 +9,7 @@ import time
 from typing import Callable, Iterator
 
 from engine.api.responses import ResponseStore
+from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
 from engine.server.config import ServedModel, ServerConfig, body_cap
 from engine.scheduler import Scheduler
@@ -23,6 +24,8 @@ class ServerState:
                  embedders: list = ()):
         self.models = {m.name: m for m in models}
         self.embedders = {m.name: m for m in embedders}  # /v1/embeddings' models (engine/embeddings)
+        # concurrent requests to one embedding model share its forward passes
+        self.embed_queues = {m.name: EmbeddingQueue(m) for m in embedders}
         self.api_key = config.api_key
         self.allowed_hosts = config.allowed_hosts
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
