@@ -22,7 +22,7 @@ from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.reasoning import ThinkingPlan, ThinkingSettings
-from engine.requests import encode_prompt, thinking_of
+from engine.prompts import encode_prompt, thinking_of
 from engine.templates.thinking import MODES, render_prompt
 from engine.store.paths import goinfer_home
 

@@ -27,7 +27,8 @@ from engine.errors import Cancelled
 from engine.generate import Generation
 from engine.kernels.backend import KVCache
 from engine.models.base import PREFILL_CHUNK, Model
-from engine.requests import ChoiceOutput, continuation_ids
+from engine.prompts import continuation_ids
+from engine.requests import ChoiceOutput
 from engine.sessions import SessionPool, snapshot_point
 from engine.warming import Warming
 

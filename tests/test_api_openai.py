@@ -11,7 +11,8 @@ from engine.api.openai import parse_chat_request, parse_completion_request, pars
 from engine.api.openai_objects import error_body
 from engine.batch.runner import run_request
 from engine.errors import RequestError
-from engine.requests import API_DEFAULTS, SamplingOptions, apply_defaults, encode_prompt
+from engine.prompts import encode_prompt
+from engine.requests import API_DEFAULTS, SamplingOptions, apply_defaults
 
 USER = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

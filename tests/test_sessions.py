@@ -15,8 +15,8 @@ import pytest
 
 import engine
 from engine.conversation import WarmConversation
-from engine.requests import (Collector, GenerationRequest, SamplingOptions, continuation_ids, encode_prompt, execute,
-                             prepare)
+from engine.prompts import continuation_ids, encode_prompt
+from engine.requests import Collector, GenerationRequest, SamplingOptions, execute, prepare
 from engine.scheduler import Finished, Job, Scheduler
 from engine.session_store import SessionDir, identity, key_of
 from engine.sessions import SessionPool, shared_prefix

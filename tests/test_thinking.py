@@ -21,7 +21,8 @@ from engine.api.anthropic import parse_messages_request
 from engine.api.openai import parse_chat_request
 from engine.api.responses import parse_responses_request
 from engine.reasoning import ReasoningSplitter, ThinkingSettings, thinking_budget, ThinkingPlan
-from engine.requests import Collector, execute, prepare, render_request, run, thinking_of
+from engine.prompts import render_request, thinking_of
+from engine.requests import Collector, execute, prepare, run
 from engine.templates import ChatTemplate
 from tests import reference_templates as ref
 from tests.conftest import SHARED

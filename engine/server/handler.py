@@ -26,7 +26,8 @@ from engine.api.embeddings import EMBEDDINGS_URL, embeddings_object, parse_embed
 from engine.api.openai_objects import error_body, error_object, error_status, model_list, model_object
 from engine.api.responses import RESPONSES_URL
 from engine.errors import Cancelled, GoinferError
-from engine.requests import Collector, Delta, prepare, prompt_ids
+from engine.prompts import prompt_ids
+from engine.requests import Collector, Delta, prepare
 from engine.server import intake
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.state import ServerState

@@ -1,0 +1,97 @@
+"""A request's prompt: a chat rendered by the model's own template (thinking as the runner and the request say,
+a final assistant message continued), or a completion's text or token ids; and the plan its reply is split by.
+
+    render_request(model, req, settings) -> PromptText     the chat's prompt text (and whether it opens thinking)
+    prompt_ids(model, req, settings)     -> token ids       what the model evaluates
+    thinking_plan(model, req, prompt, settings)              how the reply is split (None: not a thinking model)
+    continuation_ids(model, req, reply)                      how the next turn's prompt will likely start
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from engine.errors import RequestError
+from engine.models.base import Model
+from engine.reasoning import ThinkingPlan, ThinkingSettings
+from engine.templates.thinking import PromptText, ThinkingTemplate, read_thinking, render_prompt
+from engine.templates.tools import render_messages
+
+# `req` below is an engine.requests.GenerationRequest (not imported: engine.requests builds on this module).
+
+__all__ = ["continuation_ids", "encode_prompt", "prompt_ids", "render_request", "thinking_mode", "thinking_of",
+           "thinking_plan"]
+
+
+def encode_prompt(model: Model, text: str) -> list[int]:
+    """Token ids of a rendered prompt. A template that writes the BOS text itself must not get a second
+    BOS from the tokenizer."""
+    tok = model.tokenizer
+    bos_text = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+    starts_with_bos = bool(bos_text) and text.startswith(bos_text)
+    return tok.encode(text, add_bos=False if starts_with_bos else None)
+
+
+_THINKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def thinking_of(model: Model) -> ThinkingTemplate | None:
+    """How the model's chat template thinks (None: no recognised thinking control); read once per model."""
+    if model not in _THINKING:
+        _THINKING[model] = read_thinking(model.template, model.tokenizer)
+    return _THINKING[model]
+
+
+def thinking_mode(req, settings: ThinkingSettings) -> str:
+    """The mode a chat request renders with: off when constrained from the first token (a prompt that ends inside
+    an open block would contradict the grammar), else the request's own choice, else the runner's."""
+    if req.constrained:
+        return "off"
+    return req.thinking or settings.mode
+
+
+def render_request(model: Model, req, settings: ThinkingSettings = ThinkingSettings()
+                   ) -> PromptText:
+    """A chat request's prompt text, thinking as `settings` and the request say."""
+    tools = list(req.tools or ()) if req.calls_tools else None
+    messages, template_tools = render_messages(list(req.messages), tools, model.template.source)
+    return render_prompt(model.template, thinking_of(model), messages, tools=template_tools,
+                         mode=thinking_mode(req, settings), variables=req.template_variables)
+
+
+def prompt_ids(model: Model, req, settings: ThinkingSettings = ThinkingSettings()) -> list[int]:
+    if req.messages is not None:
+        return encode_prompt(model, render_request(model, req, settings).text)
+    if isinstance(req.prompt, str):
+        return encode_prompt(model, req.prompt)
+    ids = [int(t) for t in req.prompt or ()]
+    bad = [t for t in ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary of {model.vocab_size}", "prompt")
+    return ids
+
+
+def thinking_plan(model: Model, req, prompt: PromptText,
+                  settings: ThinkingSettings = ThinkingSettings()) -> ThinkingPlan | None:
+    """How a chat reply is split (None: a completion, or a model whose template does not think)."""
+    thinking = thinking_of(model) if req.messages is not None else None
+    if thinking is None:
+        return None
+    return ThinkingPlan(thinking.open, thinking.close, prompt.inside, thinking.close_id, req.thinking_budget,
+                        settings.budget, req.reasoning_format)
+
+
+def continuation_ids(model: Model, req, reply: str) -> list[int] | None:
+    """How the next turn's prompt will likely start after this request's reply: the messages and the reply,
+    closed by the chat template (a chat), or the prompt text and the reply (a completion). None where that cannot
+    be told (token prompts, tool calls) or the template refuses the shape."""
+    try:
+        if req.messages is not None and not req.calls_tools:
+            messages, _ = render_messages(list(req.messages) + [{"role": "assistant", "content": reply}], None,
+                                          model.template.source)
+            return encode_prompt(model, model.render_chat(messages, add_generation_prompt=False))
+        if isinstance(req.prompt, str):
+            return encode_prompt(model, req.prompt + reply)
+    except Exception:  # noqa: BLE001 - a template that wants another shape: no guess, nothing warmed
+        return None
+    return None
