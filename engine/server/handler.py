@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from engine.api import sse
 from engine.api.dialects import ROUTES, Dialect, OpenAIDialect, dialect_for
 from engine.api.embeddings import EMBEDDINGS_URL, embeddings_object, parse_embeddings_request, token_lists
-from engine.api.openai_objects import error_body, error_object, error_status, model_list, model_object
+from engine.api.openai_objects import error_body, error_object, error_status, model_list
 from engine.api.responses import RESPONSES_URL
 from engine.errors import Cancelled, GoinferError
 from engine.prompts import prompt_ids
@@ -154,16 +154,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200 if not self.state.closing else 503, self.state.health())
             elif path == "/v1/models":
                 self._only("GET")
-                entries = [self._model_entry(m) for m in self.state.models.values()]
-                entries += [self._embedder_entry(m) for m in self.state.embedders.values()]
-                self._send_json(200, model_list(entries))
+                self._send_json(200, model_list(list(self.state.model_entries().values())))
             elif path.startswith("/v1/models/"):
                 self._only("GET")
-                name = path[len("/v1/models/"):]
-                served, embedder = self.state.models.get(name), self.state.embedders.get(name)
-                if served is None and embedder is None:
-                    raise self._unknown_model(name)
-                self._send_json(200, self._model_entry(served) if served else self._embedder_entry(embedder))
+                entry = self.state.model_entries().get(path[len("/v1/models/"):])
+                if entry is None:
+                    raise self._unknown_model(path[len("/v1/models/"):])
+                self._send_json(200, entry)
             elif path in ROUTES:
                 self._only("POST")
                 self._generate()
@@ -218,13 +215,6 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(405, error_object(f"{self.command} is not allowed here; use {method}",
                                               "invalid_request_error", None, "method_not_allowed"),
                             {"Allow": method})
-
-    def _model_entry(self, served) -> dict:
-        return model_object(served.name, created=served.created, context_window=served.window)
-
-    def _embedder_entry(self, model) -> dict:
-        entry = model_object(model.name, created=int(self.state.started), context_window=model.context)
-        return {**entry, "type": "embedding", "dimensions": model.dimension}
 
     def _unknown_model(self, name: str) -> HTTPError:
         served = ", ".join(self.state.models)

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from engine.api.openai_objects import model_object
 from engine.api.responses import ResponseStore
 from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
@@ -87,6 +88,15 @@ class ServerState:
             raise RequestError(f"model: required when several models are served ({', '.join(self.models)})",
                                "model", "missing_required_parameter")
         return self.models.get(name)
+
+    def model_entries(self) -> dict[str, dict]:
+        """/v1/models' entries by name: the generation models, then the embedding models (with their width)."""
+        entries = {m.name: model_object(m.name, created=m.created, context_window=m.window)
+                   for m in self.models.values()}
+        for m in self.embedders.values():
+            entry = model_object(m.name, created=int(self.started), context_window=m.context)
+            entries[m.name] = {**entry, "type": "embedding", "dimensions": m.dimension}
+        return entries
 
     def embedder(self, name: str | None):
         """The embedding model a request names (None if it is not served); the only one when none is named."""
