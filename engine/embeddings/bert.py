@@ -6,7 +6,9 @@ the last layer's hidden states out.
                 GELU (exact, erf) feed-forward, residual, LayerNorm (post-LN, as BERT is)
 
 f32 throughout: the matrices are BLAS sgemm calls over the whole batch (rows = batch x tokens), attention a
-batched matmul per layer; the one elementwise function BLAS and numpy lack (erf) is a compiled loop.
+batched matmul per layer; the elementwise work between them (GELU, residual + LayerNorm, the masked softmax) is
+compiled (encoder_ops.py). A padded key weighs 0 in the softmax, as transformers' additive mask of f32's
+smallest value makes it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
+from engine.embeddings.encoder_ops import gelu_inplace, masked_softmax_inplace, residual_layer_norm
 from engine.errors import ModelLoadError, UnsupportedModel
 
 __all__ = ["BertConfig", "BertEncoder"]
@@ -51,21 +53,6 @@ class BertConfig:
         return c
 
 
-@numba.njit(cache=True, parallel=True, fastmath=False)
-def _gelu_inplace(x: np.ndarray) -> None:
-    flat = x.reshape(-1)
-    for i in numba.prange(flat.size):
-        v = flat[i]
-        flat[i] = 0.5 * v * (1.0 + math.erf(v * 0.7071067811865476))
-
-
-def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
-    mean = x.mean(axis=-1, keepdims=True)
-    centred = x - mean
-    var = np.mean(centred * centred, axis=-1, keepdims=True)
-    return centred / np.sqrt(var + eps) * weight + bias
-
-
 class BertEncoder:
     """The encoder's weights (f32) and its forward pass. `weights(name)` gives a tensor by its Hugging Face name
     without the model prefix ("embeddings.word_embeddings.weight", "encoder.layer.0...")."""
@@ -90,26 +77,29 @@ class BertEncoder:
                 np.ascontiguousarray(w(p + "output.dense.weight").T), w(p + "output.dense.bias"),
                 (w(p + "output.LayerNorm.weight"), w(p + "output.LayerNorm.bias")),
             ))
+        self._zeros = np.zeros(config.hidden, np.float32)
 
     def forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """ids, mask: (batch, tokens) int (mask 1 for real tokens, 0 for padding) -> (batch, tokens, hidden)."""
+        """ids, mask: (batch, tokens) int (mask 1 for real tokens, 0 for padding; real tokens first) ->
+        (batch, tokens, hidden)."""
         c = self.config
         b, t = ids.shape
-        x = self.word[ids] + self.position[:t][None] + self.token_type[0]
-        x = _layer_norm(x, *self.embed_norm, c.eps).reshape(b * t, c.hidden).astype(np.float32)
-        # Padded keys get the smallest f32 added to their scores, as transformers' extended attention mask does.
-        key_bias = ((1.0 - mask.astype(np.float32)) * np.finfo(np.float32).min)[:, None, None, :]
-        d = c.hidden // c.heads
-        scale = np.float32(1.0 / math.sqrt(d))
+        n, heads = c.hidden, c.heads
+        d = n // heads
+        lengths = mask.sum(axis=1).astype(np.int64)
+        rows = np.ascontiguousarray(self.word[ids].reshape(b * t, n))
+        positions = np.tile(self.position[:t] + self.token_type[0], (b, 1))
+        x = residual_layer_norm(rows, self._zeros, positions, *self.embed_norm, c.eps)
         for qkv_w, qkv_b, o_w, o_b, norm1, up_w, up_b, down_w, down_b, norm2 in self.layers:
-            qkv = (x @ qkv_w + qkv_b).reshape(b, t, 3, c.heads, d).transpose(2, 0, 3, 1, 4)  # (3, b, heads, t, d)
-            scores = (qkv[0] @ qkv[1].transpose(0, 1, 3, 2)) * scale + key_bias
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            attended = (scores @ qkv[2]).transpose(0, 2, 1, 3).reshape(b * t, c.hidden)
-            x = _layer_norm(attended @ o_w + o_b + x, *norm1, c.eps).astype(np.float32)
-            h = x @ up_w + up_b
-            _gelu_inplace(h)
-            x = _layer_norm(h @ down_w + down_b + x, *norm2, c.eps).astype(np.float32)
-        return x.reshape(b, t, c.hidden)
+            qkv = (x @ qkv_w + qkv_b).reshape(b, t, 3, heads, d)
+            q = np.ascontiguousarray(qkv[:, :, 0].transpose(0, 2, 1, 3))  # (b, heads, t, d)
+            k = np.ascontiguousarray(qkv[:, :, 1].transpose(0, 2, 3, 1))  # (b, heads, d, t)
+            v = np.ascontiguousarray(qkv[:, :, 2].transpose(0, 2, 1, 3))
+            scores = q @ k
+            masked_softmax_inplace(scores, lengths, 1.0 / math.sqrt(d))
+            attended = np.ascontiguousarray((scores @ v).transpose(0, 2, 1, 3)).reshape(b * t, n)
+            x = residual_layer_norm(attended @ o_w, o_b, x, *norm1, c.eps)
+            h = x @ up_w
+            gelu_inplace(h, up_b)
+            x = residual_layer_norm(h @ down_w, down_b, x, *norm2, c.eps)
+        return x.reshape(b, t, n)
