@@ -7,8 +7,9 @@ torch): the test fixture for goinfer's GGUF encoder path.
 What the converter does and this script does too: the WordPiece vocabulary in "phantom space" form ("##ing" ->
 "ing", "word" -> "\u2581word", control tokens as they are), token types CONTROL for the tokenizer's special added
 tokens, the special token ids ([CLS] as BOS, [SEP] as EOS and SEP, pad / unk / mask), non-causal attention, the pooling type the
-sentence-transformers modules declare, tensor names from gguf's tensor map, 2-D weights in the output type and
-1-D ones (norms, biases) in f32, the position_ids buffer and the pooler dropped.
+sentence-transformers modules declare, tensor names from gguf's tensor map, 2-D weights in the output type but
+the position and token-type tables and the 1-D tensors (norms, biases) in f32, the position_ids buffer and the
+pooler dropped.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def write_bert_gguf(directory: str | Path, out: str | Path, outtype: str = "f16"
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         array = np.ascontiguousarray(array, np.float32)
-        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        # llama.cpp keeps the tables it adds (not multiplies) in f32: its graph adds them to f32 activations
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32 or name.startswith(("position_embd",
+                                                                                           "token_types")):
             writer.add_tensor(name, array)
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
