@@ -91,11 +91,6 @@ class ReasoningSplitter:
         """Inside the block now."""
         return self._state == _THINKING
 
-    @property
-    def thought(self) -> bool:
-        """The reply has had a thinking block (open or done)."""
-        return self._state in (_THINKING, _AFTER) or self._reasoned
-
     def push(self, text: str) -> tuple[str, str]:
         self._buf += text
         reasoning, answer = [], []

@@ -12,7 +12,6 @@ padded tokens per forward pass.
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +21,16 @@ from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.checkpoint_json import read_json_object
 from engine.formats.gguf import open_gguf
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
+from engine.models.base import COMPUTE
 
 __all__ = ["EmbeddingModel", "POOLINGS", "load_embedding_model"]
 
 POOLINGS = ("mean", "cls", "last")
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: bounds the attention scores and activations
 _BERT_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining", None}
-# One computation at a time per process, with the generation models (numba's parallel launches must not overlap).
-_COMPUTE = threading.RLock()
+# The process-wide compute lock the generation models take: an encoder's parallel kernels take turns with theirs
+# (numba's workqueue layer aborts on concurrent launches).
+_COMPUTE = COMPUTE
 
 
 class EmbeddingModel:
