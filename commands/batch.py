@@ -15,10 +15,11 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
-from commands.options import (ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption,
-                             ThreadsOption, thinking_settings)
+from commands.options import (EmbedQuantOption, ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
+                             ThinkingOption, ThreadsOption, thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
+from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
 from engine.batch import BatchPlan, LineResult, run_batch
 from engine.requests import SamplingOptions
@@ -69,11 +70,14 @@ def batch(
     embed_model: Annotated[str, typer.Option(
         "--embed-model", help="The embedding model of /v1/embeddings lines (loaded only when there are some).")]
     = "minilm-l6",
+    embed_quant: EmbedQuantOption = "f32",
 ) -> None:
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
     if parallel < 1:
         raise fail(f"--parallel must be >= 1, got {parallel}")
+    if embed_quant not in EMBED_QUANTS:
+        raise fail(f"--embed-quant must be one of {', '.join(EMBED_QUANTS)}, got {embed_quant!r}")
     if temp is not None and not 0 <= temp <= 2:
         raise fail(f"--temp must be in [0, 2], got {temp}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -99,7 +103,7 @@ def batch(
     def load_embedder():
         fetch = FetchProgress()
         try:
-            return load_embedding_model(embed_model, progress=fetch)
+            return load_embedding_model(embed_model, progress=fetch, quant=embed_quant)
         finally:
             fetch.close()
 

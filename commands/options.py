@@ -20,6 +20,10 @@ ModelOption = Annotated[Optional[str], typer.Option(
 
 QuantOption = Annotated[str, typer.Option(help="Compute path: auto or f32.")]
 
+EmbedQuantOption = Annotated[str, typer.Option(
+    "--embed-quant", help="Embedding models: f32 (the checkpoint's numbers) or q8 (an encoder's matrices as Q8_0 "
+                          "blocks, a quarter of the memory; a decoder on the int8 fast path).")]
+
 ThreadsOption = Annotated[Optional[int], typer.Option(
     help="CPU threads for the kernels and BLAS (default: all cores).")]
 

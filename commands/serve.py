@@ -19,9 +19,11 @@ from typing import Annotated, List, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption, thinking_settings
+from commands.options import (EmbedQuantOption, NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption,
+                             thinking_settings)
 from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
+from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec)
@@ -67,6 +69,7 @@ def serve(
         "--embed-model", metavar="[NAME=]REF",
         help="An embedding model for /v1/embeddings (minilm-l6, or a sentence-transformers directory), optionally "
              "served as NAME; repeatable. Without --model, only embeddings are served.")] = None,
+    embed_quant: EmbedQuantOption = "f32",
     addr: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
@@ -113,6 +116,8 @@ def serve(
 ) -> None:
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
+    if embed_quant not in EMBED_QUANTS:
+        raise fail(f"--embed-quant must be one of {', '.join(EMBED_QUANTS)}, got {embed_quant!r}")
     settings = thinking_settings(thinking, reasoning_budget)
     specs = [parse_model_spec(s) for s in model] if model else [] if embed_model else [(None, None)]
     embed_specs = [parse_model_spec(s) for s in embed_model or ()]
@@ -133,7 +138,7 @@ def serve(
         for (name, ref), default in zip(specs, names):
             llm = _load(ref, quant, not no_selftest, ctx)
             served.append(ServedModel.of(default or llm.name, llm, ctx))
-        embedders = [_load_embedder(ref, name, quant) for name, ref in embed_specs]
+        embedders = [_load_embedder(ref, name, embed_quant) for name, ref in embed_specs]
         names = [s.name for s in served] + [e.name for e in embedders]
         if len(set(names)) < len(names):
             raise fail("--model/--embed-model: two models get the same name; name them: NAME=REF")

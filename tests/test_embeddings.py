@@ -70,6 +70,32 @@ def test_the_gguf_form_gives_the_same_vectors(bert_ggufs, kind, floor):
     assert _cosines(model.embed(tokens), reference).min() >= floor
 
 
+def test_every_reference_vector_is_matched_at_q8():
+    """--embed-quant q8: the encoder's matrices as Q8_0 blocks. A batch (dequantized blocks, f32 activations) and
+    each input alone (the short ones take the integer matvec, int8 activations) both hold the issue's floor."""
+    model = load_embedding_model("minilm-l6", quant="q8")
+    matrices = [layer[i] for layer in model.encoder.layers for i in (0, 2, 5, 7)]  # q|k|v, output, up, down
+    assert sum(m.q.rows * m.q.cols for m in matrices) == 6 * (4 * 384 * 384 + 2 * 384 * 1536)
+    assert sum(m.q.nbytes for m in matrices) * 32 == sum(m.q.rows * m.q.cols for m in matrices) * 34  # Q8_0
+    tokens = model.tokenize([s["text"] for s in STRINGS])
+    reference = np.array([s["embedding"] for s in STRINGS], np.float32)
+    assert _cosines(model.embed(tokens), reference).min() >= 0.999
+    assert min(map(len, tokens)) <= 12  # some go through the integer matvec alone
+    alone = np.concatenate([model.embed([t]) for t in tokens])
+    assert _cosines(alone, reference).min() >= 0.999
+
+
+def test_a_q8_0_gguf_at_q8_keeps_its_own_blocks(bert_ggufs):
+    from engine.embeddings.bert import Q8Matrix
+
+    model = load_embedding_model(str(bert_ggufs["q8_0"]), quant="q8")
+    assert isinstance(model.encoder.layers[0][0], Q8Matrix)
+    import gguf
+    reader = gguf.GGUFReader(str(bert_ggufs["q8_0"]))
+    stored = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    assert np.array_equal(model.encoder.layers[0][5].q.raw.reshape(-1), np.asarray(stored.data).reshape(-1))
+
+
 def test_concurrent_requests_share_passes_and_get_their_own_vectors(minilm):
     import threading
     import time
@@ -114,7 +140,7 @@ def test_a_decoder_that_declares_a_pooling_type_embeds_fast_as_exact(tmp_path, p
 
     kit = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
     path = _with_pooling(kit, tmp_path / "qwen3-embed.gguf", pooling_type)
-    fast, exact = load_embedding_model(str(path)), load_embedding_model(str(path), quant="f32")
+    fast, exact = load_embedding_model(str(path), quant="q8"), load_embedding_model(str(path))
     assert (fast.pooling, fast.dimension, fast.name) == (pooling, 256, "qwen3-embed")
     texts = ["The cat sat on the mat.", "Hello world, this is a longer sentence to embed.", "x"]
     a, b = fast.embed(fast.tokenize(texts)), exact.embed(exact.tokenize(texts))
@@ -232,3 +258,20 @@ def test_input_type_puts_the_models_instruction_prefix_before_the_text(tmp_path,
     assert ask() == ask(input_type="document") == model.tokenize(["passage: a cat"])[0]
     plain = token_lists(minilm, parse_embeddings_request({"input": "a cat", "input_type": "query"}))[0]
     assert plain == minilm.tokenize(["a cat"])[0]  # no prefixes: nothing changes
+
+
+def test_embed_quant_q8_runs_batch_lines_and_a_bad_one_is_refused_in_one_line(tmp_path):
+    from tests.test_cli import goinfer
+
+    line = {"custom_id": "e1", "method": "POST", "url": "/v1/embeddings", "body": {"input": STRINGS[0]["text"]}}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps(line) + "\n")
+    r = goinfer("batch", str(src), "-o", str(out), "--embed-quant", "q8")
+    assert r.returncode == 0, r.stderr
+    (record,) = map(json.loads, out.read_text().splitlines())
+    vector = np.array([record["response"]["body"]["data"][0]["embedding"]], np.float32)
+    assert _cosines(vector, np.array([STRINGS[0]["embedding"]], np.float32))[0] >= 0.999
+    for command in (["serve", "--embed-model", "minilm-l6"], ["batch", str(src), "-o", str(tmp_path / "x.jsonl")]):
+        bad = goinfer(*command, "--embed-quant", "q4")
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+        assert "--embed-quant must be one of f32, q8, got 'q4'" in bad.stderr

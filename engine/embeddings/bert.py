@@ -5,10 +5,12 @@ the last layer's hidden states out.
     each layer  self-attention over the unmasked keys (no causal mask), output projection, residual, LayerNorm;
                 GELU (exact, erf) feed-forward, residual, LayerNorm (post-LN, as BERT is)
 
-f32 throughout: the matrices are BLAS sgemm calls over the whole batch (rows = batch x tokens), attention a
-batched matmul per layer; the elementwise work between them (GELU, residual + LayerNorm, the masked softmax) is
-compiled (encoder_ops.py). A padded key weighs 0 in the softmax, as transformers' additive mask of f32's
-smallest value makes it.
+f32 by default: the matrices are BLAS sgemm calls over the whole batch's real tokens (no padding), attention a
+batched matmul per layer over the sequences padded to the longest; the elementwise work between them (GELU,
+residual + LayerNorm, the masked softmax, the split into heads) is compiled (encoder_ops.py). A padded key weighs 0
+in the softmax, as transformers' additive mask of f32's smallest value makes it. quant "q8" keeps the four
+matrices per layer (q|k|v, output, up, down) as Q8_0 blocks (a quarter of the bytes; see Q8Matrix); everything
+else stays f32.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.embeddings.encoder_ops import gelu_inplace, masked_softmax_inplace, residual_layer_norm
+from engine.embeddings.encoder_ops import (gelu_inplace, masked_softmax_inplace, merge_heads, residual_layer_norm,
+                                          split_heads)
 from engine.errors import ModelLoadError, UnsupportedModel
+from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T
+from engine.kernels.quant_types import GGMLType, QTensor
 
-__all__ = ["BertConfig", "BertEncoder"]
+__all__ = ["QUANTS", "BertConfig", "BertEncoder"]
 
 
 @dataclass(frozen=True)
@@ -53,12 +58,58 @@ class BertConfig:
         return c
 
 
-class BertEncoder:
-    """The encoder's weights (f32) and its forward pass. `weights(name)` gives a tensor by its Hugging Face name
-    without the model prefix ("embeddings.word_embeddings.weight", "encoder.layer.0...")."""
+class F32Matrix:
+    """W (out, in) as f32, transposed once so that x @ W.T is one sgemm over a contiguous (in, out) operand."""
 
-    def __init__(self, config: BertConfig, weights):
-        self.config = config
+    def __init__(self, w: np.ndarray):
+        self.t = np.ascontiguousarray(w.T)
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.t
+
+
+class Q8Matrix:
+    """W (out, in) as Q8_0 blocks (int8 per 32 columns with an f16 scale, as llama.cpp's Q8_0; a quarter of f32's
+    bytes). A few rows (a short query alone) run the generation fast path's integer matvec over the blocks in
+    place, int8 activations included; a batch dequantizes W into a scratch for one sgemm: on these CPUs an int8
+    GEMM does not beat sgemm at batch sizes (../shared/research/kernels.md, section 4), so q8 saves memory, not
+    time, on batches."""
+
+    def __init__(self, w: np.ndarray, kernels):
+        import gguf
+
+        rows, cols = w.shape
+        if cols % 32:
+            raise UnsupportedModel(f"--embed-quant q8: a matrix of {cols} columns is not a whole number of "
+                                   "32-wide Q8_0 blocks; use f32")
+        raw = gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0)
+        self.q = QTensor("q8", GGMLType.Q8_0, (rows, cols), raw.reshape(rows, -1))
+        self.kernels = kernels
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[0] <= Q8_MATVEC_MAX_T:
+            return self.kernels.matmul(np.ascontiguousarray(x), self.q)
+        return x @ self.kernels.dequantize(self.q).T
+
+
+QUANTS = ("f32", "q8")
+
+
+class BertEncoder:
+    """The encoder's weights and its forward pass. `weights(name)` gives an f32 tensor by its Hugging Face name
+    without the model prefix ("embeddings.word_embeddings.weight", "encoder.layer.0..."); `quant` is how the
+    layers' matrices are kept (QUANTS)."""
+
+    def __init__(self, config: BertConfig, weights, quant: str = "f32"):
+        if quant not in QUANTS:
+            raise UnsupportedModel(f"--embed-quant {quant!r}: choose from {', '.join(QUANTS)}")
+        self.config, self.quant = config, quant
+        if quant == "q8":
+            from engine.kernels.cpu.matmul import kernels_for
+            kernels = kernels_for("cpu-q8")
+            matrix = lambda w: Q8Matrix(w, kernels)  # noqa: E731
+        else:
+            matrix = F32Matrix
         w = weights
         self.word = w("embeddings.word_embeddings.weight")
         self.position = w("embeddings.position_embeddings.weight")
@@ -70,36 +121,37 @@ class BertEncoder:
             qkv = np.concatenate([w(p + f"attention.self.{n}.weight") for n in ("query", "key", "value")])
             qkv_bias = np.concatenate([w(p + f"attention.self.{n}.bias") for n in ("query", "key", "value")])
             self.layers.append((
-                np.ascontiguousarray(qkv.T), qkv_bias,  # (hidden, 3 hidden): x @ W, one sgemm for q|k|v
-                np.ascontiguousarray(w(p + "attention.output.dense.weight").T), w(p + "attention.output.dense.bias"),
+                matrix(qkv), qkv_bias,  # (3 hidden, hidden): one matmul for q|k|v
+                matrix(w(p + "attention.output.dense.weight")), w(p + "attention.output.dense.bias"),
                 (w(p + "attention.output.LayerNorm.weight"), w(p + "attention.output.LayerNorm.bias")),
-                np.ascontiguousarray(w(p + "intermediate.dense.weight").T), w(p + "intermediate.dense.bias"),
-                np.ascontiguousarray(w(p + "output.dense.weight").T), w(p + "output.dense.bias"),
+                matrix(w(p + "intermediate.dense.weight")), w(p + "intermediate.dense.bias"),
+                matrix(w(p + "output.dense.weight")), w(p + "output.dense.bias"),
                 (w(p + "output.LayerNorm.weight"), w(p + "output.LayerNorm.bias")),
             ))
         self._zeros = np.zeros(config.hidden, np.float32)
 
-    def forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """ids, mask: (batch, tokens) int (mask 1 for real tokens, 0 for padding; real tokens first) ->
-        (batch, tokens, hidden)."""
+    def forward(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """A batch of sequences one after another, unpadded: ids (tokens,) int, lengths (batch,) int (each >= 1,
+        summing to tokens) -> the last layer's hidden states (tokens, hidden), in the same order.
+
+        The matrices run over the real tokens only; attention pads each sequence to the batch's longest (zeros,
+        keys masked), so a mix of lengths wastes work only there (a few % of the FLOPs)."""
         c = self.config
-        b, t = ids.shape
         n, heads = c.hidden, c.heads
-        d = n // heads
-        lengths = mask.sum(axis=1).astype(np.int64)
-        rows = np.ascontiguousarray(self.word[ids].reshape(b * t, n))
-        positions = np.tile(self.position[:t] + self.token_type[0], (b, 1))
-        x = residual_layer_norm(rows, self._zeros, positions, *self.embed_norm, c.eps)
+        lengths = np.asarray(lengths, np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        tokens = int(lengths.sum())
+        positions = np.concatenate([np.arange(m) for m in lengths])
+        x = residual_layer_norm(self.word[ids], self._zeros, self.position[positions] + self.token_type[0],
+                                *self.embed_norm, c.eps)
+        scale = 1.0 / math.sqrt(n // heads)
         for qkv_w, qkv_b, o_w, o_b, norm1, up_w, up_b, down_w, down_b, norm2 in self.layers:
-            qkv = (x @ qkv_w + qkv_b).reshape(b, t, 3, heads, d)
-            q = np.ascontiguousarray(qkv[:, :, 0].transpose(0, 2, 1, 3))  # (b, heads, t, d)
-            k = np.ascontiguousarray(qkv[:, :, 1].transpose(0, 2, 3, 1))  # (b, heads, d, t)
-            v = np.ascontiguousarray(qkv[:, :, 2].transpose(0, 2, 1, 3))
+            q, k, v = split_heads(qkv_w.apply(x), qkv_b, starts, lengths, heads)  # k as (b, heads, d, t)
             scores = q @ k
-            masked_softmax_inplace(scores, lengths, 1.0 / math.sqrt(d))
-            attended = np.ascontiguousarray((scores @ v).transpose(0, 2, 1, 3)).reshape(b * t, n)
-            x = residual_layer_norm(attended @ o_w, o_b, x, *norm1, c.eps)
-            h = x @ up_w
+            masked_softmax_inplace(scores, lengths, scale)
+            attended = merge_heads(scores @ v, starts, lengths, tokens)
+            x = residual_layer_norm(o_w.apply(attended), o_b, x, *norm1, c.eps)
+            h = up_w.apply(x)
             gelu_inplace(h, up_b)
-            x = residual_layer_norm(h @ down_w, down_b, x, *norm2, c.eps)
-        return x.reshape(b, t, n)
+            x = residual_layer_norm(down_w.apply(h), down_b, x, *norm2, c.eps)
+        return x

@@ -2,7 +2,8 @@
 
     config      bert.* keys: widths, layers, heads, context, LayerNorm eps, pooling_type
     weights     GGUF tensor names -> the Hugging Face names BertEncoder asks for; any weight type goinfer reads is
-                dequantized to f32 (engine/kernels/reference.py), the encoder computes in f32
+                dequantized to f32 (engine/kernels/reference.py), kept as the encoder's quant asks (a Q8_0 file's
+                blocks requantize to themselves under q8)
     tokenizer   the WordPiece vocabulary back from llama.cpp's "phantom space" form ("\u2581word" -> "word",
                 "ing" -> "##ing"), with BERT's normalizer (lower-cased, accents stripped, as llama.cpp's WordPiece
                 tokenizer does), [CLS] (GGUF's BOS) ... [SEP] added around each input
@@ -70,8 +71,8 @@ def _tokenizer(meta: dict, path: Path):
     return tok
 
 
-def read_bert_gguf(path: Path):
-    """(BertEncoder, tokenizer, pooling, context) of a `bert` GGUF file."""
+def read_bert_gguf(path: Path, quant: str = "f32"):
+    """(BertEncoder, tokenizer, pooling, context) of a `bert` GGUF file; quant: the encoder's (bert.QUANTS)."""
     from engine.formats.gguf import open_gguf
     from engine.kernels.reference import dequantize
 
@@ -100,4 +101,4 @@ def read_bert_gguf(path: Path):
     if pooling is None:
         raise UnsupportedModel(f"{path.name}: pooling_type {meta.get('bert.pooling_type')} is not supported "
                                "(mean, CLS, last)")
-    return BertEncoder(config, weight), _tokenizer(meta, path), pooling, config.positions
+    return BertEncoder(config, weight, quant), _tokenizer(meta, path), pooling, config.positions

@@ -5,8 +5,8 @@ modules.json with its pooling and normalisation) loaded and run: texts or token 
     model.tokenize(texts)              token ids per text ([CLS] ... [SEP] as the tokenizer's post-processor adds)
     model.embed(token_lists)           (n, dimension) float32, pooled as the checkpoint declares, L2-normalised
 
-Inputs are run in batches sorted by length (padding wasted only between neighbours), at most MAX_BATCH_TOKENS
-padded tokens per forward pass.
+Inputs are run in batches sorted by length, unpadded through the matrices; attention pads each batch to its
+longest, at most MAX_BATCH_TOKENS padded tokens per forward pass.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.embeddings.bert import BertConfig, BertEncoder
+from engine.embeddings.bert import QUANTS, BertConfig, BertEncoder
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.checkpoint_json import read_json_object
 from engine.formats.gguf import open_gguf
@@ -57,32 +57,29 @@ class EmbeddingModel:
         order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
         start = 0
         while start < len(order):
-            longest = len(token_lists[order[start]])
             end = start + 1
-            # sorted ascending: the batch's longest is its last; grow while the padded batch stays in bounds
+            # sorted ascending: the batch's longest is its last; grow while attention's padded batch stays in
+            # bounds (the matrices see only real tokens)
             while end < len(order) and (end - start + 1) * len(token_lists[order[end]]) <= MAX_BATCH_TOKENS:
                 end += 1
-            longest = len(token_lists[order[end - 1]])
             batch = order[start:end]
-            ids = np.zeros((len(batch), longest), np.int64)
-            mask = np.zeros((len(batch), longest), np.int64)
-            for row, i in enumerate(batch):
-                ids[row, :len(token_lists[i])] = token_lists[i]
-                mask[row, :len(token_lists[i])] = 1
+            lengths = np.array([len(token_lists[i]) for i in batch], np.int64)
+            ids = np.fromiter((t for i in batch for t in token_lists[i]), np.int64, int(lengths.sum()))
             with _COMPUTE:
-                hidden = self.encoder.forward(ids, mask)
-            out[batch] = self._pool(hidden, mask)
+                hidden = self.encoder.forward(ids, lengths)
+            out[batch] = self._pool(hidden, lengths)
             start = end
         return out
 
-    def _pool(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def _pool(self, hidden: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """hidden (tokens, n): the sequences of `lengths` one after another -> one pooled vector each."""
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         if self.pooling == "cls":
-            pooled = hidden[:, 0]
+            pooled = hidden[starts]
         elif self.pooling == "last":
-            pooled = hidden[np.arange(len(hidden)), mask.sum(axis=1) - 1]
+            pooled = hidden[starts + lengths - 1]
         else:
-            weights = mask.astype(np.float32)[:, :, None]
-            pooled = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+            pooled = np.add.reduceat(hidden, starts, axis=0) / lengths[:, None].astype(np.float32)
         pooled = pooled.astype(np.float32)
         if self.normalize:
             pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
@@ -121,21 +118,24 @@ def _pooling_and_normalize(directory: Path) -> tuple[str, bool]:
     return "mean", normalize
 
 
-def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None, quant: str = "auto"):
+def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=None, quant: str = "f32"):
     """A sentence-transformers directory (or a built-in name that resolves to one), a `bert` GGUF file, or a decoder
     GGUF that declares a pooling type, as an embedding model called `name` (default: the built-in's name, else the
-    directory's or file's). `quant` is the generation models' compute path, for a decoder (auto or f32)."""
+    directory's or file's). `quant` (QUANTS): f32, or q8: an encoder's matrices as Q8_0 blocks (bert.py); a
+    decoder on the generation fast path (int8 activations) rather than the exact f32 one."""
     from tokenizers import Tokenizer
 
     from engine.store.resolve import resolve_model_ref
 
+    if quant not in QUANTS:
+        raise UnsupportedModel(f"--embed-quant {quant!r}: choose from {', '.join(QUANTS)}")
     path = Path(resolve_model_ref(str(ref), progress=progress))
     if path.is_file() and open_gguf(path).architecture != "bert":
         return _decoder_embedder(path, name, quant)
     if path.is_file():  # a GGUF encoder (llama.cpp's `bert` layout); L2-normalised, as llama.cpp's embeddings are
         from engine.embeddings.gguf_bert import read_bert_gguf
 
-        encoder, tokenizer, pooling, context = read_bert_gguf(path)
+        encoder, tokenizer, pooling, context = read_bert_gguf(path, quant)
         return EmbeddingModel(name=name or path.stem, path=path, encoder=encoder, tokenizer=tokenizer,
                               pooling=pooling, normalize=True, context=context)
     config = read_json_object(path / "config.json")
@@ -169,7 +169,7 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
         from engine.store.builtin import lookup
         builtin = lookup(str(ref))
         name = builtin.name if builtin is not None else path.name
-    return EmbeddingModel(name=name, path=path, encoder=BertEncoder(bert, weight), tokenizer=tokenizer,
+    return EmbeddingModel(name=name, path=path, encoder=BertEncoder(bert, weight, quant), tokenizer=tokenizer,
                           pooling=pooling, normalize=normalize, context=context, prompts=prompts,
                           default_prompt=default_prompt)
 
@@ -180,4 +180,5 @@ def _decoder_embedder(path: Path, name: str | None, quant: str):
     from engine.load import load_model
 
     pooling = declared_pooling(open_gguf(path).metadata, path.name)
-    return DecoderEmbedder(load_model(str(path), quant=quant), pooling, name or path.stem)
+    return DecoderEmbedder(load_model(str(path), quant="f32" if quant == "f32" else "auto"), pooling,
+                           name or path.stem)

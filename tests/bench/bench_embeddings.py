@@ -5,7 +5,8 @@ in a separate benchmark venv (`--bench-python`: torch, sentence-transformers, ll
 dependencies); each in its own process, taking turns rep by rep; medians of sentences per second.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python tests/bench/bench_embeddings.py \\
-        --bench-python /path/to/bench-venv/bin/python [--reps 3] [--threads 2] [--clients 4] [--batch 16]
+        --bench-python /path/to/bench-venv/bin/python [--reps 3] [--threads 2] [--clients 4] [--batch 16] \\
+        [--embed-quant f32|q8] [--peers llama.cpp,sentence-transformers]
 
 goinfer's clients send `--batch` sentences per request from `--clients` threads at once (the server batches
 concurrent requests into shared passes); the in-process comparators get the whole list in one call with their own
@@ -77,13 +78,13 @@ def _comparator(python: str, code: str, texts_path: Path, model: str, threads: i
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def _goinfer(texts: list[str], threads: int, clients: int, batch: int) -> float:
+def _goinfer(texts: list[str], threads: int, clients: int, batch: int, quant: str) -> float:
     import httpx
 
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "goinfer_cli.app", "serve", "--embed-model", "minilm-l6",
-                             "--addr", "127.0.0.1:0", "--threads", str(threads)], stdout=subprocess.DEVNULL,
-                            stderr=log, cwd=ROOT)
+                             "--addr", "127.0.0.1:0", "--threads", str(threads), "--embed-quant", quant],
+                            stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
     try:
         deadline = time.monotonic() + 300
         while not (m := re.search(r"listening on (http://[\d.:]+)", Path(log.name).read_text())):
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--embed-quant", default="f32", help="goinfer's --embed-quant (f32 or q8)")
     ap.add_argument("--peers", default="llama.cpp,sentence-transformers",
                     help="comma-separated: which comparators run beside goinfer")
     args = ap.parse_args()
@@ -143,7 +145,7 @@ def main() -> None:
     for rep in range(args.reps):
         for name in runs:
             if name == "goinfer":
-                seconds = _goinfer(texts, args.threads, args.clients, args.batch)
+                seconds = _goinfer(texts, args.threads, args.clients, args.batch, args.embed_quant)
             elif name == "llama.cpp":
                 seconds = _comparator(args.bench_python, _LLAMA, texts_path, str(gguf), args.threads)
             else:
@@ -151,10 +153,11 @@ def main() -> None:
             runs[name].append(len(texts) / seconds)
             print(f"rep {rep + 1}: {name} {len(texts) / seconds:.1f} sentences/s", file=sys.stderr)
     medians = {name: statistics.median(v) for name, v in runs.items()}
-    best_other = max(v for name, v in medians.items() if name != "goinfer")
+    best_other = max((v for name, v in medians.items() if name != "goinfer"), default=None)
     print(json.dumps({"sentences": len(texts), "threads": args.threads, "clients": args.clients,
                       "batch": args.batch, "per_rep": runs, "median_sentences_per_s": medians,
-                      "goinfer_over_faster_peer": medians["goinfer"] / best_other}))
+                      "embed_quant": args.embed_quant,
+                      "goinfer_over_faster_peer": best_other and medians["goinfer"] / best_other}))
 
 
 if __name__ == "__main__":
