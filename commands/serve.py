@@ -23,6 +23,7 @@ from commands.options import (EmbedQuantOption, NoSelftestOption, QuantOption, R
                              thinking_settings)
 from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
+from engine.decisions.prompts import TEMPLATES as DECISION_TEMPLATES
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
@@ -113,11 +114,17 @@ def serve(
     = None,
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
+    decisions_template: Annotated[str, typer.Option(
+        "--decisions-template", help="How POST /v1/systemone shows a question to the model: chat-v1 (its chat "
+                                     "template; instruct models) or bare-v1 (plain text; base models).")]
+    = "chat-v1",
 ) -> None:
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
     if embed_quant not in EMBED_QUANTS:
         raise fail(f"--embed-quant must be one of {', '.join(EMBED_QUANTS)}, got {embed_quant!r}")
+    if decisions_template not in DECISION_TEMPLATES:
+        raise fail(f"--decisions-template must be one of {', '.join(DECISION_TEMPLATES)}, got {decisions_template!r}")
     settings = thinking_settings(thinking, reasoning_budget)
     specs = [parse_model_spec(s) for s in model] if model else [] if embed_model else [(None, None)]
     embed_specs = [parse_model_spec(s) for s in embed_model or ()]
@@ -127,7 +134,8 @@ def serve(
                               max_queue=max_queue, max_concurrent=max_concurrent, prefill_chunk=prefill_chunk,
                               max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
                               kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
-                              max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings)
+                              max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings,
+                              decisions_template=decisions_template)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref in specs]

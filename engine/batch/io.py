@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.api.decisions import DECISIONS_URL, DecisionInvalid, DecisionRequest, parse_decision_request
 from engine.api.embeddings import EMBEDDINGS_URL, EmbeddingRequest, parse_embeddings_request
 from engine.api.openai import URLS, parse_request
 from engine.api.openai_objects import error_code
@@ -31,13 +32,18 @@ class BatchLine:
     lineno: int  # 1-based line number in the input file
     custom_id: str | None
     url: str | None = None
-    request: GenerationRequest | EmbeddingRequest | None = None
+    request: GenerationRequest | EmbeddingRequest | DecisionRequest | None = None
     error: tuple[str, str] | None = None
 
     @property
     def embeds(self) -> bool:
         """An embeddings line (run by the embedding model, not the chat model)."""
         return isinstance(self.request, EmbeddingRequest)
+
+    @property
+    def decides(self) -> bool:
+        """A decisions line (/v1/systemone: label scoring on the chat model, nothing decoded)."""
+        return isinstance(self.request, DecisionRequest)
 
 
 def read_input(path: str | Path) -> list[BatchLine]:
@@ -91,14 +97,17 @@ def _parse_line(lineno: int, raw: bytes) -> BatchLine:
         return bad("invalid_method", f"method {method!r} is not supported (only POST)", custom_id)
     if url is None:
         return bad("missing_required_parameter", "url is missing", custom_id)
-    if url not in URLS and url != EMBEDDINGS_URL:
-        return bad("invalid_url", f"url {url!r} is not supported (supported: {', '.join(URLS)}, {EMBEDDINGS_URL})",
-                   custom_id)
+    if url not in URLS and url not in (EMBEDDINGS_URL, DECISIONS_URL):
+        return bad("invalid_url", f"url {url!r} is not supported (supported: {', '.join(URLS)}, {EMBEDDINGS_URL}, "
+                                  f"{DECISIONS_URL})", custom_id)
     if body is None:
         return bad("missing_required_parameter", "body is missing", custom_id, url)
     try:
-        request = parse_embeddings_request(body) if url == EMBEDDINGS_URL else parse_request(url, body)
+        request = parse_embeddings_request(body) if url == EMBEDDINGS_URL else parse_decision_request(body) \
+            if url == DECISIONS_URL else parse_request(url, body)
         return BatchLine(lineno, custom_id, url, request=request)
+    except DecisionInvalid as e:
+        return bad("invalid_decision", str(e), custom_id, url)
     except RequestError as e:
         return bad(error_code(e), str(e), custom_id, url)
     except Exception as e:  # noqa: BLE001 - a parser bug: this line's error record, never the whole run's end

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.api.decisions import decision_object
 from engine.api.embeddings import embeddings_object, token_lists
+from engine.decisions.scoring import score_request
 from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
@@ -81,7 +83,7 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
     `system` is the system prompt for chats that have none; `thinking` the mode and reasoning budget for lines
     that set none (a line's chat_template_kwargs / reasoning_effort / thinking_token_budget win). `load_model()`
     is called only when some line needs the model, `load_embedder()` only when some /v1/embeddings line does
-    (those lines run first, one after another: an encoder's pass is short). `should_stop()` is polled between tokens and lines: True
+    (those lines run first, one after another: an encoder's pass is short; /v1/systemone lines next, on the model). `should_stop()` is polled between tokens and lines: True
     abandons the current line (nothing of it is written) and ends the run with `interrupted` set. File-level
     problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work."""
     if parallel < 1:
@@ -106,17 +108,18 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
         if on_plan is not None:
             on_plan(plan)
         embedding = [ln for ln in pending if ln.embeds]
-        pending = [ln for ln in pending if not ln.embeds]
+        deciding = [ln for ln in pending if ln.decides]
+        pending = [ln for ln in pending if not (ln.embeds or ln.decides)]
         model = embedder = None
-        if any(ln.request is not None for ln in pending):
+        if deciding or any(ln.request is not None for ln in pending):
             model = load_model()
             summary.model_loaded = True
         if embedding and load_embedder is not None:
             embedder = load_embedder()
         ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary, thinking,
                    embedder)
-        for line in embedding:
-            if stopped() or not ctx.record(_embed_line(line, ctx)):
+        for line in embedding + deciding:
+            if stopped() or not ctx.record(_embed_line(line, ctx) if line.embeds else _decide_line(line, ctx)):
                 summary.interrupted = True
                 return summary
         if parallel > 1 and model is not None:
@@ -213,6 +216,18 @@ def _embed_line(line: BatchLine, ctx: _Run) -> LineResult:
     try:
         lists = token_lists(ctx.embedder, line.request)
         body = embeddings_object(ctx.embedder, line.request, ctx.embedder.embed(lists), sum(map(len, lists)))
+    except Exception as e:  # noqa: BLE001 - recorded as the line's failure
+        return ctx.refused(line, e, start)
+    return ctx.answered(line, body, start)
+
+
+def _decide_line(line: BatchLine, ctx: _Run) -> LineResult:
+    """Run one /v1/systemone line on the run's model (label scoring, chat-v1) and record it."""
+    start = time.monotonic()
+    try:
+        scored = score_request(ctx.model, line.request, "chat-v1")
+        body = decision_object(line.request, scored.probabilities, model_name=ctx.model_name or ctx.model.name,
+                               input_tokens=scored.input_tokens, template="chat-v1", calibrated={})
     except Exception as e:  # noqa: BLE001 - recorded as the line's failure
         return ctx.refused(line, e, start)
     return ctx.answered(line, body, start)

@@ -94,7 +94,8 @@ class Model:
                 if on_chunk is not None:
                     on_chunk(c0 + len(chunk))
         finally:
-            self.backend.end_prompt()
+            with COMPUTE:  # another thread's prompt may be mid-chunk on the same kernels' scratch
+                self.backend.end_prompt()
             memory.trim()  # the heap kept the prompt's freed activations for reuse; back to the OS now
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
@@ -122,7 +123,8 @@ class Model:
                     rows.append(np.array(self._forward(self.config, self.weights, self.backend, chunk, cache),
                                          np.float32))  # a copy: the forward pass's buffers are reused
         finally:
-            self.backend.end_prompt()
+            with COMPUTE:  # another thread's prompt may be mid-chunk on the same kernels' scratch
+                self.backend.end_prompt()
             memory.trim()
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
 

@@ -53,6 +53,7 @@ class ServerConfig:
     read_deadline_s: float = DEFAULT_READ_DEADLINE_S  # for a request's headers and body, from the connection's
     # start or its last answer
     thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/reasoning.py)
+    decisions_template: str = "chat-v1"  # how /v1/systemone shows a question (engine/decisions/prompts.py)
 
     @property
     def tls(self) -> bool:

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from engine.api import sse
 from engine.api.dialects import ROUTES, Dialect, OpenAIDialect, dialect_for
+from engine.api.decisions import DECISIONS_URL
 from engine.api.embeddings import EMBEDDINGS_URL, embeddings_object, parse_embeddings_request, token_lists
 from engine.api.openai_objects import error_body, error_object, error_status, model_list
 from engine.api.responses import RESPONSES_URL
@@ -154,7 +155,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200 if not self.state.closing else 503, self.state.health())
             elif path == "/v1/models":
                 self._only("GET")
-                self._send_json(200, model_list(list(self.state.model_entries().values())))
+                self._send_json(200, {**model_list(list(self.state.model_entries().values())),
+                                      "models": self.state.typesafe_models()})
             elif path.startswith("/v1/models/"):
                 self._only("GET")
                 entry = self.state.model_entries().get(path[len("/v1/models/"):])
@@ -167,6 +169,11 @@ class Handler(BaseHTTPRequestHandler):
             elif path == EMBEDDINGS_URL:
                 self._only("POST")
                 self._embed()
+            elif path == DECISIONS_URL:
+                self._only("POST")
+                self._model_name, answer, tokens = self.state.decisions.answer(self._json_body())
+                self._usage = (tokens, 0)
+                self._send_json(200, answer)
             elif path.startswith(RESPONSES_URL + "/"):
                 self._only("GET")
                 found = self.state.response_store.get(path[len(RESPONSES_URL) + 1:])
@@ -176,7 +183,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200, found[0])
             else:
                 routes = ", ".join(["GET /health", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
-                                   + [f"POST {EMBEDDINGS_URL}", f"GET {RESPONSES_URL}/ID"])
+                                   + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID"])
                 raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
                                                   "invalid_request_error", None, "not_found"))
         except HTTPError as e:
@@ -227,7 +234,7 @@ class Handler(BaseHTTPRequestHandler):
         data = intake.read_body(self.headers, self.rfile, self.state.body_cap)
         self._body_read = True
         self._request_read()
-        return data
+        return intake.decoded_body(self.headers, data, self.state.body_cap)
 
     # ------------------------------------------------------------------ generation
 

@@ -134,3 +134,40 @@ def _read_chunked(rfile, cap: int) -> bytes:
         parts.append(data)
         rfile.readline(3)  # the CRLF after the chunk
     return b"".join(parts)
+
+
+ENCODINGS = ("identity", "gzip", "zstd")
+
+
+def decoded_body(headers, data: bytes, cap: int) -> bytes:
+    """The body as sent, undone from its Content-Encoding (gzip, zstd; the TypeSafe SDK sends zstd), with the size
+    limit applied to the decompressed bytes too (a small compressed body must not expand past it)."""
+    encoding = headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+    if encoding == "identity" or not data:
+        return data
+    if encoding not in ENCODINGS:
+        raise HTTPError(415, error_object(f"Content-Encoding {encoding!r} is not supported (use one of "
+                                          f"{', '.join(ENCODINGS)})", "invalid_request_error", None,
+                                          "unsupported_content_encoding"))
+    if encoding == "gzip":
+        import zlib
+
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        error: type[Exception] = zlib.error
+    else:
+        try:
+            from compression.zstd import ZstdDecompressor, ZstdError  # Python 3.14+
+        except ImportError:
+            from backports.zstd import ZstdDecompressor, ZstdError
+        d, error = ZstdDecompressor(), ZstdError
+    try:
+        out = d.decompress(data, cap + 1)
+    except error as e:
+        raise HTTPError(400, error_object(f"the request body is not valid {encoding} data ({e})",
+                                          "invalid_request_error", None, "invalid_content_encoding")) from None
+    if len(out) > cap:
+        raise _too_large(f"over {cap} bytes once {encoding}-decoded", cap)
+    if not d.eof:
+        raise HTTPError(400, error_object(f"the request body's {encoding} data ends early", "invalid_request_error",
+                                          None, "invalid_content_encoding"))
+    return out

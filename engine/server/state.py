@@ -13,6 +13,7 @@ from engine.api.responses import ResponseStore
 from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
 from engine.server.config import ServedModel, ServerConfig, body_cap
+from engine.server.deciding import DecisionDesk
 from engine.scheduler import Scheduler
 from engine.session_store import SessionDir
 from engine.sessions import SessionPool, default_budget_bytes
@@ -46,6 +47,7 @@ class ServerState:
                                              threads=config.threads, sessions=self._sessions(m, config), log=log)
                            for m in models}
         self.response_store = ResponseStore()  # the Responses API's stored answers (store, previous_response_id)
+        self.decisions = DecisionDesk(self, config.decisions_template, config.max_queue)  # POST /v1/systemone
         self._active = 0
         self._lock = threading.Lock()
 
@@ -91,12 +93,21 @@ class ServerState:
 
     def model_entries(self) -> dict[str, dict]:
         """/v1/models' entries by name: the generation models, then the embedding models (with their width)."""
-        entries = {m.name: model_object(m.name, created=m.created, context_window=m.window)
-                   for m in self.models.values()}
+        decisions = {"route": "label", "template": self.decisions.template}  # every generation model answers them
+        entries = {m.name: {**model_object(m.name, created=m.created, context_window=m.window),
+                            "decisions": decisions} for m in self.models.values()}
         for m in self.embedders.values():
             entry = model_object(m.name, created=int(self.started), context_window=m.context)
             entries[m.name] = {**entry, "type": "embedding", "dimensions": m.dimension}
         return entries
+
+    def typesafe_models(self) -> list[dict]:
+        """TypeSafe's `models` array (GET /v1/models beside OpenAI's `data`): the models /v1/systemone answers on.
+        release_date is the model file's date (goinfer knows no release date)."""
+        return [{"name": m.name, "description": f"{m.model.config.arch} model served by goinfer; decisions by label "
+                 f"scoring ({self.decisions.template})",
+                 "release_date": time.strftime("%Y-%m-%d", time.gmtime(m.created or self.started))}
+                for m in self.models.values()]
 
     def embedder(self, name: str | None):
         """The embedding model a request names (None if it is not served); the only one when none is named."""

@@ -1,0 +1,208 @@
+"""Decisions (POST /v1/systemone): label scoring on the real default model, checked against the model's own
+next-token probabilities, and driven over HTTP by TypeSafe's official SDK (typesafe-sdk) unchanged."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from engine.api.decisions import DecisionInvalid, parse_decision_request
+from tests.conftest import SERVER_KEY
+from tests.test_server import start_server, stop
+
+TICKET = "Help! My payouts have been failing for 3 days and my customers are asking where their money is."
+QUESTIONS = {
+    "department": {"type": "choice", "instructions": "Which team should handle this?",
+                   "criteria": {"billing": "Payments, invoicing, refunds", "technical": "Bugs, outages",
+                                "sales": None}},
+    "is_urgent": {"type": "noul", "instructions": "Is this urgent?"},
+    "urgency": {"type": "score", "instructions": "How urgent is it?",
+                "criteria": ["Can wait", "Needs attention this week", "Needs attention today"]},
+}
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    from engine import load_model
+
+    return load_model(str(smollm2_gguf))
+
+
+def test_a_choice_is_the_models_own_next_token_probabilities_of_its_labels(smol):
+    from engine.decisions.prompts import question_prompt
+    from engine.decisions.scoring import score_request
+
+    req = parse_decision_request({"state": TICKET, "questions": QUESTIONS})
+    scored = score_request(smol, req, "chat-v1")
+    for q in req.questions:
+        prompt = question_prompt(smol, "chat-v1", req.state, q)
+        assert [smol.tokenizer.decode([i]) for i in prompt.label_ids] == {
+            "choice": ["A", "B", "C"], "noul": ["Yes", "No"], "score": ["0", "1", "2"]}[q.kind]
+        logprobs = smol.next_logprobs(prompt.ids)[prompt.label_ids].astype(np.float64)  # an independent pass
+        expected = np.exp(logprobs) / np.exp(logprobs).sum()
+        assert np.allclose(scored.probabilities[q.name], expected, atol=1e-6)
+        assert abs(sum(scored.probabilities[q.name]) - 1) < 1e-6
+
+
+def test_the_shared_state_is_prefilled_once_and_gives_the_per_question_numbers(smol):
+    from engine.decisions.scoring import score_request
+
+    req = parse_decision_request({"state": " ".join([TICKET] * 12), "questions": QUESTIONS})
+    shared = score_request(smol, req, "chat-v1")
+    alone = score_request(smol, req, "chat-v1", share_state=False)
+    assert shared.input_tokens < alone.input_tokens * 0.6  # the state's tiles counted (and prefilled) once
+    for name in QUESTIONS:
+        assert np.allclose(shared.probabilities[name], alone.probabilities[name], atol=1e-5)
+
+
+def test_bare_v1_reads_the_label_after_a_space(smol):
+    from engine.decisions.prompts import question_prompt
+
+    req = parse_decision_request({"state": TICKET, "questions": QUESTIONS})
+    prompt = question_prompt(smol, "bare-v1", req.state, req.questions[0])
+    assert smol.tokenizer.decode(prompt.ids).endswith("Answer:")
+    assert [smol.tokenizer.decode([i]) for i in prompt.label_ids] == [" A", " B", " C"]
+
+
+@pytest.mark.parametrize("body,loc", [
+    ({"questions": QUESTIONS}, ["body", "state"]),
+    ({"state": TICKET, "questions": {}}, ["body", "questions"]),
+    ({"state": TICKET, "questions": {"q": {"type": "choice", "criteria": {"only": None}}}},
+     ["body", "questions", "q", "criteria"]),
+    ({"state": TICKET, "questions": {"q": {"type": "choice", "criteria": {f"o{i}": None for i in range(17)}}}},
+     ["body", "questions", "q", "criteria"]),
+    ({"state": TICKET, "questions": {"q": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
+     ["body", "questions", "q", "criteria"]),
+    ({"state": TICKET, "questions": {"q": {"type": "noul"}}}, ["body", "questions", "q"]),
+    ({"state": TICKET, "questions": {"q": {"type": "box", "instructions": "the dog"}}},
+     ["body", "questions", "q", "type"]),
+    ({"state": TICKET, "questions": {"q": {"type": "noul", "instructions": "x", "colour": 1}}},
+     ["body", "questions", "q", "colour"]),
+    ({"state": TICKET, "questions": QUESTIONS, "temperature": 0}, ["body", "temperature"]),
+])
+def test_a_question_that_breaks_a_rule_is_refused_naming_it(body, loc):
+    with pytest.raises(DecisionInvalid) as e:
+        parse_decision_request(body)
+    assert loc in [p["loc"] for p in e.value.problems]
+
+
+# ---------------------------------------------------------------------------------------------- over HTTP
+
+@pytest.fixture(scope="module")
+def decide_server(tmp_path_factory, smollm2_gguf):
+    s = start_server(tmp_path_factory.mktemp("serve-decide") / "serve.log", "--model", f"local={smollm2_gguf}",
+                     "--api-key", SERVER_KEY)
+    yield s
+    stop(s)
+
+
+@pytest.fixture(scope="module")
+def client(decide_server):
+    from typesafe_sdk import TypeSafeClient
+
+    with TypeSafeClient(api_key=SERVER_KEY, base_url=decide_server.url, model="local") as c:
+        yield c
+
+
+def test_the_sdk_gets_typed_answers_to_every_kind_in_one_request(client):
+    from typesafe_sdk import Choice, Noul, Score
+
+    result = client.system_one(state=TICKET, questions={
+        "department": Choice(**{k: v for k, v in QUESTIONS["department"].items() if k != "type"}),
+        "is_urgent": Noul(instructions="Is this urgent?"),
+        "urgency": Score(instructions="How urgent is it?", criteria=QUESTIONS["urgency"]["criteria"])})
+    choice, noul, score = result.choices["department"], result.nouls["is_urgent"], result.scores["urgency"]
+    assert choice.choice in {"billing", "technical", "sales"} and set(choice.probabilities) == {
+        "billing", "technical", "sales"}
+    assert abs(sum(choice.probabilities.values()) - 1) < 1e-6 and 0 <= choice.confidence <= 1
+    assert choice.probabilities[choice.choice] == max(choice.probabilities.values())
+    assert 0 <= noul.noul <= 1
+    assert set(score.probabilities) == set(score.legend) == {0, 1, 2} and score.legend[2] == "Needs attention today"
+    assert abs(sum(score.probabilities.values()) - 1) < 1e-6
+    assert score.score == pytest.approx(sum(k * p for k, p in score.probabilities.items()))
+    assert result.model == "local" and result.usage.output_tokens == 0 and result.usage.input_tokens > 0
+
+
+def test_the_sdk_surfaces_a_422_and_an_unknown_model_404(client, decide_server):
+    from typesafe_sdk import Choice, Noul, TypeSafeClient
+    from typesafe_sdk import TypeSafeNotFoundError, TypeSafeUnprocessableEntityError
+
+    with pytest.raises(TypeSafeUnprocessableEntityError, match="criteria"):
+        client.system_one(state=TICKET, questions={"q": Choice(criteria={"only": None})})
+    with TypeSafeClient(api_key=SERVER_KEY, base_url=decide_server.url) as default:  # model: jev-latest
+        with pytest.raises(TypeSafeNotFoundError, match="jev-latest.*local"):
+            default.system_one(state=TICKET, questions={"q": Noul(instructions="Is it urgent?")})
+
+
+def test_models_list_carries_typesafes_models_beside_openais_data(client, decide_server):
+    listed = client.models.list()
+    assert [m.name for m in listed.models] == ["local"] and len(listed.models[0].release_date) == 10
+    raw = httpx.get(decide_server.url + "/v1/models", headers={"Authorization": f"Bearer {SERVER_KEY}"}).json()
+    assert raw["data"][0]["id"] == "local" and raw["data"][0]["decisions"]["template"] == "chat-v1"
+
+
+def test_the_sdk_compresses_a_large_state_with_zstd_and_it_is_answered(client, decide_server):
+    from typesafe_sdk import Noul
+    from typesafe_sdk._core.compression import resolve_compression
+
+    assert resolve_compression(None) == "zstd"  # the extra is installed: bodies of 1 KiB and more go compressed
+    state = " ".join([TICKET] * 15)
+    assert len(state) > 1024
+    seen = []
+    client._http_client.event_hooks["request"].append(lambda r: seen.append(r.headers.get("Content-Encoding")))
+    try:
+        result = client.system_one(state=state, questions={"is_urgent": Noul(instructions="Is this urgent?")})
+    finally:
+        client._http_client.event_hooks["request"].clear()
+    assert seen == ["zstd"] and 0 <= result.nouls["is_urgent"].noul <= 1
+
+
+def test_every_route_takes_gzip_and_zstd_bodies_within_the_limit(decide_server):
+    from backports.zstd import compress
+
+    headers = {"Authorization": f"Bearer {SERVER_KEY}", "Content-Type": "application/json"}
+    body = json.dumps({"model": "local", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                       "temperature": 0}).encode()
+    url = decide_server.url + "/v1/chat/completions"
+    plain = httpx.post(url, content=body, headers=headers, timeout=120).json()["choices"][0]["message"]["content"]
+    for encoding, data in (("gzip", gzip.compress(body)), ("zstd", compress(body))):
+        r = httpx.post(url, content=data, headers={**headers, "Content-Encoding": encoding}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+    bomb = compress(b'{"state": "' + b"a" * (64 << 20) + b'"}')  # 64 MiB of text in a few KiB
+    r = httpx.post(decide_server.url + "/v1/systemone", content=bomb,
+                   headers={**headers, "Content-Encoding": "zstd"}, timeout=120)
+    assert r.status_code == 413 and "decoded" in r.json()["error"]["message"]
+    for encoding, data, status in (("zstd", b"not zstd", 400), ("br", body, 415)):
+        r = httpx.post(url, content=data, headers={**headers, "Content-Encoding": encoding}, timeout=120)
+        assert r.status_code == status, r.text
+
+
+def test_batch_runs_decision_lines_and_resumes(tmp_path, smollm2_gguf, smol):
+    from engine.decisions.scoring import score_request
+    from tests.test_cli import goinfer
+
+    lines = [{"custom_id": "d1", "method": "POST", "url": "/v1/systemone",
+              "body": {"model": "local", "state": TICKET, "questions": QUESTIONS}},
+             {"custom_id": "d2", "method": "POST", "url": "/v1/systemone",
+              "body": {"state": TICKET, "questions": {"q": {"type": "score", "criteria": ["only"]}}}},
+             {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
+    assert r.returncode == 1, r.stderr  # d2 broke a rule
+    records = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"d1", "c1"}
+    answers = records["d1"]["response"]["body"]["answers"]
+    expected = score_request(smol, parse_decision_request(lines[0]["body"]), "chat-v1").probabilities
+    assert np.allclose(list(answers["department"]["probabilities"].values()), expected["department"], atol=1e-6)
+    assert answers["is_urgent"]["noul"] == pytest.approx(expected["is_urgent"][0], abs=1e-6)
+    (error,) = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
+    assert error["custom_id"] == "d2" and error["error"]["code"] == "invalid_decision"
+    assert "criteria" in error["error"]["message"]
+    again = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
+    assert again.returncode == 1 and len(out.read_text().splitlines()) == 2  # done lines are not done twice
