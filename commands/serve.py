@@ -23,6 +23,7 @@ from commands.options import (EmbedQuantOption, NoSelftestOption, QuantOption, R
                              thinking_settings)
 from commands.ui import FetchProgress
 from engine import get_threads, load_model, set_threads
+from engine.decisions.calibration import calibration_for
 from engine.decisions.prompts import TEMPLATES as DECISION_TEMPLATES
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
@@ -118,6 +119,10 @@ def serve(
         "--decisions-template", help="How POST /v1/systemone shows a question to the model: chat-v1 (its chat "
                                      "template; instruct models) or bare-v1 (plain text; base models).")]
     = "chat-v1",
+    decisions_calibration: Annotated[Optional[Path], typer.Option(
+        "--decisions-calibration", metavar="FILE",
+        help="A calibration.json from `goinfer decisions-calibrate`: its temperatures calibrate /v1/systemone on the "
+             "model it was fitted for (refused for another model or template).")] = None,
 ) -> None:
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
@@ -150,6 +155,11 @@ def serve(
         names = [s.name for s in served] + [e.name for e in embedders]
         if len(set(names)) < len(names):
             raise fail("--model/--embed-model: two models get the same name; name them: NAME=REF")
+        if decisions_calibration is not None:
+            name, temperatures = calibration_for(decisions_calibration, {s.name: s.model for s in served},
+                                                 decisions_template)
+            config.decisions_temperatures = {name: temperatures}
+            _note(f"decisions on {name}: calibrated ({', '.join(f'{k} T={t:.3f}' for k, t in temperatures.items())})")
         server = Server(served, config, embedders=embedders)
     _banner(server, served, config)
     for e in embedders:

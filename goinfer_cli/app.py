@@ -11,10 +11,11 @@ import sys
 
 import typer
 
-# command -> (its module, no_args_is_help); a module holds HELP and a function of the command's name, or (cache)
-# a Typer app of its own
+# command -> (its module, no_args_is_help); a module holds HELP and a function of the command's name ("-" as "_"),
+# or (cache) a Typer app of its own
 COMMANDS = {"chat": ("commands.chat", False), "batch": ("commands.batch", True), "serve": ("commands.serve", False),
-            "pull": ("commands.pull", True), "cache": ("commands.cache", None), "check": ("commands.check", True)}
+            "pull": ("commands.pull", True), "cache": ("commands.cache", None), "check": ("commands.check", True),
+            "decisions-calibrate": ("commands.decisions_calibrate", True)}
 
 
 def _root() -> None:
@@ -36,7 +37,8 @@ def build(names=tuple(COMMANDS)) -> typer.Typer:
         if no_args_is_help is None:
             cli.add_typer(module.app, name=name, help=module.HELP)
         else:
-            cli.command(name=name, help=module.HELP, no_args_is_help=no_args_is_help)(getattr(module, name))
+            command = getattr(module, name.replace("-", "_"))
+            cli.command(name=name, help=module.HELP, no_args_is_help=no_args_is_help)(command)
     cli.callback()(_root)
     return cli
 

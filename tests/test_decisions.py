@@ -12,7 +12,7 @@ import pytest
 
 from engine.api.decisions import DecisionInvalid, parse_decision_request
 from tests.conftest import SERVER_KEY
-from tests.test_server import start_server, stop
+from tests.test_server import ROOT, start_server, stop
 
 TICKET = "Help! My payouts have been failing for 3 days and my customers are asking where their money is."
 QUESTIONS = {
@@ -206,3 +206,84 @@ def test_batch_runs_decision_lines_and_resumes(tmp_path, smollm2_gguf, smol):
     assert "criteria" in error["error"]["message"]
     again = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
     assert again.returncode == 1 and len(out.read_text().splitlines()) == 2  # done lines are not done twice
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+@pytest.mark.parametrize("true_t", [0.6, 2.5])
+def test_the_fitter_recovers_a_known_temperature_from_synthetic_items(true_t):
+    from engine.decisions.calibration import fit_temperature, metrics
+
+    rng = np.random.default_rng(0)
+    logits, answers = [], []
+    for n in range(4000):  # a kind's questions may differ in option count: half of 2, half of 4
+        z = rng.normal(0, 3.0, 2 if n % 2 else 4)
+        p = np.exp(z / true_t) / np.exp(z / true_t).sum()
+        logits.append(z)
+        answers.append(int(rng.choice(len(z), p=p)))
+    fitted = fit_temperature(logits, answers)
+    assert abs(fitted / true_t - 1) <= 0.05
+    before, after = metrics(logits, answers), metrics(logits, answers, fitted)
+    assert after["nll"] <= before["nll"] and after["ece"] < 0.03 and after["top1"] == before["top1"]
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory, smollm2_gguf):
+    """decisions-calibrate on the first ten reviews of the committed labelled set."""
+    from tests.test_cli import goinfer
+
+    root = tmp_path_factory.mktemp("calibrate")
+    labelled = root / "ten.jsonl"
+    reviews = (ROOT / "testdata" / "decisions" / "reviews.jsonl").read_text().splitlines()
+    labelled.write_text("\n".join(reviews[:10]) + "\n")
+    out = root / "calibration.json"
+    r = goinfer("decisions-calibrate", "--model", str(smollm2_gguf), str(labelled), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "held-out" in r.stderr  # the report's table
+    return json.loads(out.read_text()), out, labelled
+
+
+def test_calibrate_writes_a_temperature_per_kind_with_before_and_after(calibration):
+    data, _, _ = calibration
+    assert data["template"] == "chat-v1" and data["model"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert set(data["kinds"]) == {"noul", "choice", "score"}
+    for entry in data["kinds"].values():
+        assert 0.05 <= entry["temperature"] <= 20 and entry["items"] == 8 and entry["held_out"]["items"] == 2
+        assert entry["after"]["nll"] <= entry["before"]["nll"] + 1e-9
+
+
+def test_serve_applies_a_calibration_and_refuses_one_for_another_template(calibration, tmp_path, smollm2_gguf):
+    from tests.test_cli import goinfer
+
+    data, path, labelled = calibration
+    s = start_server(tmp_path / "serve.log", "--model", f"local={smollm2_gguf}", "--decisions-calibration", str(path))
+    try:
+        body = json.loads(labelled.read_text().splitlines()[0])
+        body.pop("answers")
+        r = httpx.post(s.url + "/v1/systemone", json={**body, "model": "local"}, timeout=120).json()
+    finally:
+        stop(s)
+    assert r["goinfer"]["calibrated"] == {"noul": True, "choice": True, "score": True}
+    from engine import load_model
+    from engine.decisions.scoring import score_request, softmax
+
+    scored = score_request(load_model(str(smollm2_gguf)), parse_decision_request(body), "chat-v1")
+    t = data["kinds"]["choice"]["temperature"]
+    assert np.allclose(list(r["answers"]["topic"]["probabilities"].values()),
+                       softmax(scored.label_logits["topic"], t), atol=1e-6)
+    bad = goinfer("serve", "--model", str(smollm2_gguf), "--decisions-template", "bare-v1",
+                  "--decisions-calibration", str(path))
+    assert bad.returncode == 2 and "fitted under template 'chat-v1'" in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0
+
+
+def test_a_bad_labelled_line_is_refused_in_one_line(tmp_path):
+    from tests.test_cli import goinfer
+
+    labelled = tmp_path / "bad.jsonl"
+    for answers, message in (({"department": "sports"}, "answers.department: 'sports' is not one of its options"),
+                             ({"topic": "food"}, "answers must name its questions")):
+        labelled.write_text(json.dumps({"state": "x", "questions": QUESTIONS, "answers": answers}) + "\n")
+        r = goinfer("decisions-calibrate", "--model", "smollm2-135m", str(labelled), "-o", str(tmp_path / "c.json"))
+        assert r.returncode == 2 and message in r.stderr and f"{labelled}:1:" in r.stderr
+        assert r.stderr.strip().count("\n") == 0

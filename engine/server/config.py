@@ -54,6 +54,8 @@ class ServerConfig:
     # start or its last answer
     thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/reasoning.py)
     decisions_template: str = "chat-v1"  # how /v1/systemone shows a question (engine/decisions/prompts.py)
+    # per served model, per kind: fitted temperatures (--decisions-calibration; engine/decisions/calibration.py)
+    decisions_temperatures: dict = field(default_factory=dict)
 
     @property
     def tls(self) -> bool:

@@ -19,9 +19,11 @@ __all__ = ["DecisionDesk"]
 
 
 class DecisionDesk:
-    def __init__(self, state, template: str, max_queue: int):
+    def __init__(self, state, template: str, max_queue: int, temperatures: dict | None = None):
         self.state, self.template, self.max_queue = state, template, max_queue
-        self.temperatures: dict[str, float] = {}  # per kind, from --decisions-calibration (none yet: T = 1)
+        # per model, per kind: the fitted temperatures of --decisions-calibration (a kind without one: T = 1)
+        self.temperatures: dict[str, dict[str, float]] = {name: dict((temperatures or {}).get(name, {}))
+                                                          for name in state.models}
         self._turns = {name: threading.Lock() for name in state.models}
         self._waiting = {name: 0 for name in state.models}
         self._lock = threading.Lock()
@@ -46,14 +48,14 @@ class DecisionDesk:
             self._waiting[served.name] += 1
         try:
             with self._turns[served.name]:
-                scored = score_request(served.model, req, self.template, temperatures=self.temperatures,
-                                       window=served.window)
+                scored = score_request(served.model, req, self.template,
+                                       temperatures=self.temperatures[served.name], window=served.window)
         except GoinferError as e:
             raise HTTPError(error_status(e), error_body(e)) from None
         finally:
             with self._lock:
                 self._waiting[served.name] -= 1
-        calibrated = {kind: kind in self.temperatures for kind in ("noul", "choice", "score")}
+        calibrated = {kind: kind in self.temperatures[served.name] for kind in ("noul", "choice", "score")}
         return served.name, decision_object(req, scored.probabilities, model_name=served.name,
                                             input_tokens=scored.input_tokens, template=self.template,
                                             calibrated=calibrated), scored.input_tokens

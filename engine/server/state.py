@@ -47,7 +47,8 @@ class ServerState:
                                              threads=config.threads, sessions=self._sessions(m, config), log=log)
                            for m in models}
         self.response_store = ResponseStore()  # the Responses API's stored answers (store, previous_response_id)
-        self.decisions = DecisionDesk(self, config.decisions_template, config.max_queue)  # POST /v1/systemone
+        self.decisions = DecisionDesk(self, config.decisions_template, config.max_queue,  # POST /v1/systemone
+                                      config.decisions_temperatures)
         self._active = 0
         self._lock = threading.Lock()
 
