@@ -110,6 +110,11 @@ class Generation:
         self.thought_tokens = 0  # tokens generated inside the thinking block (what the budget counts)
 
     @property
+    def processors(self) -> list[Processor]:
+        """The logits processors of this sequence (sampling ones, then a grammar's)."""
+        return self._processors
+
+    @property
     def splits(self) -> bool:
         """The reply is split into reasoning and answer (reasoning_format none keeps the raw text)."""
         return self._plan is not None and self._plan.splits

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterator
 
-from engine.constrain.grammar import Grammar, grammar_processor
+from engine.constrain.confidence import ConfidenceGrammar, field_confidences
+from engine.constrain.grammar import Grammar, GrammarProcessor, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
 from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_of
 from engine.models.base import Model
@@ -77,6 +78,8 @@ class GenerationRequest:
     # variables for the chat template (chat_template_kwargs).
     thinking: str | None = None
     reasoning_format: str = "auto"
+    # goinfer_confidence: per-field confidence of a json_schema answer (engine/constrain/confidence.py)
+    confidence: bool = False
     thinking_budget: int | None = None
     template_variables: dict | None = field(default=None, hash=False)
 
@@ -142,6 +145,7 @@ class Completion:
     choices: list[Choice]
     prompt_tokens: int  # counted once, however many choices
     cached_tokens: int = 0  # of the prompt tokens, those a warm session held (not evaluated again)
+    confidence: list[dict] | None = None  # goinfer_confidence's records (asked for: the request's `confidence`)
 
     @property
     def completion_tokens(self) -> int:
@@ -172,6 +176,7 @@ class Prepared:
     window: int  # the context window this request is held to
     head: str  # echo: the prompt text that starts every choice
     choices: list[Generation]  # one not yet started sequence per answer; all share the prompt
+    tokenizer: object = None  # the model's (goinfer_confidence reads token pieces after the answer)
     cached_tokens: int = 0  # leading prompt tokens a warm session gave (set when the prompt is evaluated)
 
     @property
@@ -215,7 +220,8 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     for i in range(req.n):
         # Choice i samples with seed + i: n choices from one seed differ, and each is reproducible.
         seed = None if opts.seed is None else (opts.seed + i) % (1 << 64)
-        procs = [grammar_processor(model.tokenizer, grammar)] if grammar is not None else []
+        kind = ConfidenceGrammar if req.confidence else GrammarProcessor
+        procs = [grammar_processor(model.tokenizer, grammar, kind)] if grammar is not None else []
         choices.append(Generation(model, ids, opts.max_tokens, window=window, temperature=opts.temperature,
                                   seed=seed, stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p,
                                   min_p=opts.min_p, repetition_penalty=opts.repetition_penalty,
@@ -225,7 +231,7 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
-    return Prepared(req, ids, window, head, choices)
+    return Prepared(req, ids, window, head, choices, model.tokenizer)
 
 
 @dataclass
@@ -334,7 +340,14 @@ class Collector:
                     c.text, c.tool_calls = text, calls
                     if c.finish_reason == "stop":
                         c.finish_reason = "tool_calls"
-        return Completion(choices, self._prompt_tokens, self.cached_tokens)
+        return Completion(choices, self._prompt_tokens, self.cached_tokens, self.confidence())
+
+    def confidence(self) -> list[dict] | None:
+        """goinfer_confidence's records of the (one) answer, when the request asked for them."""
+        if not self._request.confidence:
+            return None
+        recorder = next(p for p in self._prep.choices[0].processors if isinstance(p, ConfidenceGrammar))
+        return field_confidences(recorder, self._request.grammar.schema, self._prep.tokenizer)
 
     @property
     def cached_tokens(self) -> int:

@@ -110,8 +110,10 @@ class _OpenAIStream:
         return data
 
     def finish(self, out: Collector) -> bytes:
+        confidence = out.confidence()  # goinfer_confidence: one event after the finish chunk
+        head = sse.event({"id": self.info.id, "goinfer_confidence": confidence}) if confidence is not None else b""
         last = self.info.usage_chunk(self.prompt_tokens, out.generated, out.cached_tokens, out.reasoning_tokens)
-        return (sse.event(last) if last is not None else b"") + sse.DONE
+        return head + (sse.event(last) if last is not None else b"") + sse.DONE
 
     def error(self, status: int, body: dict) -> bytes:
         return sse.event(body)  # as OpenAI sends it; the stream then ends

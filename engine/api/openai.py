@@ -39,10 +39,10 @@ _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "st
              "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
 _CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls"}
+    "parallel_tool_calls", "goinfer_confidence"}
 # A plain completion has no template to think with: reasoning_effort is accepted there and does nothing.
 _COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format",
-                                             "reasoning_effort"}
+                                             "reasoning_effort", "goinfer_confidence"}
 # Asked for by name, and not done yet: refused with a message that says so.
 _UNSUPPORTED_CHAT = {"functions": "functions (legacy function calling; use tools)",
                      "function_call": "function_call (legacy function calling; use tool_choice)", "audio": "audio output",
@@ -95,6 +95,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
                              n=_n(body), stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=grammar, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+                             confidence=_confidence(body, grammar, tools and choice != "none"),
                              **thinking_fields.thinking_controls(body))
 
 
@@ -113,10 +114,26 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     if best_of is not None and best_of < n:
         raise RequestError(f"best_of: must be >= n (got best_of {best_of}, n {n})", "best_of", "invalid_value")
     stream, include_usage = _stream(body)
+    grammar = response_format_grammar(body.get("response_format"))
     return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, int_field(body, "max_tokens", 1)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=bool_field(body, "echo", False),
                              n=n, stream=stream, include_usage=include_usage, model=str_field(body, "model"),
-                             grammar=response_format_grammar(body.get("response_format")))
+                             grammar=grammar, confidence=_confidence(body, grammar, False))
+
+
+def _confidence(body: dict, grammar: Grammar | None, calls_tools: bool) -> bool:
+    """goinfer_confidence: per-field confidence, for a json_schema answer only (the schema says each field's kind)."""
+    if not bool_field(body, "goinfer_confidence", False):
+        return False
+    if calls_tools:
+        raise RequestError("goinfer_confidence: not with tools (a call's arguments are not reported)",
+                           "goinfer_confidence", "unsupported_parameter")
+    if grammar is None or grammar.what != "json_schema":
+        raise RequestError("goinfer_confidence: needs response_format {\"type\": \"json_schema\", ...} (the schema "
+                           "says each field's kind)", "goinfer_confidence", "invalid_value")
+    if _n(body) != 1:
+        raise RequestError("goinfer_confidence: one answer only (n = 1)", "goinfer_confidence", "invalid_value")
+    return True
 
 
 def response_format_grammar(fmt: Any, param: str = "response_format") -> Grammar | None:

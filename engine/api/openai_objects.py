@@ -60,7 +60,10 @@ def response_object(req: GenerationRequest, result: Completion, *, model_name: s
                     request_id: str | None = None, created: int | None = None) -> dict:
     """The object the endpoint `req` came from answers with."""
     build = chat_completion if req.kind == "chat" else text_completion
-    return build(result, model_name=model_name, request_id=request_id, created=created, with_logprobs=req.logprobs)
+    obj = build(result, model_name=model_name, request_id=request_id, created=created, with_logprobs=req.logprobs)
+    if result.confidence is not None:
+        obj["goinfer_confidence"] = result.confidence
+    return obj
 
 
 def new_id(kind: str) -> str:

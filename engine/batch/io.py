@@ -105,6 +105,9 @@ def _parse_line(lineno: int, raw: bytes) -> BatchLine:
     try:
         request = parse_embeddings_request(body) if url == EMBEDDINGS_URL else parse_decision_request(body) \
             if url == DECISIONS_URL else parse_request(url, body)
+        if getattr(request, "confidence", False):
+            return bad("unsupported_parameter", "goinfer_confidence: not available in batches (the server's "
+                                                "chat/completions and completions answer it)", custom_id, url)
         return BatchLine(lineno, custom_id, url, request=request)
     except DecisionInvalid as e:
         return bad("invalid_decision", str(e), custom_id, url)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ class Grammar:
 
     spec: str
     what: str  # "json_schema", "json_object", "tool_calls"
+    schema: Any = field(default=None, compare=False)  # the JSON schema a json_schema grammar was made from
 
 
 def _check(spec: str, param: str, what: str) -> Grammar:
@@ -59,7 +60,7 @@ def json_schema_grammar(schema: Any, param: str = "response_format.json_schema.s
         spec = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise RequestError(f"{param}: the schema is invalid: {e}", param, "invalid_schema") from None
-    return _check(spec, param, "json_schema")
+    return Grammar(_check(spec, param, "json_schema").spec, "json_schema", schema)
 
 
 def json_object_grammar() -> Grammar:
@@ -126,6 +127,9 @@ class GrammarProcessor:
     def matcher(self):
         return self._m
 
+    def _observe(self, logits: np.ndarray, allowed: np.ndarray) -> None:
+        """A step's logits and the grammar's 0/1 mask over them, before masking (confidence.py records them)."""
+
     def accept(self, token: int) -> None:
         """The sampled token: advance the matcher."""
         if not self._m.is_error() and not self._m.is_stopped():
@@ -144,15 +148,17 @@ class GrammarProcessor:
             return out
         self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
         allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: len(logits)]  # (vocab,) 0/1
+        self._observe(logits, allowed)
         logits[: len(allowed)][allowed == 0] = -np.inf
         logits[len(allowed):] = -np.inf  # rows past the tokenizer's vocabulary (padding) are never text
         return logits
 
 
-def grammar_processor(tokenizer, grammar: Grammar) -> GrammarProcessor:
-    """A fresh processor (one per generated answer: it holds the parse state)."""
+def grammar_processor(tokenizer, grammar: Grammar, kind: type[GrammarProcessor] = GrammarProcessor):
+    """A fresh processor (one per generated answer: it holds the parse state); `kind` a GrammarProcessor class
+    (confidence.ConfidenceGrammar records what it allowed)."""
     matcher = LLMatcher(llg_tokenizer(tokenizer), grammar.spec, log_level=0)
     if matcher.is_error():
         raise RequestError(f"the {grammar.what} grammar cannot be used: {matcher.get_error()}", None,
                            "invalid_schema")
-    return GrammarProcessor(matcher, tokenizer.vocab_size, tokenizer.eog_ids)
+    return kind(matcher, tokenizer.vocab_size, tokenizer.eog_ids)

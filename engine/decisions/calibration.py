@@ -22,8 +22,8 @@ import numpy as np
 from engine.api.decisions import DecisionInvalid, DecisionRequest, parse_decision_request
 from engine.errors import GoinferError
 
-__all__ = ["CalibrationError", "LabelledItem", "apply_file", "calibrate", "calibration_for", "fit_temperature", "metrics", "model_identity",
-           "read_labelled"]
+__all__ = ["CalibrationError", "LabelledItem", "apply_file", "calibrate", "calibration_for", "fit_temperature",
+           "metrics", "model_identity", "read_labelled"]
 
 FORMAT = "goinfer-decisions-calibration/1"
 T_RANGE = (0.05, 20.0)

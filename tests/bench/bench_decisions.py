@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SENTENCE = ("The customer wrote again about the delayed refund for order 4471, which was placed in March, paid by card, "
-            "shipped late, and returned unopened after the courier left it at the wrong address. ")
+SENTENCE = ("The customer wrote again about the delayed refund for order 4471, which was placed in March, paid by "
+            "card, shipped late, and returned unopened after the courier left it at the wrong address. ")
 QUESTIONS = {
     "department": {"type": "choice", "instructions": "Which team should handle this?",
                    "criteria": {"billing": "Payments, refunds", "shipping": "Deliveries, couriers",
