@@ -38,6 +38,9 @@ class DecisionDesk:
             next(iter(self.state.models.values())) if len(self.state.models) == 1 else None)
         if served is None:
             names = ", ".join(self.state.models) or "none: this server has no generation model"
+            if req.model is None:
+                raise HTTPError(400, error_object(f"model: required when several models are served ({names})",
+                                                  "invalid_request_error", "model", "missing_required_parameter"))
             raise HTTPError(404, error_object(f"model {req.model!r} is not served here (decisions are answered by: "
                                               f"{names})", "invalid_request_error", "model", "model_not_found"))
         with self._lock:
