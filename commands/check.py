@@ -74,6 +74,14 @@ def _print_plain(r: dict[str, Any]) -> None:
         + (f", cgroup limit {_mb(mem['cgroup_limit_bytes'])}" if mem["cgroup_limit_bytes"] else ""),
     ]
     for name, g in r["gpu"].items():
+        if name == "webgpu" and g.get("adapters"):
+            for a in g["adapters"]:
+                kind = "software" if a["software"] else a["adapter_type"]
+                lines.append(f"{'gpu webgpu':<12} {a['adapter']} via {a['backend']} ({kind}; binding "
+                             f"{_mb(a['max_binding_bytes'])}; {' '.join(a['features']) or 'no f16/subgroups'}; "
+                             f"{g.get('package')})")
+            lines.append(f"{'':<12} auto picks: {g['auto'] or 'cpu (' + g['reason'] + ')'}")
+            continue
         state = f"{g.get('device')} ({g.get('package')})" if g["available"] else f"unavailable: {g['reason']}"
         lines.append(f"{'gpu ' + name:<12} {state}")
     if st["status"] in ("ok", "stepped_down"):

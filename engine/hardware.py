@@ -141,12 +141,18 @@ def gpu_backends() -> dict[str, dict[str, Any]]:
     try:
         import wgpu
 
+        from engine.kernels.webgpu.device import adapters, pick
+
         try:
-            adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-            info = dict(getattr(adapter, "info", {}) or {})
-            out["webgpu"] = {"available": True, "package": f"wgpu {wgpu.__version__}",
-                             "device": info.get("device") or info.get("description"),
-                             "backend": info.get("backend_type"), "adapter_type": info.get("adapter_type")}
+            found = adapters()
+            auto = pick(found, "auto")
+            out["webgpu"] = {"available": bool(found), "package": f"wgpu {wgpu.__version__}",
+                             "adapters": [a.report() for a in found],
+                             "auto": auto.name if auto is not None else None}
+            if not found:
+                out["webgpu"]["reason"] = "wgpu imports but sees no adapter"
+            elif auto is None:
+                out["webgpu"]["reason"] = "only software adapters, which auto never takes"
         except Exception as exc:
             out["webgpu"] = {"available": False, "package": f"wgpu {wgpu.__version__}",
                              "reason": f"no WebGPU adapter: {type(exc).__name__}: {str(exc)[:200]}"}

@@ -1,0 +1,108 @@
+"""The WebGPU backend's first pieces on Mesa's lavapipe (software Vulkan): adapter discovery, `auto` never taking a
+software adapter, and the WGSL matrix kernels over GGUF blocks as stored, against the numpy reference.
+
+CI installs lavapipe (.ci/run: Debian's mesa-vulkan-drivers) and wgpu (the dev extra), so there these tests must
+run; elsewhere a machine without an adapter skips them."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.kernels import reference
+from engine.kernels.quant_types import GGMLType, QTensor
+
+
+def _adapters():
+    from engine.kernels.webgpu.device import WebGPUUnavailable, adapters
+
+    try:
+        return adapters()
+    except WebGPUUnavailable:
+        return []
+
+
+FOUND = _adapters()
+pytestmark = pytest.mark.skipif(not FOUND and not os.environ.get("CI"),
+                                reason="no WebGPU adapter (install wgpu and mesa-vulkan-drivers)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from engine.kernels.webgpu.device import open_device, pick
+    from engine.kernels.webgpu.matvec import WebGPUMatmul
+
+    assert FOUND, "CI must have a WebGPU adapter (lavapipe)"
+    info = pick(FOUND, "webgpu")
+    return WebGPUMatmul(open_device(info), info.max_binding_bytes)
+
+
+def test_lavapipe_is_found_with_its_limits_and_features():
+    vulkan = [a for a in FOUND if a.backend == "Vulkan"]
+    assert vulkan, [a.report() for a in FOUND]
+    lvp = vulkan[0]
+    assert lvp.software and lvp.max_binding_bytes >= 128 << 20
+    assert {"shader-f16", "subgroup"} <= set(lvp.features)
+    assert FOUND[0].backend != "OpenGL"  # Vulkan ranks before GL (GL has no f16 or subgroups)
+
+
+def test_auto_never_takes_a_software_adapter():
+    from engine.kernels.webgpu.device import pick
+
+    assert pick(FOUND, "webgpu") is FOUND[0]
+    real = [a for a in FOUND if not a.software]
+    assert pick(FOUND, "auto") is (real[0] if real else None)
+    assert pick([a for a in FOUND if a.software], "auto") is None
+
+
+def _random(t: GGMLType, rows: int, cols: int, seed: int = 0) -> QTensor:
+    w = np.random.default_rng(seed).normal(0, 1, (rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t))).view(np.uint8).reshape(rows, -1)
+    return QTensor(f"random-{t.name}", t, (rows, cols), raw)
+
+
+@pytest.mark.parametrize("t", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_matrix_kernels_equal_the_reference(kernels, t, tokens):
+    w = _random(t, 300, 576)
+    x = np.random.default_rng(1).normal(0, 1, (tokens, 576)).astype(np.float32)
+    expected = x @ reference.dequantize(w).T
+    got = kernels.matmul(x, w)
+    assert got.shape == (tokens, 300)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() * 576 ** 0.5
+
+
+def test_rows_past_the_dispatch_limit_are_computed_too(kernels):
+    w = _random(GGMLType.Q8_0, 65_600, 32, seed=2)
+    x = np.random.default_rng(3).normal(0, 1, (2, 32)).astype(np.float32)
+    expected = x @ reference.dequantize(w).T
+    got = kernels.matmul(x, w)
+    assert np.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    assert np.allclose(got[:, 65_535:], expected[:, 65_535:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_real_q8_0_head_on_the_device_gives_the_references_logits(kernels, smollm2_gguf):
+    """SmolLM2's tied head (token_embd, Q8_0, 49,152 x 576, 30 MB) over a few hidden states."""
+    from engine.formats.gguf import open_gguf
+
+    head = open_gguf(smollm2_gguf).tensor("token_embd.weight")
+    assert head.ggml_type == GGMLType.Q8_0
+    x = np.random.default_rng(4).normal(0, 1, (2, 576)).astype(np.float32)
+    expected = x @ reference.dequantize(head).T
+    got = kernels.matmul(x, head)
+    assert np.allclose(got, expected, atol=1e-3, rtol=1e-4)
+    assert (got.argmax(axis=1) == expected.argmax(axis=1)).all()
+
+
+def test_a_weight_over_the_binding_limit_and_an_unread_type_are_refused(kernels):
+    from engine.kernels.webgpu.matvec import WebGPUMatmul
+
+    small = WebGPUMatmul(kernels.device, max_binding_bytes=1024)
+    with pytest.raises(ValueError, match="binding limit"):
+        small.matmul(np.ones((1, 576), np.float32), _random(GGMLType.F32, 8, 576))
+    with pytest.raises(ValueError, match="Q4_K is not a type the WebGPU kernels read yet"):
+        q4k = QTensor("q4k", GGMLType.Q4_K, (4, 256), np.zeros((4, 144), np.uint8))  # 144 bytes per 256 weights
+        kernels.matmul(np.ones((1, 256), np.float32), q4k)
