@@ -64,7 +64,7 @@ def _random(t: GGMLType, rows: int, cols: int, seed: int = 0) -> QTensor:
     return QTensor(f"random-{t.name}", t, (rows, cols), raw)
 
 
-@pytest.mark.parametrize("t", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0])
+@pytest.mark.parametrize("t", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_the_matrix_kernels_equal_the_reference(kernels, t, tokens):
     w = _random(t, 300, 576)
@@ -97,12 +97,40 @@ def test_a_real_q8_0_head_on_the_device_gives_the_references_logits(kernels, smo
     assert (got.argmax(axis=1) == expected.argmax(axis=1)).all()
 
 
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight"])
+def test_real_q4_1_matrices_on_the_device_equal_the_reference(kernels, smollm2_gguf, name):
+    from engine.formats.gguf import open_gguf
+
+    w = open_gguf(smollm2_gguf).tensor(name)
+    assert w.ggml_type == GGMLType.Q4_1
+    x = np.random.default_rng(5).normal(0, 1, (3, w.cols)).astype(np.float32)
+    expected = x @ reference.dequantize(w).T
+    assert np.allclose(kernels.matmul(x, w), expected, atol=1e-3, rtol=1e-4)
+
+
+def test_real_k_quant_matrices_on_the_device_equal_the_reference(kernels, gemma_gguf):
+    """Gemma 3 270M Q4_K_M: its Q4_K and Q6_K matrices (gguf cannot write K-quants, so these are the real ones)."""
+    from engine.formats.gguf import open_gguf
+
+    source = open_gguf(gemma_gguf)
+    seen = set()
+    for name in source.entries:
+        w = source.tensor(name)
+        if w.ggml_type not in (GGMLType.Q4_K, GGMLType.Q6_K) or w.ggml_type in seen or len(w.shape) != 2:
+            continue
+        seen.add(w.ggml_type)
+        x = np.random.default_rng(6).normal(0, 1, (2, w.cols)).astype(np.float32)
+        expected = x @ reference.dequantize(w).T
+        assert np.allclose(kernels.matmul(x, w), expected, atol=1e-3, rtol=1e-4), (name, w.ggml_type.name)
+    assert seen == {GGMLType.Q4_K, GGMLType.Q6_K}
+
+
 def test_a_weight_over_the_binding_limit_and_an_unread_type_are_refused(kernels):
     from engine.kernels.webgpu.matvec import WebGPUMatmul
 
     small = WebGPUMatmul(kernels.device, max_binding_bytes=1024)
     with pytest.raises(ValueError, match="binding limit"):
         small.matmul(np.ones((1, 576), np.float32), _random(GGMLType.F32, 8, 576))
-    with pytest.raises(ValueError, match="Q4_K is not a type the WebGPU kernels read yet"):
-        q4k = QTensor("q4k", GGMLType.Q4_K, (4, 256), np.zeros((4, 144), np.uint8))  # 144 bytes per 256 weights
-        kernels.matmul(np.ones((1, 256), np.float32), q4k)
+    with pytest.raises(ValueError, match="Q5_K is not a type the WebGPU kernels read yet"):
+        q5k = QTensor("q5k", GGMLType.Q5_K, (4, 256), np.zeros((4, 176), np.uint8))  # 176 bytes per 256 weights
+        kernels.matmul(np.ones((1, 256), np.float32), q5k)

@@ -5,7 +5,7 @@ The weight's bytes go to the device as they are in the file (a storage buffer of
 takes every 64th block of the row, then a tree reduction in workgroup memory. Rows past 65,535 (the dispatch
 limit per dimension) go in several dispatches with a row offset.
 
-Types: F32, F16, Q8_0 (the issue's list continues with Q4_0/Q4_1, Q4_K, Q6_K). A weight over the adapter's binding
+Types: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (the issue's list; Q5_0/Q5_1/Q5_K and the rest come later). A weight over the adapter's binding
 limit (128 MiB on lavapipe) is refused for now; splitting it across bindings is the next step.
 """
 
@@ -27,6 +27,13 @@ var<workgroup> part: array<f32, 64>;
 
 fn byte_at(o: u32) -> u32 { return (w[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn half_at(o: u32) -> f32 { return unpack2x16float(byte_at(o) | (byte_at(o + 1u) << 8u)).x; }
+fn sbyte(o: u32) -> i32 { return bitcast<i32>(byte_at(o) << 24u) >> 24u; }
+// Q4_K's 6-bit scale and min of sub-block j from its 12 packed bytes at o (llama.cpp's get_scale_min_k4)
+fn scale_min_k4(o: u32, j: u32) -> vec2<f32> {
+    if (j < 4u) { return vec2<f32>(f32(byte_at(o + j) & 63u), f32(byte_at(o + j + 4u) & 63u)); }
+    return vec2<f32>(f32((byte_at(o + j + 4u) & 15u) | ((byte_at(o + j - 4u) >> 6u) << 4u)),
+                     f32((byte_at(o + j + 4u) >> 4u) | ((byte_at(o + j) >> 6u) << 4u)));
+}
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -64,10 +71,94 @@ _BODIES = {
         let o = base + b * 34u;
         var s = 0.0;
         for (var i = 0u; i < 32u; i = i + 1u) {
-            let q = bitcast<i32>(byte_at(o + 2u + i) << 24u) >> 24u;
-            s = s + f32(q) * x[xt + b * 32u + i];
+            s = s + f32(sbyte(o + 2u + i)) * x[xt + b * 32u + i];
         }
         acc = acc + half_at(o) * s;
+    }
+""",
+    # Q4_0: f16 d, then 16 bytes: element i in the low nibble of byte i, element 16 + i in its high nibble; (q - 8) d
+    GGMLType.Q4_0: """
+    for (var b = lid; b < dims.cols / 32u; b = b + 64u) {
+        let o = base + b * 18u;
+        let xb = xt + b * 32u;
+        var s = 0.0;
+        for (var i = 0u; i < 16u; i = i + 1u) {
+            let q = byte_at(o + 2u + i);
+            s = s + (f32(q & 15u) - 8.0) * x[xb + i] + (f32(q >> 4u) - 8.0) * x[xb + 16u + i];
+        }
+        acc = acc + half_at(o) * s;
+    }
+""",
+    # Q4_1: f16 d, f16 m, then the nibbles as Q4_0's; q d + m
+    GGMLType.Q4_1: """
+    for (var b = lid; b < dims.cols / 32u; b = b + 64u) {
+        let o = base + b * 20u;
+        let xb = xt + b * 32u;
+        var s = 0.0;
+        var sx = 0.0;
+        for (var i = 0u; i < 16u; i = i + 1u) {
+            let q = byte_at(o + 4u + i);
+            let x0 = x[xb + i];
+            let x1 = x[xb + 16u + i];
+            s = s + f32(q & 15u) * x0 + f32(q >> 4u) * x1;
+            sx = sx + x0 + x1;
+        }
+        acc = acc + half_at(o) * s + half_at(o + 2u) * sx;
+    }
+""",
+    # Q4_K: 256 weights in 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
+    # 128 bytes of nibbles (each 32 bytes: a sub-block in the low nibbles, the next in the high); d sc q - dmin m
+    GGMLType.Q4_K: """
+    for (var b = lid; b < dims.cols / 256u; b = b + 64u) {
+        let o = base + b * 144u;
+        let d = half_at(o);
+        let dmin = half_at(o + 2u);
+        let xb = xt + b * 256u;
+        for (var j = 0u; j < 4u; j = j + 1u) {
+            let lo = scale_min_k4(o + 4u, 2u * j);
+            let hi = scale_min_k4(o + 4u, 2u * j + 1u);
+            var s1 = 0.0;
+            var s2 = 0.0;
+            var x1 = 0.0;
+            var x2 = 0.0;
+            for (var l = 0u; l < 32u; l = l + 1u) {
+                let q = byte_at(o + 16u + 32u * j + l);
+                let a = x[xb + 64u * j + l];
+                let c = x[xb + 64u * j + 32u + l];
+                s1 = s1 + f32(q & 15u) * a;
+                x1 = x1 + a;
+                s2 = s2 + f32(q >> 4u) * c;
+                x2 = x2 + c;
+            }
+            acc = acc + d * (lo.x * s1 + hi.x * s2) - dmin * (lo.y * x1 + hi.y * x2);
+        }
+    }
+""",
+    # Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
+    # weights), f16 d last; d sc (q - 32), in two halves of 128 (llama.cpp's dequantize_row_q6_K)
+    GGMLType.Q6_K: """
+    for (var b = lid; b < dims.cols / 256u; b = b + 64u) {
+        let o = base + b * 210u;
+        let d = half_at(o + 208u);
+        for (var n = 0u; n < 2u; n = n + 1u) {
+            let ql = o + 64u * n;
+            let qh = o + 128u + 32u * n;
+            let sc = o + 192u + 8u * n;
+            let xn = xt + b * 256u + 128u * n;
+            for (var l = 0u; l < 32u; l = l + 1u) {
+                let k = l / 16u;
+                let h = byte_at(qh + l);
+                let a = byte_at(ql + l);
+                let c = byte_at(ql + 32u + l);
+                let q1 = f32(i32((a & 15u) | ((h & 3u) << 4u)) - 32);
+                let q2 = f32(i32((c & 15u) | (((h >> 2u) & 3u) << 4u)) - 32);
+                let q3 = f32(i32((a >> 4u) | (((h >> 4u) & 3u) << 4u)) - 32);
+                let q4 = f32(i32((c >> 4u) | (((h >> 6u) & 3u) << 4u)) - 32);
+                acc = acc + d * (f32(sbyte(sc + k)) * q1 * x[xn + l] + f32(sbyte(sc + k + 2u)) * q2 * x[xn + 32u + l]
+                                 + f32(sbyte(sc + k + 4u)) * q3 * x[xn + 64u + l]
+                                 + f32(sbyte(sc + k + 6u)) * q4 * x[xn + 96u + l]);
+            }
+        }
     }
 """,
 }
