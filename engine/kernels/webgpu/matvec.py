@@ -5,8 +5,9 @@ The weight's bytes go to the device as they are in the file (a storage buffer of
 takes every 64th block of the row, then a tree reduction in workgroup memory. Rows past 65,535 (the dispatch
 limit per dimension) go in several dispatches with a row offset.
 
-Types: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (the issue's list; Q5_0/Q5_1/Q5_K and the rest come later). A weight over the adapter's binding
-limit (128 MiB on lavapipe) is refused for now; splitting it across bindings is the next step.
+Types: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (the issue's list; Q5_0/Q5_1/Q5_K and the rest come later). A
+weight over the adapter's binding limit (128 MiB on lavapipe) is refused for now; splitting it across bindings is
+the next step.
 """
 
 from __future__ import annotations
