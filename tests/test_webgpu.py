@@ -125,11 +125,34 @@ def test_real_k_quant_matrices_on_the_device_equal_the_reference(kernels, gemma_
     assert seen == {GGMLType.Q4_K, GGMLType.Q6_K}
 
 
-def test_a_weight_over_the_binding_limit_and_an_unread_type_are_refused(kernels):
+def test_a_weight_over_the_binding_limit_goes_in_pieces(kernels):
+    from engine.kernels.webgpu.matvec import WebGPUMatmul
+
+    small = WebGPUMatmul(kernels.device, max_binding_bytes=2000)  # 3 rows of 612 bytes a piece: 100 pieces
+    w = _random(GGMLType.Q8_0, 300, 576, seed=7)
+    x = np.random.default_rng(8).normal(0, 1, (2, 576)).astype(np.float32)
+    assert len(small._pieces(w)) == 100
+    assert np.allclose(small.matmul(x, w), x @ reference.dequantize(w).T, atol=1e-4, rtol=1e-4)
+
+
+def test_gemmas_real_head_over_the_binding_limit_gives_the_references_logits(kernels, gemma_gguf):
+    """Gemma 3 270M's tied head: Q8_0, 262,144 x 640, 178 MB: two pieces on lavapipe's 128 MiB bindings."""
+    from engine.formats.gguf import open_gguf
+
+    head = open_gguf(gemma_gguf).tensor("token_embd.weight")
+    assert head.ggml_type == GGMLType.Q8_0 and head.raw.nbytes > kernels.max_binding_bytes
+    x = np.random.default_rng(9).normal(0, 1, (1, head.cols)).astype(np.float32)
+    expected = x @ reference.dequantize(head).T
+    got = kernels.matmul(x, head)
+    assert len(kernels._pieces(head)) >= 2
+    assert np.allclose(got, expected, atol=1e-3, rtol=1e-4) and got.argmax() == expected.argmax()
+
+
+def test_a_row_over_the_binding_limit_and_an_unread_type_are_refused(kernels):
     from engine.kernels.webgpu.matvec import WebGPUMatmul
 
     small = WebGPUMatmul(kernels.device, max_binding_bytes=1024)
-    with pytest.raises(ValueError, match="binding limit"):
+    with pytest.raises(ValueError, match="one row is 2304 bytes, over the adapter's 1024-byte binding limit"):
         small.matmul(np.ones((1, 576), np.float32), _random(GGMLType.F32, 8, 576))
     with pytest.raises(ValueError, match="Q5_K is not a type the WebGPU kernels read yet"):
         q5k = QTensor("q5k", GGMLType.Q5_K, (4, 256), np.zeros((4, 176), np.uint8))  # 176 bytes per 256 weights

@@ -2,12 +2,11 @@
 
 The weight's bytes go to the device as they are in the file (a storage buffer of u32 words; a block of Q8_0 is
 34 bytes, so blocks are read byte by byte from the words). One workgroup of 64 invocations per (row, token): each
-takes every 64th block of the row, then a tree reduction in workgroup memory. Rows past 65,535 (the dispatch
-limit per dimension) go in several dispatches with a row offset.
+takes every 64th block of the row, then a tree reduction in workgroup memory. A weight goes to the device in
+pieces of whole rows, each within the adapter's binding limit (128 MiB on lavapipe: Gemma 3's 178 MB head is two)
+and the dispatch limit of 65,535 workgroups per dimension; a piece is one dispatch, writing its rows of y.
 
-Types: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (the issue's list; Q5_0/Q5_1/Q5_K and the rest come later). A
-weight over the adapter's binding limit (128 MiB on lavapipe) is refused for now; splitting it across bindings is
-the next step.
+Types: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (the issue's list; Q5_0/Q5_1/Q5_K and the rest come later).
 """
 
 from __future__ import annotations
@@ -38,10 +37,10 @@ fn scale_min_k4(o: u32, j: u32) -> vec2<f32> {
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = dims.row0 + wg.x;
+    let row = dims.row0 + wg.x;  // the output's row; wg.x the row within this piece of the weight
     let t = wg.y;
     let xt = t * dims.cols;
-    let base = row * dims.row_bytes;
+    let base = wg.x * dims.row_bytes;
     var acc = 0.0;
 """
 
@@ -184,19 +183,27 @@ class WebGPUMatmul:
                 layout="auto", compute={"module": module, "entry_point": "main"})
         return self._pipelines[t]
 
-    def _weight(self, w: QTensor):
+    def _pieces(self, w: QTensor) -> list[tuple[int, int, object]]:
+        """The weight on the device as (first row, rows, buffer) pieces: each within the adapter's binding limit and
+        the dispatch limit, uploaded once (kept by the bytes' address)."""
         key = (w.raw.__array_interface__["data"][0], w.shape, int(w.ggml_type))
-        buf = self._weights.get(key)
-        if buf is None:
-            data = np.ascontiguousarray(w.raw).reshape(-1).view(np.uint8)
-            if data.nbytes > self.max_binding_bytes:
-                raise ValueError(f"{w.name}: {data.nbytes} bytes, over the adapter's {self.max_binding_bytes}-byte "
-                                 "binding limit (splitting a weight across bindings is not done yet)")
-            padded = np.zeros(-(-data.nbytes // 4) * 4, np.uint8)
-            padded[:data.nbytes] = data
-            buf = self._weights[key] = self.device.create_buffer_with_data(
-                data=padded, usage=self._wgpu.BufferUsage.STORAGE)
-        return buf
+        pieces = self._weights.get(key)
+        if pieces is None:
+            raw = np.ascontiguousarray(w.raw).reshape(w.rows, -1).view(np.uint8)
+            row_bytes = raw.shape[1]
+            per_piece = min(_MAX_GROUPS, self.max_binding_bytes // row_bytes)
+            if per_piece < 1:
+                raise ValueError(f"{w.name}: one row is {row_bytes} bytes, over the adapter's "
+                                 f"{self.max_binding_bytes}-byte binding limit")
+            pieces = []
+            for r0 in range(0, w.rows, per_piece):
+                data = raw[r0:r0 + per_piece].reshape(-1)
+                padded = np.zeros(-(-data.nbytes // 4) * 4, np.uint8)
+                padded[:data.nbytes] = data
+                buf = self.device.create_buffer_with_data(data=padded, usage=self._wgpu.BufferUsage.STORAGE)
+                pieces.append((r0, min(per_piece, w.rows - r0), buf))
+            self._weights[key] = pieces
+        return pieces
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         """x (T, cols) f32 @ W.T -> (T, rows) f32, computed on the device."""
@@ -205,11 +212,11 @@ class WebGPUMatmul:
         x = np.ascontiguousarray(x, np.float32).reshape(-1, w.cols)
         tokens, usage = x.shape[0], self._wgpu.BufferUsage
         pipeline = self._pipeline(w.ggml_type)
-        wbuf = self._weight(w)
+        pieces = self._pieces(w)
         xbuf = self.device.create_buffer_with_data(data=x, usage=usage.STORAGE)
         ybuf = self.device.create_buffer(size=tokens * w.rows * 4, usage=usage.STORAGE | usage.COPY_SRC)
         encoder = self.device.create_command_encoder()
-        for row0 in range(0, w.rows, _MAX_GROUPS):
+        for row0, rows, wbuf in pieces:
             dims = np.array([w.rows, w.cols, w.raw.shape[1], row0], np.uint32)
             ubuf = self.device.create_buffer_with_data(data=dims, usage=usage.UNIFORM)
             group = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
@@ -218,7 +225,7 @@ class WebGPUMatmul:
             compute = encoder.begin_compute_pass()
             compute.set_pipeline(pipeline)
             compute.set_bind_group(0, group)
-            compute.dispatch_workgroups(min(_MAX_GROUPS, w.rows - row0), tokens, 1)
+            compute.dispatch_workgroups(rows, tokens, 1)
             compute.end()
         self.device.queue.submit([encoder.finish()])
         out = np.frombuffer(self.device.queue.read_buffer(ybuf), np.float32)
