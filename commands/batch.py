@@ -15,8 +15,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
-from commands.options import (EmbedQuantOption, ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
-                             ThinkingOption, ThreadsOption, thinking_settings)
+from commands.options import (BackendOption, EmbedQuantOption, ModelOption, NoSelftestOption, QuantOption,
+                             ReasoningBudgetOption, ThinkingOption, ThreadsOption, backend_choice, thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
@@ -60,6 +60,7 @@ def batch(
     seed: Annotated[Optional[int], typer.Option(help="Seed where a line sets none.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max", help="max_tokens where a line sets none.")] = None,
     quant: QuantOption = "auto",
+    backend: BackendOption = "cpu",
     parallel: Annotated[int, typer.Option(
         help="Lines run at once, decoded together (output in the order they end; each answer is the one it gets "
              "alone).")] = 1,
@@ -78,6 +79,7 @@ def batch(
         raise fail(f"--parallel must be >= 1, got {parallel}")
     if embed_quant not in EMBED_QUANTS:
         raise fail(f"--embed-quant must be one of {', '.join(EMBED_QUANTS)}, got {embed_quant!r}")
+    backend_choice(backend)  # now, not at the first generation line's lazy load
     if temp is not None and not 0 <= temp <= 2:
         raise fail(f"--temp must be in [0, 2], got {temp}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -96,7 +98,7 @@ def batch(
         fetch = FetchProgress()
         try:
             set_threads(threads)
-            return load_model(model, quant=quant, progress=fetch, selftest=not no_selftest)
+            return load_model(model, quant=quant, progress=fetch, selftest=not no_selftest, backend=backend)
         finally:
             fetch.close()
 

@@ -14,9 +14,9 @@ from typing import Annotated, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import (ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption,
-                             ThreadsOption, thinking_settings)
-from commands.ui import FetchProgress, say, thought
+from commands.options import (BackendOption, ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
+                             ThinkingOption, ThreadsOption, backend_choice, thinking_settings)
+from commands.ui import FetchProgress, placement_text, say, thought
 from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
@@ -86,6 +86,7 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.")] = 512,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
     quant: QuantOption = "auto",
+    backend: BackendOption = "cpu",
     threads: ThreadsOption = None,
     no_selftest: NoSelftestOption = False,
     schema: Annotated[Optional[Path], typer.Option("--schema", help="A JSON schema file: every reply is JSON valid under it.")] = None,
@@ -106,6 +107,7 @@ def chat(
         raise fail(f"--threads must be >= 1, got {threads}")
     if session_file is not None and prompt is not None:
         raise fail("--session resumes a REPL conversation; it does not go with --prompt")
+    backend_choice(backend)
     session = ChatState(system, temp, top_k, top_p, seed, max_tokens,
                         thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking)
     with user_errors():
@@ -113,7 +115,8 @@ def chat(
         set_threads(threads)
         progress = FetchProgress()
         try:
-            llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest, background_compile=True)
+            llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest, background_compile=True,
+                             backend=backend)
         finally:
             progress.close()
         session.warm = WarmConversation(llm, path=session_file, threads=threads,
@@ -183,7 +186,7 @@ def _repl(llm, session: ChatState) -> None:
     interactive = sys.stdin.isatty()
     reader = _terminal_reader() if interactive else _pipe_reader()
     if interactive:
-        say(f"ready. {REPL_HELP}", lead=llm.name, lead_style="bold")
+        say(f"ready ({placement_text(llm.placement)}). {REPL_HELP}", lead=llm.name, lead_style="bold")
     while True:
         try:
             line = reader()

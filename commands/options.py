@@ -11,14 +11,19 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption", "ThinkingOption",
-           "ThreadsOption", "thinking_settings"]
+__all__ = ["BackendOption", "ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption",
+           "ThinkingOption", "ThreadsOption", "backend_choice", "thinking_settings"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="A .gguf path, a safetensors checkpoint directory, a built-in name or "
                           "hf:OWNER/REPO[:QUANT|:safetensors].")]
 
 QuantOption = Annotated[str, typer.Option(help="Compute path: auto or f32.")]
+
+# A plain str checked by backend_choice, not a click Choice: click's refusal is a boxed usage block, ours one line.
+BackendOption = Annotated[str, typer.Option(
+    "--backend", help="cpu (default), webgpu (the best WebGPU adapter, software ones included), or auto (a real GPU "
+                      "that passes the self-test, else cpu).")]
 
 EmbedQuantOption = Annotated[str, typer.Option(
     "--embed-quant", help="Embedding models: f32 (the checkpoint's numbers) or q8 (an encoder's matrices as Q8_0 "
@@ -36,6 +41,15 @@ ThinkingOption = Annotated[str, typer.Option(
 ReasoningBudgetOption = Annotated[str, typer.Option(
     "--reasoning-budget", help="Tokens a reply may think before its answer is forced: N, auto (at most 3/4 of the "
                                "reply's max tokens) or unlimited. A request's own budget comes first.")]
+
+
+def backend_choice(value: str) -> str:
+    """--backend checked before any model is read: a bad value is a one-line usage error."""
+    from commands.errors import fail
+    from engine.placement import BACKEND_CHOICES
+    if value not in BACKEND_CHOICES:
+        raise fail(f"--backend must be one of {', '.join(BACKEND_CHOICES)}, got {value!r}")
+    return value
 
 
 def thinking_settings(mode: str, budget: str):

@@ -19,9 +19,9 @@ from typing import Annotated, List, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import (EmbedQuantOption, NoSelftestOption, QuantOption, ReasoningBudgetOption, ThinkingOption,
-                             thinking_settings)
-from commands.ui import FetchProgress
+from commands.options import (BackendOption, EmbedQuantOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
+                             ThinkingOption, backend_choice, thinking_settings)
+from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
 from engine.decisions.calibration import calibration_for
 from engine.decisions.prompts import TEMPLATES as DECISION_TEMPLATES
@@ -92,6 +92,7 @@ def serve(
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
     quant: QuantOption = "auto",
+    backend: BackendOption = "cpu",  # for every --model (embedding models stay on the CPU)
     threads: Annotated[Optional[int], typer.Option(help="Compute threads per model (default: all cores).")] = None,
     no_selftest: NoSelftestOption = False,
     sse_keepalive: Annotated[float, typer.Option(
@@ -128,6 +129,7 @@ def serve(
         raise fail(f"--ctx must be >= 16, got {ctx}")
     if embed_quant not in EMBED_QUANTS:
         raise fail(f"--embed-quant must be one of {', '.join(EMBED_QUANTS)}, got {embed_quant!r}")
+    backend_choice(backend)
     if decisions_template not in DECISION_TEMPLATES:
         raise fail(f"--decisions-template must be one of {', '.join(DECISION_TEMPLATES)}, got {decisions_template!r}")
     settings = thinking_settings(thinking, reasoning_budget)
@@ -149,7 +151,7 @@ def serve(
             raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
         served = []
         for (name, ref), default in zip(specs, names):
-            llm = _load(ref, quant, not no_selftest, ctx)
+            llm = _load(ref, quant, not no_selftest, ctx, backend)
             served.append(ServedModel.of(default or llm.name, llm, ctx))
         embedders = [_load_embedder(ref, name, embed_quant) for name, ref in embed_specs]
         names = [s.name for s in served] + [e.name for e in embedders]
@@ -185,10 +187,10 @@ def _load_embedder(ref: str, name: str | None, quant: str):
         progress.close()
 
 
-def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = None):
+def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = None, backend: str = "cpu"):
     progress = FetchProgress()
     try:  # ctx past a model's default window switches one with long-context RoPE factors to them (Phi-3)
-        return load_model(ref, quant=quant, progress=progress, selftest=selftest, context=ctx)
+        return load_model(ref, quant=quant, progress=progress, selftest=selftest, context=ctx, backend=backend)
     finally:
         progress.close()
 
@@ -203,7 +205,8 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
         weights = _weight_type(m)
         limit = f"context {s.window}" + (f" of {m.context_length}" if s.window < m.context_length else "")
         _note(f"model {s.name}: {Path(m.path).name} ({m.config.arch}, {weights}), quant {m.quant} "
-              f"({m.backend.describe()}), {limit}, {_threads(config)} threads")
+              f"({m.backend.describe()}), {limit}, {_threads(config)} threads, "
+              f"{placement_text(m.placement)}")  # last: a fallback's reason may hold commas
     _note(f"limits: request body {_size(server.body_cap)}, {config.max_concurrent} sequences at once and "
           f"queue {config.max_queue} per model, prompt chunks of {config.prefill_chunk}, "
           f"{config.max_connections} connections, {config.read_deadline_s:g} s to send a request, "

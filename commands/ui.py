@@ -58,3 +58,15 @@ class FetchProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def placement_text(placement: dict) -> str:
+    """Where a model runs, for a banner: "backend webgpu (ADAPTER)" or "backend cpu", and why when the backend is
+    not the one asked for (auto without a real GPU, a failed self-test), so a silent fallback is never silent."""
+    text = f"backend {placement['backend']}"
+    adapter = placement.get("adapter") or {}
+    if placement["backend"] == "webgpu" and adapter.get("adapter"):
+        text += f" ({adapter['adapter']}{', software' if adapter.get('software') else ''})"
+    if placement.get("reason"):
+        text += f" — {placement['asked']}: {placement['reason']}"
+    return text

@@ -19,6 +19,7 @@ from engine.models.config import with_context
 from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint, read_metadata
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
+from engine.placement import BACKEND_CHOICES, choose, place_on_webgpu
 from engine.templates import template_for
 from engine.tokenizer import Tokenizer
 from engine.tokenizer.hf_json import chat_template, from_hf_directory
@@ -31,7 +32,8 @@ QUANT_MODES = {"auto": "fast", "f32": "exact"}
 
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
-               selftest: bool = True, context: int | None = None, background_compile: bool = False) -> Model:
+               selftest: bool = True, context: int | None = None, background_compile: bool = False,
+               backend: str = "cpu") -> Model:
     """Load a model from a .gguf path, a Hugging Face checkpoint directory, a built-in name or an hf: reference
     (None: the default built-in model).
 
@@ -40,10 +42,13 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     LongRoPE) switches to them for good (models/config.py: with_context). background_compile: where the compiled
     decode step is not in numba's cache yet, a detached process compiles it and the model decodes without it
     until then (kernels/cpu/step_compile.py; a first `goinfer chat` answers without the minute or two of compile).
+    backend: cpu | webgpu | auto (engine/placement.py); the model's `placement` says what it got and why.
     """
     quant = quant or "auto"
     if quant not in QUANT_MODES:
         raise InvalidRequest(f"unknown quant mode {quant!r} (choose from: {', '.join(QUANT_MODES)})")
+    if backend not in BACKEND_CHOICES:  # before any file is read
+        raise InvalidRequest(f"unknown backend {backend!r} (choose from: {', '.join(BACKEND_CHOICES)})")
     path = _resolve(ref, progress)
     tune_allocator()
     if is_hf_checkpoint(path):  # converted at load into the GGUF image llama.cpp's converter would write
@@ -73,12 +78,22 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
                             bos_token=tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
     skip = not selftest or os.environ.get("GOINFER_NO_SELFTEST", "").strip() not in ("", "0")
+    matrices = _matrices(weights, config, fam)
+    adapter, placement = choose(backend, config, weights, matrices)
+    if adapter is not None:
+        resident = place_on_webgpu(adapter, config, weights, matrices, placement, selftest=not skip)
+        if resident is not None:
+            model = Model(path=path, config=config, weights=weights, forward=resident.forward, backend=resident,
+                          tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
+            model.placement = placement
+            return model
     compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant] if background_compile else None
-    backend = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
-    backend.prepare(config, weights, None if fam.step_flags is None else fam.step_flags(config),
-                    _matrices(weights, config, fam))
-    return Model(path=path, config=config, weights=weights, forward=fam.forward, backend=backend,
-                 tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
+    cpu = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
+    cpu.prepare(config, weights, None if fam.step_flags is None else fam.step_flags(config), matrices)
+    model = Model(path=path, config=config, weights=weights, forward=fam.forward, backend=cpu,
+                  tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
+    model.placement = placement
+    return model
 
 
 def _matrices(weights: Weights, config, fam) -> list[str]:

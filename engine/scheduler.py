@@ -92,6 +92,7 @@ class Scheduler:
         """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole.
         warm_replies: evaluate a finished chat's reply into its session while idle (engine/warming.py)."""
         self.name = name
+        self.placement = model.placement  # where the model runs and why (engine/placement.py), for /health
         self.sessions = sessions
         self.max_queue = max_queue
         self.max_concurrent = max_concurrent
@@ -147,9 +148,10 @@ class Scheduler:
         pool = self.sessions.stats() if self.sessions is not None else {}
         with self._cv:
             running = list(self._admitted)
-            return {**pool, "name": self.name, "busy": bool(running), "running_requests": len(running),
-                    "running_sequences": self._slots, "max_concurrent": self.max_concurrent,
-                    "running_tokens": sum(j.generated for j in running), "queued": len(self._waiting),
+            return {**pool, "name": self.name, "placement": self.placement, "busy": bool(running),
+                    "running_requests": len(running), "running_sequences": self._slots,
+                    "max_concurrent": self.max_concurrent, "running_tokens": sum(j.generated for j in running),
+                    "queued": len(self._waiting),
                     "max_queue": self.max_queue, "kv_bytes": self._kv_bytes,
                     "decode_steps": self._stepper.decode_steps, "decoded_tokens": self._stepper.decoded_tokens,
                     **({"warming": self._stepper.has_background, "warmed_tokens": self._stepper.warming.warmed_tokens}

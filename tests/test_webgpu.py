@@ -64,8 +64,9 @@ def _random(t: GGMLType, rows: int, cols: int, seed: int = 0) -> QTensor:
     return QTensor(f"random-{t.name}", t, (rows, cols), raw)
 
 
-@pytest.mark.parametrize("t", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("t", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
+                               GGMLType.Q5_0, GGMLType.Q5_1])
+@pytest.mark.parametrize("tokens", [1, 5, 19])  # 19: the prompt kernel's token tiles, the last one partial
 def test_the_matrix_kernels_equal_the_reference(kernels, t, tokens):
     w = _random(t, 300, 576)
     x = np.random.default_rng(1).normal(0, 1, (tokens, 576)).astype(np.float32)

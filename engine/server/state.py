@@ -96,7 +96,8 @@ class ServerState:
         """/v1/models' entries by name: the generation models, then the embedding models (with their width)."""
         decisions = {"route": "label", "template": self.decisions.template}  # every generation model answers them
         entries = {m.name: {**model_object(m.name, created=m.created, context_window=m.window),
-                            "decisions": decisions} for m in self.models.values()}
+                            **_backend_fields(m.model.placement), "decisions": decisions}
+                   for m in self.models.values()}
         for m in self.embedders.values():
             entry = model_object(m.name, created=int(self.started), context_window=m.context)
             entries[m.name] = {**entry, "type": "embedding", "dimensions": m.dimension}
@@ -143,6 +144,14 @@ class ServerState:
                            "open_connections": self.guard.open_connections if self.guard else None},
                 "models": [s.health() for s in self.schedulers.values()],
                 "selftest": _selftest_report()}
+
+
+def _backend_fields(placement: dict) -> dict:
+    """/v1/models' short form of a model's placement: the backend, and the adapter's name when it runs on one.
+    Not the adapter that auto looked at and declined (a software one): beside "backend": "cpu" that name would
+    read as the device doing the work; /health carries the whole placement, reason included."""
+    adapter = (placement.get("adapter") or {}).get("adapter") if placement["backend"] == "webgpu" else None
+    return {"backend": placement["backend"], **({"adapter": adapter} if adapter else {})}
 
 
 def _available_bytes() -> int | None:

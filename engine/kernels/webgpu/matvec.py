@@ -1,12 +1,14 @@
 """WGSL matrix kernels over GGUF blocks as stored: y = x @ W.T for x (T, cols) f32 and W a QTensor (rows, cols).
 
 The weight's bytes go to the device as they are in the file (a storage buffer of u32 words; a block of Q8_0 is
-34 bytes, so blocks are read byte by byte from the words). One workgroup of 64 invocations per (row, token): each
-takes every 64th block of the row, then a tree reduction in workgroup memory. A weight goes to the device in
-pieces of whole rows, each within the adapter's binding limit (128 MiB on lavapipe: Gemma 3's 178 MB head is two)
-and the dispatch limit of 65,535 workgroups per dimension; a piece is one dispatch, writing its rows of y.
+34 bytes, so blocks are read byte by byte from the words). Two kernels over the same per-type bodies: for a few
+tokens (decode) a workgroup of 64 invocations per (row, token), each taking every 64th block of the row, then a tree
+reduction in workgroup memory; for 8 or more (a prompt) an invocation per (row, tile of 8 tokens). A weight goes to
+the device in pieces of whole rows, each within the adapter's binding limit (128 MiB on lavapipe: Gemma 3's 178 MB
+head is two) and the dispatch limit of 65,535 workgroups per dimension; a piece is one dispatch, writing its rows.
 
-Types: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (the issue's list; Q5_0/Q5_1/Q5_K and the rest come later).
+Types: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K (Gemma 3 270M's Q4_K_M file has Q5_0 matrices too);
+Q5_K, BF16 and MXFP4 come later.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from engine.kernels.quant_types import GGMLType, QTensor
 
 __all__ = ["TYPES", "WebGPUMatmul"]
 
-_HEAD = """
+_COMMON = """
 @group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-struct Dims { rows: u32, cols: u32, row_bytes: u32, row0: u32 };
+// rows, cols of the whole weight; row_bytes of a row; row0, piece_rows: this piece's rows; tokens of x
+struct Dims { rows: u32, cols: u32, row_bytes: u32, row0: u32, piece_rows: u32, tokens: u32 };
 @group(0) @binding(3) var<uniform> dims: Dims;
-var<workgroup> part: array<f32, 64>;
 
 fn byte_at(o: u32) -> u32 { return (w[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn half_at(o: u32) -> f32 { return unpack2x16float(byte_at(o) | (byte_at(o + 1u) << 8u)).x; }
+fn word_at(o: u32) -> u32 {
+    return byte_at(o) | (byte_at(o + 1u) << 8u) | (byte_at(o + 2u) << 16u) | (byte_at(o + 3u) << 24u);
+}
 fn sbyte(o: u32) -> i32 { return bitcast<i32>(byte_at(o) << 24u) >> 24u; }
 // Q4_K's 6-bit scale and min of sub-block j from its 12 packed bytes at o (llama.cpp's get_scale_min_k4)
 fn scale_min_k4(o: u32, j: u32) -> vec2<f32> {
@@ -34,6 +39,12 @@ fn scale_min_k4(o: u32, j: u32) -> vec2<f32> {
     return vec2<f32>(f32((byte_at(o + j + 4u) & 15u) | ((byte_at(o + j - 4u) >> 6u) << 4u)),
                      f32((byte_at(o + j + 4u) >> 4u) | ((byte_at(o + j) >> 6u) << 4u)));
 }
+"""
+
+# A few tokens (decode): a workgroup per (row, token), its 64 invocations over the row's blocks, then a reduction;
+# enough workgroups to fill a GPU for one token.
+_ROW_HEAD = _COMMON + """
+var<workgroup> part: array<f32, 64>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -41,10 +52,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let t = wg.y;
     let xt = t * dims.cols;
     let base = wg.x * dims.row_bytes;
+    let first = lid;
+    let step = 64u;
     var acc = 0.0;
 """
 
-_TAIL = """
+_ROW_TAIL = """
     part[lid] = acc;
     workgroupBarrier();
     for (var s = 32u; s > 0u; s = s >> 1u) {
@@ -55,19 +68,42 @@ _TAIL = """
 }
 """
 
+# A prompt's tokens: an invocation per (row, tile of 8 tokens) walks its row for each token of the tile (the
+# blocks stay in cache), no reductions or barriers: a chunk is rows/64 x tokens/8 workgroups, not rows x tokens.
+TILE_TOKENS = 8
+_TILE_HEAD = _COMMON + """
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x * 64u + lid;
+    if (r >= dims.piece_rows) { return; }
+    let row = dims.row0 + r;
+    let base = r * dims.row_bytes;
+    let first = 0u;
+    let step = 1u;
+    for (var t = wg.y * 8u; t < min(wg.y * 8u + 8u, dims.tokens); t = t + 1u) {
+        let xt = t * dims.cols;
+        var acc = 0.0;
+"""
+
+_TILE_TAIL = """
+        y[t * dims.rows + row] = acc;
+    }
+}
+"""
+
 _BODIES = {
     GGMLType.F32: """
-    for (var c = lid; c < dims.cols; c = c + 64u) {
+    for (var c = first; c < dims.cols; c = c + step) {
         acc = acc + bitcast<f32>(w[(base >> 2u) + c]) * x[xt + c];
     }
 """,
     GGMLType.F16: """
-    for (var c = lid; c < dims.cols; c = c + 64u) {
+    for (var c = first; c < dims.cols; c = c + step) {
         acc = acc + half_at(base + 2u * c) * x[xt + c];
     }
 """,
     GGMLType.Q8_0: """
-    for (var b = lid; b < dims.cols / 32u; b = b + 64u) {
+    for (var b = first; b < dims.cols / 32u; b = b + step) {
         let o = base + b * 34u;
         var s = 0.0;
         for (var i = 0u; i < 32u; i = i + 1u) {
@@ -78,7 +114,7 @@ _BODIES = {
 """,
     # Q4_0: f16 d, then 16 bytes: element i in the low nibble of byte i, element 16 + i in its high nibble; (q - 8) d
     GGMLType.Q4_0: """
-    for (var b = lid; b < dims.cols / 32u; b = b + 64u) {
+    for (var b = first; b < dims.cols / 32u; b = b + step) {
         let o = base + b * 18u;
         let xb = xt + b * 32u;
         var s = 0.0;
@@ -91,7 +127,7 @@ _BODIES = {
 """,
     # Q4_1: f16 d, f16 m, then the nibbles as Q4_0's; q d + m
     GGMLType.Q4_1: """
-    for (var b = lid; b < dims.cols / 32u; b = b + 64u) {
+    for (var b = first; b < dims.cols / 32u; b = b + step) {
         let o = base + b * 20u;
         let xb = xt + b * 32u;
         var s = 0.0;
@@ -106,10 +142,46 @@ _BODIES = {
         acc = acc + half_at(o) * s + half_at(o + 2u) * sx;
     }
 """,
+    # Q5_0: f16 d, 4 bytes of fifth bits (bit i for element i), then nibbles as Q4_0's; (q - 16) d
+    GGMLType.Q5_0: """
+    for (var b = first; b < dims.cols / 32u; b = b + step) {
+        let o = base + b * 22u;
+        let qh = word_at(o + 2u);
+        let xb = xt + b * 32u;
+        var s = 0.0;
+        for (var i = 0u; i < 16u; i = i + 1u) {
+            let q = byte_at(o + 6u + i);
+            let lo = (q & 15u) | (((qh >> i) & 1u) << 4u);
+            let hi = (q >> 4u) | (((qh >> (i + 16u)) & 1u) << 4u);
+            s = s + (f32(lo) - 16.0) * x[xb + i] + (f32(hi) - 16.0) * x[xb + 16u + i];
+        }
+        acc = acc + half_at(o) * s;
+    }
+""",
+    # Q5_1: f16 d, f16 m, the fifth bits, the nibbles; q d + m
+    GGMLType.Q5_1: """
+    for (var b = first; b < dims.cols / 32u; b = b + step) {
+        let o = base + b * 24u;
+        let qh = word_at(o + 4u);
+        let xb = xt + b * 32u;
+        var s = 0.0;
+        var sx = 0.0;
+        for (var i = 0u; i < 16u; i = i + 1u) {
+            let q = byte_at(o + 8u + i);
+            let x0 = x[xb + i];
+            let x1 = x[xb + 16u + i];
+            let lo = (q & 15u) | (((qh >> i) & 1u) << 4u);
+            let hi = (q >> 4u) | (((qh >> (i + 16u)) & 1u) << 4u);
+            s = s + f32(lo) * x0 + f32(hi) * x1;
+            sx = sx + x0 + x1;
+        }
+        acc = acc + half_at(o) * s + half_at(o + 2u) * sx;
+    }
+""",
     # Q4_K: 256 weights in 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
     # 128 bytes of nibbles (each 32 bytes: a sub-block in the low nibbles, the next in the high); d sc q - dmin m
     GGMLType.Q4_K: """
-    for (var b = lid; b < dims.cols / 256u; b = b + 64u) {
+    for (var b = first; b < dims.cols / 256u; b = b + step) {
         let o = base + b * 144u;
         let d = half_at(o);
         let dmin = half_at(o + 2u);
@@ -137,7 +209,7 @@ _BODIES = {
     # Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
     # weights), f16 d last; d sc (q - 32), in two halves of 128 (llama.cpp's dequantize_row_q6_K)
     GGMLType.Q6_K: """
-    for (var b = lid; b < dims.cols / 256u; b = b + 64u) {
+    for (var b = first; b < dims.cols / 256u; b = b + step) {
         let o = base + b * 210u;
         let d = half_at(o + 208u);
         for (var n = 0u; n < 2u; n = n + 1u) {
@@ -173,15 +245,20 @@ class WebGPUMatmul:
         import wgpu
 
         self._wgpu, self.device, self.max_binding_bytes = wgpu, device, max_binding_bytes
-        self._pipelines: dict[GGMLType, object] = {}
+        self._pipelines: dict[tuple[GGMLType, bool], object] = {}
         self._weights: dict[tuple, object] = {}
 
-    def _pipeline(self, t: GGMLType):
-        if t not in self._pipelines:
-            module = self.device.create_shader_module(code=_HEAD + _BODIES[t] + _TAIL)
-            self._pipelines[t] = self.device.create_compute_pipeline(
+    def _pipeline(self, t: GGMLType, tiled: bool):
+        if (t, tiled) not in self._pipelines:
+            code = _TILE_HEAD + _BODIES[t] + _TILE_TAIL if tiled else _ROW_HEAD + _BODIES[t] + _ROW_TAIL
+            module = self.device.create_shader_module(code=code)
+            self._pipelines[t, tiled] = self.device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main"})
-        return self._pipelines[t]
+        return self._pipelines[t, tiled]
+
+    def upload(self, w: QTensor) -> None:
+        """Put the weight on the device now (a model's load), not at its first use."""
+        self._pieces(w)
 
     def _pieces(self, w: QTensor) -> list[tuple[int, int, object]]:
         """The weight on the device as (first row, rows, buffer) pieces: each within the adapter's binding limit and
@@ -207,26 +284,34 @@ class WebGPUMatmul:
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         """x (T, cols) f32 @ W.T -> (T, rows) f32, computed on the device."""
-        if w.ggml_type not in TYPES:
-            raise ValueError(f"{w.name}: {w.ggml_type.name} is not a type the WebGPU kernels read yet")
         x = np.ascontiguousarray(x, np.float32).reshape(-1, w.cols)
         tokens, usage = x.shape[0], self._wgpu.BufferUsage
-        pipeline = self._pipeline(w.ggml_type)
-        pieces = self._pieces(w)
         xbuf = self.device.create_buffer_with_data(data=x, usage=usage.STORAGE)
         ybuf = self.device.create_buffer(size=tokens * w.rows * 4, usage=usage.STORAGE | usage.COPY_SRC)
         encoder = self.device.create_command_encoder()
-        for row0, rows, wbuf in pieces:
-            dims = np.array([w.rows, w.cols, w.raw.shape[1], row0], np.uint32)
-            ubuf = self.device.create_buffer_with_data(data=dims, usage=usage.UNIFORM)
-            group = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
-                {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
-                for i, b in enumerate((wbuf, xbuf, ybuf, ubuf))])
-            compute = encoder.begin_compute_pass()
-            compute.set_pipeline(pipeline)
-            compute.set_bind_group(0, group)
-            compute.dispatch_workgroups(rows, tokens, 1)
-            compute.end()
+        compute = encoder.begin_compute_pass()
+        self.encode(compute, xbuf, ybuf, tokens, w)
+        compute.end()
         self.device.queue.submit([encoder.finish()])
         out = np.frombuffer(self.device.queue.read_buffer(ybuf), np.float32)
         return out.reshape(tokens, w.rows).copy()
+
+    def encode(self, compute, xbuf, ybuf, tokens: int, w: QTensor) -> None:
+        """Record y = x @ W.T into a compute pass: x (tokens, cols) and y (tokens, rows) f32 device buffers."""
+        if w.ggml_type not in TYPES:
+            raise ValueError(f"{w.name}: {w.ggml_type.name} is not a type the WebGPU kernels read yet")
+        tiled = tokens >= TILE_TOKENS
+        pipeline = self._pipeline(w.ggml_type, tiled)
+        layout = pipeline.get_bind_group_layout(0)
+        for row0, rows, wbuf in self._pieces(w):
+            dims = np.array([w.rows, w.cols, w.raw.shape[1], row0, rows, tokens, 0, 0], np.uint32)
+            ubuf = self.device.create_buffer_with_data(data=dims, usage=self._wgpu.BufferUsage.UNIFORM)
+            group = self.device.create_bind_group(layout=layout, entries=[
+                {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
+                for i, b in enumerate((wbuf, xbuf, ybuf, ubuf))])
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, group)
+            if tiled:
+                compute.dispatch_workgroups(-(-rows // 64), -(-tokens // TILE_TOKENS), 1)
+            else:
+                compute.dispatch_workgroups(rows, tokens, 1)

@@ -1,0 +1,89 @@
+"""Where a model runs: `--backend cpu | webgpu | auto` -> the backend the loader builds, and the reason.
+
+    cpu     the CPU backend (numba kernels), always.
+    webgpu  the WebGPU backend on the best adapter wgpu sees, software ones included (Mesa's lavapipe in CI); an
+            error when there is none or the model is one the WebGPU pass does not run yet.
+    auto    the WebGPU backend on a real GPU (never a software adapter: ~35x slower than numpy) when the model is
+            one it runs, else the CPU.
+Either way a WebGPU model passes the once-per-process self-test (kernels/webgpu/selftest.py) before it is used;
+on a failure it continues on the CPU with one WARN line, and `Model.placement` (what /health and /v1/models show)
+says so.
+"""
+
+from __future__ import annotations
+
+from engine.errors import InvalidRequest
+
+BACKEND_CHOICES = ("cpu", "webgpu", "auto")
+
+
+def choose(asked: str, config, weights, matrices: list[str]) -> tuple[object | None, dict]:
+    """(the WebGPU adapter to run on, or None for the CPU; placement) for a model about to load: placement holds
+    the backend, asked, the reason, and the adapter's report where one was looked at. InvalidRequest for an unknown
+    choice or an explicit webgpu that cannot be had (no wgpu, no adapter, a model it does not run)."""
+    if asked not in BACKEND_CHOICES:
+        raise InvalidRequest(f"unknown backend {asked!r} (choose from: {', '.join(BACKEND_CHOICES)})")
+    if asked == "cpu":
+        return None, {"backend": "cpu", "asked": "cpu"}
+    from engine.kernels.webgpu import device
+    from engine.kernels.webgpu.resident import unsupported
+
+    def fallback(reason: str, adapter=None) -> tuple[None, dict]:
+        if asked == "webgpu":
+            raise InvalidRequest(f"--backend webgpu: {reason}")
+        return None, {"backend": "cpu", "asked": asked, "reason": reason,
+                       **({"adapter": adapter.report()} if adapter is not None else {})}
+
+    try:
+        found = device.adapters()
+    except device.WebGPUUnavailable as e:
+        return fallback(str(e))
+    adapter = device.pick(found, asked)
+    if adapter is None:
+        return (fallback("only software adapters, which auto never takes", found[0]) if found
+                else fallback("no WebGPU adapter"))
+    why_not = unsupported(config, weights, matrices)
+    if why_not:
+        return fallback(why_not, adapter)
+    return adapter, {"backend": "webgpu", "asked": asked, "adapter": adapter.report()}
+
+
+_GPUS: dict[str, object] = {}  # adapter name -> its device (program.Gpu), opened once per process
+
+
+def place_on_webgpu(adapter, config, weights, matrices: list[str], placement: dict, *, selftest: bool = True,
+                    note=None):
+    """The model resident on the adapter (a prepared WebGPU backend), after the adapter's self-test
+    (engine/gpu_selftest.py, once per process); None when the self-test failed: placement then says backend cpu
+    and why, and one WARN line has gone to note (default stderr)."""
+    from engine import gpu_selftest
+    from engine.kernels.webgpu.device import open_device
+    from engine.kernels.webgpu.program import Gpu
+
+    gpu = _GPUS.get(adapter.name)
+    if gpu is None:
+        gpu = _GPUS[adapter.name] = Gpu(open_device(adapter), adapter.max_binding_bytes)
+
+    def resident(c, w, names):
+        from engine.kernels.webgpu.resident import WebGPUResident
+
+        backend = WebGPUResident(gpu, adapter.name)
+        backend.prepare(c, w, None, names)
+        return backend
+
+    if not selftest:
+        placement["selftest"] = {"backend": "webgpu", "adapter": adapter.name, "status": "skipped"}
+        return resident(config, weights, matrices)
+    result = placement["selftest"] = gpu_selftest.run(adapter.name, resident)
+    if result["status"] != "passed":
+        reason = f"the WebGPU self-test failed on {adapter.name} ({result['reason']})"
+        (note or _stderr)(f"WARN: self-test: {reason}; the model runs on the CPU")
+        placement.update(backend="cpu", reason=reason)
+        return None
+    return resident(config, weights, matrices)
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(f"goinfer: {line}", file=sys.stderr, flush=True)
