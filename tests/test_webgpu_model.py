@@ -76,3 +76,104 @@ def test_a_kit_dense_family_on_webgpu_is_inside_llama_cpps_noise_band(path):
         assert_in_noise_band(mean, worst, misses)
         kls += case_kls
     assert_mean_kl(kls)
+
+
+def test_the_self_test_passed_and_its_figures_are_reported(smollm2_gguf):
+    placement = _resident(smollm2_gguf).placement
+    result = placement["selftest"]
+    assert result["status"] == "passed" and result["adapter"] == placement["adapter"]["adapter"]
+    assert result["worst_cosine"] >= 0.995 and result["worst_rel_l2"] <= 0.10
+    assert result["bars"] == {"cosine": 0.995, "rel_l2": 0.10}
+
+
+def test_a_failed_self_test_leaves_the_model_on_the_cpu_with_one_warn_line(smollm2_gguf, monkeypatch, capfd):
+    """A wrong kernel (the gated activation scaled by 1.5) on a fresh device: the tiny checkpoints disagree with
+    the CPU, and the model runs on the CPU, saying why."""
+    from engine import gpu_selftest, placement
+    from engine.kernels.webgpu import shaders
+
+    wrong = shaders.ACT_MUL.replace("y[i] = act * u", "y[i] = 1.5 * act * u")
+    assert wrong != shaders.ACT_MUL
+    monkeypatch.setitem(shaders.SOURCES, "act_mul", wrong)
+    monkeypatch.setattr(gpu_selftest, "_RESULTS", {})
+    monkeypatch.setattr(placement, "_GPUS", {})
+    capfd.readouterr()
+    model = engine.load_model(smollm2_gguf, backend="webgpu")
+    err = capfd.readouterr().err
+    warns = [line for line in err.splitlines() if "WARN" in line]
+    assert len(warns) == 1 and warns[0].startswith("goinfer: WARN: self-test: the WebGPU self-test failed on "), err
+    assert "cosine" in warns[0] and warns[0].endswith("the model runs on the CPU")
+    assert model.backend.name == "cpu" and model.placement["backend"] == "cpu" and model.placement["asked"] == "webgpu"
+    assert model.placement["selftest"]["status"] == "failed" and "self-test failed" in model.placement["reason"]
+    assert model.placement["selftest"]["worst_cosine"] < 0.995 or model.placement["selftest"]["worst_rel_l2"] > 0.10
+    ids = model.tokenizer.encode("The capital of France is")
+    assert model.tokenizer.decode([int(model.next_logprobs(ids).argmax())]).strip() == "Paris"
+
+
+def test_the_device_cache_forks_rewinds_and_round_trips():
+    """On the self-test's tiny Llama: a fork continues on its own, a rewound cache recomputes the same numbers, and
+    keys/values written from the host (a saved session) read back as they were; each decode equals the CPU's."""
+    from engine import gpu_selftest
+    from engine.kernels.cpu.backend import cpu_backend
+    from engine.kernels.webgpu.device import pick
+    from engine.models import dense
+    from engine.placement import place_on_webgpu
+
+    config, weights, names = gpu_selftest._checkpoint("llama", 11)
+    resident = place_on_webgpu(pick(test_webgpu.FOUND, "webgpu"), config, weights, names, {}, selftest=False)
+    cpu = cpu_backend("exact", selftest=False)
+    head = weights.tensor("token_embd")
+    ids = np.random.default_rng(5).integers(0, config.vocab_size, 30)
+
+    def cpu_last(seq):
+        cache = cpu.new_cache(config, len(seq))
+        cache.reserve(len(seq))
+        return cpu.matmul(dense.forward(config, weights, cpu, np.asarray(seq), cache)[-1:], head)[0]
+
+    a = resident.new_cache(config, 64)
+    a.reserve(30)
+    resident.forward(config, weights, resident, ids, a)
+    b = a.fork()
+    la, lb = resident.decode([5], [a])[0], resident.decode([6], [b])[0]
+    assert (a.length, b.length) == (31, 31)
+    np.testing.assert_allclose(la, cpu_last(np.append(ids, 5)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(lb, cpu_last(np.append(ids, 6)), rtol=1e-4, atol=1e-4)
+    a.truncate(10)
+    a.reserve(20)
+    resident.forward(config, weights, resident, ids[10:], a)
+    np.testing.assert_allclose(resident.decode([5], [a])[0], la, rtol=1e-5, atol=1e-5)
+    c = resident.new_cache(config, 64)
+    c.reserve(31)
+    for layer in range(config.n_layer):
+        c.write(layer, a.keys(layer), a.values(layer))
+    c.advance(31)
+    assert np.array_equal(c.keys(1), a.keys(1)) and np.array_equal(c.values(0), a.values(0))
+    np.testing.assert_allclose(resident.decode([7], [c])[0], resident.decode([7], [a])[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_served_chat_streams_from_a_webgpu_resident_model(tmp_path, smollm2_gguf):
+    import httpx
+
+    from tests.test_server import start_server, stop
+
+    s = start_server(tmp_path / "serve.log", "--model", str(smollm2_gguf), "--backend", "webgpu")
+    try:
+        (model,) = httpx.get(f"{s.url}/health", timeout=30).json()["models"]
+        assert model["placement"]["backend"] == "webgpu" and model["placement"]["selftest"]["status"] == "passed"
+        entry = httpx.get(f"{s.url}/v1/models/{smollm2_gguf.stem}", timeout=30).json()
+        assert entry["backend"] == "webgpu" and entry["adapter"] == model["placement"]["adapter"]["adapter"]
+        body = {"model": smollm2_gguf.stem, "messages": [{"role": "user", "content": "Name the capital of France."}],
+                "max_tokens": 4, "temperature": 0, "stream": True}
+        chunks, text = [], ""
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert len(chunks) >= 3 and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks
+        assert text.strip(), chunks
+        banner = next(line for line in s.log_text().splitlines() if " backend webgpu (" in line)
+        assert "software" in banner
+    finally:
+        stop(s)
