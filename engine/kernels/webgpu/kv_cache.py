@@ -10,11 +10,14 @@ and `values` move them between host and device for a saved session (engine/sessi
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from engine.errors import ContextOverflow
 
 _GROW_STEP = 256  # positions; capacity grows to the next multiple, doubling for long sequences
+_SERIALS = itertools.count()
 
 
 class WebGPUKVCache:
@@ -27,6 +30,7 @@ class WebGPUKVCache:
         self.state: dict = {}  # no recurrent state: the WebGPU pass runs dense families only
         self.length = 0
         self.capacity = 0
+        self.serial = next(_SERIALS)  # new with every set of buffers: what a recorded pass over them is keyed by
         self.k: list = []
         self.v: list = []
 
@@ -44,7 +48,7 @@ class WebGPUKVCache:
         if keep:
             for old, new in zip(self.k + self.v, k + v):
                 self.gpu.copy(old, new, keep)
-        self.k, self.v, self.capacity = k, v, capacity
+        self.k, self.v, self.capacity, self.serial = k, v, capacity, next(_SERIALS)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v (T, Hkv, D) at positions length.. of a layer from the host (a saved session coming back)."""

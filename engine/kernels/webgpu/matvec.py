@@ -286,32 +286,36 @@ class WebGPUMatmul:
         """x (T, cols) f32 @ W.T -> (T, rows) f32, computed on the device."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1, w.cols)
         tokens, usage = x.shape[0], self._wgpu.BufferUsage
+        if w.ggml_type not in TYPES:
+            raise ValueError(f"{w.name}: {w.ggml_type.name} is not a type the WebGPU kernels read yet")
         xbuf = self.device.create_buffer_with_data(data=x, usage=usage.STORAGE)
         ybuf = self.device.create_buffer(size=tokens * w.rows * 4, usage=usage.STORAGE | usage.COPY_SRC)
         encoder = self.device.create_command_encoder()
         compute = encoder.begin_compute_pass()
-        self.encode(compute, xbuf, ybuf, tokens, w)
+        for pipeline, group, groups in self.commands(xbuf, ybuf, tokens, w):
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, group)
+            compute.dispatch_workgroups(*groups, 1)
         compute.end()
         self.device.queue.submit([encoder.finish()])
         out = np.frombuffer(self.device.queue.read_buffer(ybuf), np.float32)
         return out.reshape(tokens, w.rows).copy()
 
-    def encode(self, compute, xbuf, ybuf, tokens: int, w: QTensor) -> None:
-        """Record y = x @ W.T into a compute pass: x (tokens, cols) and y (tokens, rows) f32 device buffers."""
+    def commands(self, xbuf, ybuf, tokens: int, w: QTensor) -> list[tuple[object, object, tuple[int, int]]]:
+        """y = x @ W.T as dispatches (pipeline, bind group, workgroups) over x (tokens, cols) and y (tokens, rows)
+        f32 device buffers: one per piece of the weight; a caller may record them once and replay them."""
         if w.ggml_type not in TYPES:
             raise ValueError(f"{w.name}: {w.ggml_type.name} is not a type the WebGPU kernels read yet")
         tiled = tokens >= TILE_TOKENS
         pipeline = self._pipeline(w.ggml_type, tiled)
         layout = pipeline.get_bind_group_layout(0)
+        out = []
         for row0, rows, wbuf in self._pieces(w):
             dims = np.array([w.rows, w.cols, w.raw.shape[1], row0, rows, tokens, 0, 0], np.uint32)
             ubuf = self.device.create_buffer_with_data(data=dims, usage=self._wgpu.BufferUsage.UNIFORM)
             group = self.device.create_bind_group(layout=layout, entries=[
                 {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
                 for i, b in enumerate((wbuf, xbuf, ybuf, ubuf))])
-            compute.set_pipeline(pipeline)
-            compute.set_bind_group(0, group)
-            if tiled:
-                compute.dispatch_workgroups(-(-rows // 64), -(-tokens // TILE_TOKENS), 1)
-            else:
-                compute.dispatch_workgroups(rows, tokens, 1)
+            groups = (-(-rows // 64), -(-tokens // TILE_TOKENS)) if tiled else (rows, tokens)
+            out.append((pipeline, group, groups))
+        return out

@@ -1,6 +1,6 @@
-"""One wgpu device and the ways the forward pass uses it: buffers, the ops' pipelines (shaders.py), and a
-`Recording`: every dispatch of a forward pass in one compute pass of one command encoder, submitted once, with
-one read back at the end (no host round-trip per layer or per op).
+"""One wgpu device and the ways the forward pass uses it: buffers, the ops' pipelines (shaders.py), and a `Plan`:
+every dispatch of a forward pass in one compute pass of one command encoder, submitted once, with one read back
+at the end (no host round-trip per layer or per op), recorded once and replayed by decode steps.
 
 Bindings are whole buffers; sizes and offsets go in a small uniform per dispatch (`params`: ints as u32, floats
 as f32, in the shader's field order).
@@ -69,13 +69,15 @@ class Gpu:
         self.device.queue.submit([encoder.finish()])
 
 
-class Recording:
-    """Dispatches recorded into one compute pass; `finish` submits them."""
+class Plan:
+    """A forward pass's dispatches, recorded once (bind groups and uniforms made here) and run as one compute pass
+    of one command encoder per `run`. What changes from one run to the next (the input rows, the RoPE tables, where
+    each sequence starts) is written into the buffers the plan binds, so a decode step replays its plan: per token
+    the host only encodes the recorded dispatches and writes a few bytes."""
 
     def __init__(self, gpu: Gpu):
         self.gpu = gpu
-        self._encoder = gpu.device.create_command_encoder()
-        self._pass = self._encoder.begin_compute_pass()
+        self._commands: list[tuple[object, object, tuple[int, int]]] = []
 
     def dispatch(self, name: str, buffers: list, uniform: np.ndarray, groups: tuple[int, int]) -> None:
         """Op `name` over its buffers (in binding order, the uniform last) in groups (x, y) workgroups."""
@@ -85,9 +87,7 @@ class Recording:
         group = gpu.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
             {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
             for i, b in enumerate([*buffers, ubuf])])
-        self._pass.set_pipeline(pipeline)
-        self._pass.set_bind_group(0, group)
-        self._pass.dispatch_workgroups(groups[0], groups[1], 1)
+        self._commands.append((pipeline, group, groups))
 
     def elementwise(self, name: str, buffers: list, uniform: np.ndarray, count: int) -> None:
         """An op with one invocation per element (count of them), in 64-wide workgroups spread over two
@@ -97,8 +97,16 @@ class Recording:
         self.dispatch(name, buffers, uniform, (x, -(-groups // x)))
 
     def matmul(self, xbuf, ybuf, tokens: int, w) -> None:
-        self.gpu.matrices.encode(self._pass, xbuf, ybuf, tokens, w)
+        self._commands += self.gpu.matrices.commands(xbuf, ybuf, tokens, w)
 
-    def finish(self) -> None:
-        self._pass.end()
-        self.gpu.device.queue.submit([self._encoder.finish()])
+    def run(self) -> None:
+        """Submit every recorded dispatch, in order, as one compute pass (WebGPU orders a pass's dispatches and
+        makes each see the writes of those before it)."""
+        encoder = self.gpu.device.create_command_encoder()
+        compute = encoder.begin_compute_pass()
+        for pipeline, group, groups in self._commands:
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, group)
+            compute.dispatch_workgroups(groups[0], groups[1], 1)
+        compute.end()
+        self.gpu.device.queue.submit([encoder.finish()])

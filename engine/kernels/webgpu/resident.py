@@ -1,11 +1,12 @@
 """The WebGPU backend: a dense model resident on a wgpu device (kernels/backend.py's interface).
 
 Every matrix goes to the device once, as its GGUF blocks (matvec.py), with the norms and biases; each sequence's
-keys and values live there too (kv_cache.py). A forward pass, a prompt chunk's or a decode step's, is one
-recording (program.py): embeddings (looked up on the host: a few rows of the table) go up, every layer's ops run
-back to back on the device, and one read brings back the final hidden states (a prompt) or the head's logits (a
-decode step). A decode step of M sequences runs their M rows through each matrix together; each sequence's
-attention reads its own cache.
+keys and values live there too (kv_cache.py). A forward pass, a prompt chunk's or a decode step's, is one plan
+(program.py): embeddings (looked up on the host: a few rows of the table) go up, every layer's ops run back to back
+on the device, and one read brings back the final hidden states (a prompt) or the head's logits (a decode step). A
+decode step of M sequences runs their M rows through each matrix together; each sequence's attention reads its own
+cache. A decode step's plan is recorded once per batch (the same caches, the same buffers) and replayed: where
+each sequence starts and the RoPE tables are written into buffers the plan binds.
 
 What it runs: the decoder-only families of models/dense.py without experts, attention sinks or output gates
 (llama, qwen2, qwen3, phi3, gemma2, gemma3): RMSNorm, q/k norms, post norms, q/k/v biases, fused q|k|v and
@@ -26,10 +27,12 @@ from engine.kernels.cpu.ops import rope_tables
 from engine.kernels.quant_types import QTensor
 from engine.kernels.webgpu.kv_cache import WebGPUKVCache
 from engine.kernels.webgpu.matvec import TYPES
-from engine.kernels.webgpu.program import Gpu, Recording, params
+from engine.kernels.webgpu.program import Gpu, Plan, params
 from engine.kernels.webgpu.shaders import MAX_HEAD_DIM
 
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+_PLANNED_ROWS = 16  # passes of at most this many rows (decode steps) keep their plans and buffers
+_MAX_PLANS = 8
 
 
 def unsupported(config, weights, matrices: Sequence[str]) -> str | None:
@@ -58,6 +61,7 @@ class WebGPUResident:
         self.config = self.weights = None
         self._vectors: dict[str, object] = {}
         self._scratch: dict[int, dict] = {}
+        self._plans: dict[tuple, Plan] = {}  # decode steps' recorded passes, by rows, head and the caches' buffers
 
     def describe(self) -> str:
         return f"webgpu on {self.adapter_name} (f32, model resident)"
@@ -109,10 +113,10 @@ class WebGPUResident:
         return self._run(np.asarray(ids, np.int64), [(cache, 0, len(ids))], head=False)
 
     def end_prompt(self) -> None:
-        self._scratch = {t: s for t, s in self._scratch.items() if t <= 16}  # a prompt's big activations go
+        self._scratch = {t: s for t, s in self._scratch.items() if t <= _PLANNED_ROWS}  # a prompt's activations go
 
     def end_sequences(self) -> None:
-        pass
+        self._plans.clear()  # they hold the finished sequences' caches
 
     # --- ops a caller may still ask for (the head of a prompt's last rows) ------------------------------------
 
@@ -135,7 +139,8 @@ class WebGPUResident:
             H, Hkv, D, E = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
             s = {"x": b(T * E * 4), "h": b(T * E * 4), "q": b(T * H * D * 4), "q2": b(T * H * D * 4),
                  "k": b(T * Hkv * D * 4), "k2": b(T * Hkv * D * 4), "v": b(T * Hkv * D * 4),
-                 "att": b(T * H * D * 4), "o": b(T * E * 4), "g": b(T * cfg.n_ff * 4)}
+                 "att": b(T * H * D * 4), "o": b(T * E * 4), "g": b(T * cfg.n_ff * 4), "starts": b(T * 4),
+                 "rope": {bs: b(T * cfg.rope_dim * 4) for bs in set(zip(cfg.layer_rope_base, cfg.layer_rope_scale))}}
             if cfg.fused_qkv:
                 s["qkv"] = b(T * (H + 2 * Hkv) * D * 4)
             if cfg.fused_gate_up:
@@ -149,54 +154,66 @@ class WebGPUResident:
         w = self.weights
         return w.tensor("output") if w.has("output") else w.tensor("token_embd")
 
-    def _rope_tables(self, positions: np.ndarray) -> dict:
-        """cos|sin (T, 2, rope_dim/2) on the device, one per (base, linear factor) the layers use."""
+    def _write_rope_tables(self, buf: dict, positions: np.ndarray) -> None:
+        """cos|sin (T, 2, rope_dim/2) of the rows' positions, one table per (base, linear factor) the layers use."""
         cfg = self.config
         divisors = frequency_divisors(cfg, self.weights)
-        tables = {}
-        for base, scale in set(zip(cfg.layer_rope_base, cfg.layer_rope_scale)):
+        for (base, scale), table in buf["rope"].items():
             cos, sin = rope_tables(positions, cfg.rope_dim, base, scale, divisors, cfg.rope_attn_factor)
-            tables[base, scale] = self.gpu.upload(np.stack([cos, sin], axis=1))
-        return tables
+            self.gpu.write(table, np.stack([cos, sin], axis=1))
 
     def _run(self, ids: np.ndarray, seqs: list[tuple[WebGPUKVCache, int, int]], head: bool) -> np.ndarray:
         """ids' rows through the model: seqs (cache, first row, rows) say which rows belong to which sequence
         (each cache already reserved); every cache advances by its rows. Returns the head's raw output (head) or
         the final-normed hidden states."""
         cfg, w, T = self.config, self.weights, len(ids)
-        E = cfg.n_embd
         buf = self._buffers(T)
         x = reference.embed_rows(w.tensor("token_embd"), ids).astype(np.float32)
         if cfg.embed_scale != 1.0:
             x *= np.float32(cfg.embed_scale)
         self.gpu.write(buf["x"], x)
-        positions = np.concatenate([np.arange(c.length, c.length + n) for c, _, n in seqs])
-        tables = self._rope_tables(positions)
-        rec = Recording(self.gpu)
-        for i in range(cfg.n_layer):
-            self._attention_block(rec, buf, i, T, seqs, tables[cfg.layer_rope_base[i], cfg.layer_rope_scale[i]])
-            self._mlp_block(rec, buf, i, T)
-        self._norm(rec, buf["x"], "output_norm.weight", buf["h"], T, E)
-        out = self._head() if head else None
-        if out is not None:
-            if buf.get("logits") is None:
-                buf["logits"] = self.gpu.buffer(T * out.rows * 4)
-            rec.matmul(buf["h"], buf["logits"], T, out)
-        rec.finish()
-        result = self.gpu.read(buf["logits"], T * out.rows).reshape(T, out.rows) if out is not None else \
-            self.gpu.read(buf["h"], T * E).reshape(T, E)
+        self.gpu.write(buf["starts"], np.array([c.length for c, _, _ in seqs], np.uint32))
+        self._write_rope_tables(buf, np.concatenate([np.arange(c.length, c.length + n) for c, _, n in seqs]))
+        key = (T, head, tuple((c.serial, row0, n) for c, row0, n in seqs))
+        plan = self._plans.get(key) or self._record(buf, T, seqs, head)
+        if T <= _PLANNED_ROWS:
+            if len(self._plans) >= _MAX_PLANS and key not in self._plans:
+                self._plans.clear()
+            self._plans[key] = plan
+        plan.run()
+        if head:
+            rows = self._head().rows
+            result = self.gpu.read(buf["logits"], T * rows).reshape(T, rows)
+        else:
+            result = self.gpu.read(buf["h"], T * cfg.n_embd).reshape(T, cfg.n_embd)
         for cache, _, n in seqs:
             cache.advance(n)
         return result
 
-    def _norm(self, rec: Recording, src, weight: str, dst, rows: int, n: int, accumulate: bool = False) -> None:
+    def _record(self, buf: dict, T: int, seqs, head: bool) -> Plan:
+        """The pass's dispatches over buf's buffers and the sequences' caches."""
+        cfg = self.config
+        plan = Plan(self.gpu)
+        for i in range(cfg.n_layer):
+            table = buf["rope"][cfg.layer_rope_base[i], cfg.layer_rope_scale[i]]
+            self._attention_block(plan, buf, i, T, seqs, table)
+            self._mlp_block(plan, buf, i, T)
+        self._norm(plan, buf["x"], "output_norm.weight", buf["h"], T, cfg.n_embd)
+        if head:
+            out = self._head()
+            if buf.get("logits") is None:
+                buf["logits"] = self.gpu.buffer(T * out.rows * 4)
+            plan.matmul(buf["h"], buf["logits"], T, out)
+        return plan
+
+    def _norm(self, rec: Plan, src, weight: str, dst, rows: int, n: int, accumulate: bool = False) -> None:
         rec.dispatch("rms_norm", [src, self._vector(weight), dst], params(n, float(self.config.rms_eps),
                                                                           int(accumulate)), (rows, 1))
 
-    def _add(self, rec: Recording, x, y, count: int, n: int) -> None:
+    def _add(self, rec: Plan, x, y, count: int, n: int) -> None:
         rec.elementwise("add", [x, y], params(count, n), count)
 
-    def _attention_block(self, rec: Recording, buf: dict, i: int, T: int, seqs, table) -> None:
+    def _attention_block(self, rec: Plan, buf: dict, i: int, T: int, seqs, table) -> None:
         cfg, w, blk = self.config, self.weights, f"blk.{i}."
         H, Hkv, D, E = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
         self._norm(rec, buf["x"], blk + "attn_norm.weight", buf["h"], T, E)
@@ -221,11 +238,11 @@ class WebGPUResident:
             rec.elementwise("rope", [x, table], params(T, heads, D, half, int(cfg.rope_style == "neox")),
                             T * heads * half)
         slot = cfg.kv_slot.get(i, i)
-        for cache, row0, n in seqs:
+        for seq, (cache, row0, n) in enumerate(seqs):
             for src, dst in ((k, cache.k[slot]), (v, cache.v[slot])):
-                rec.elementwise("kv_store", [src, dst], params(row0, cache.length, n, Hkv * D), n * Hkv * D)
-            rec.dispatch("attention", [q, cache.k[slot], cache.v[slot], buf["att"]],
-                         params(row0, cache.length, H, Hkv, D, cfg.layer_window[i], float(cfg.attn_scale),
+                rec.elementwise("kv_store", [src, dst, buf["starts"]], params(row0, seq, n, Hkv * D), n * Hkv * D)
+            rec.dispatch("attention", [q, cache.k[slot], cache.v[slot], buf["att"], buf["starts"]],
+                         params(row0, seq, H, Hkv, D, cfg.layer_window[i], float(cfg.attn_scale),
                                 float(cfg.attn_softcap or 0.0)), (H, n))
         rec.matmul(buf["att"], buf["o"], T, w.tensor(blk + "attn_output"))
         if cfg.attn_out_bias:
@@ -235,7 +252,7 @@ class WebGPUResident:
         else:
             self._add(rec, buf["x"], buf["o"], T * E, T * E)
 
-    def _mlp_block(self, rec: Recording, buf: dict, i: int, T: int) -> None:
+    def _mlp_block(self, rec: Plan, buf: dict, i: int, T: int) -> None:
         cfg, w, blk = self.config, self.weights, f"blk.{i}."
         E, F = cfg.n_embd, cfg.n_ff
         self._norm(rec, buf["x"], blk + "ffn_norm.weight", buf["h"], T, E)

@@ -67,31 +67,35 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 }
 """
 
-# cache[(pos0 + t) * width + c] = src[(row0 + t) * width + c]: a sequence's new keys (or values) into its cache
+# cache[(pos0 + t) * width + c] = src[(row0 + t) * width + c]: a sequence's new keys (or values) into its cache;
+# pos0 = starts[seq], the sequence's length before this pass (a buffer written per pass, so the recorded dispatches
+# of a decode step stay the same from one step to the next)
 KV_STORE = _FLAT + """
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cache: array<f32>;
-struct P { row0: u32, pos0: u32, n: u32, width: u32 };
-@group(0) @binding(2) var<uniform> p: P;
+@group(0) @binding(2) var<storage, read> starts: array<u32>;
+struct P { row0: u32, seq: u32, n: u32, width: u32 };
+@group(0) @binding(3) var<uniform> p: P;
 
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = flat(gid, nwg);
     if (i >= p.n * p.width) { return; }
-    cache[p.pos0 * p.width + i] = src[p.row0 * p.width + i];
+    cache[starts[p.seq] * p.width + i] = src[p.row0 * p.width + i];
 }
 """
 
 # Causal (optionally sliding-window, soft-capped) grouped-query attention of one sequence's n query rows
-# (row0.., at positions pos0..) over its cache (cap, Hkv, D): one workgroup per (head, query). Keys go in tiles of
+# (row0.., at positions starts[seq]..) over its cache (cap, Hkv, D): one workgroup per (head, query). Keys go in tiles of
 # 64, one per invocation, with a running max and sum (the online softmax): no score matrix in memory, any length.
 ATTENTION = """
 @group(0) @binding(0) var<storage, read> q: array<f32>;
 @group(0) @binding(1) var<storage, read> kc: array<f32>;
 @group(0) @binding(2) var<storage, read> vc: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
-struct P { row0: u32, pos0: u32, heads: u32, kv_heads: u32, d: u32, window: u32, scale: f32, softcap: f32 };
-@group(0) @binding(4) var<uniform> p: P;
+@group(0) @binding(4) var<storage, read> starts: array<u32>;
+struct P { row0: u32, seq: u32, heads: u32, kv_heads: u32, d: u32, window: u32, scale: f32, softcap: f32 };
+@group(0) @binding(5) var<uniform> p: P;
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> sc: array<f32, 64>;
 const MASKED: f32 = -1.0e30;
@@ -99,7 +103,7 @@ const MASKED: f32 = -1.0e30;
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let h = wg.x;
-    let pos = p.pos0 + wg.y;
+    let pos = starts[p.seq] + wg.y;
     let kvh = h / (p.heads / p.kv_heads);
     let qo = ((p.row0 + wg.y) * p.heads + h) * p.d;
     for (var i = lid; i < p.d; i = i + 64u) { qs[i] = q[qo + i]; }
