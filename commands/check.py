@@ -52,6 +52,15 @@ def check(
         _print_plain(report)
 
 
+def _gpu_selftest_line(t: dict) -> str:
+    """The WebGPU self-test's result beside its bars (engine/gpu_selftest.py)."""
+    if "worst_cosine" not in t:
+        return f"{t['status']} on {t['adapter']} ({t.get('reason')})"
+    line = (f"{t['status']} on {t['adapter']}: worst cosine {t['worst_cosine']:.5f} (bar {t['bars']['cosine']}), "
+            f"relative L2 {t['worst_rel_l2']:.4f} (bar {t['bars']['rel_l2']}), {t['elapsed_ms']:.0f} ms")
+    return line + (f"; {t['reason']}" if t.get("reason") else "")
+
+
 def _mb(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**20:,.0f} MiB"
 
@@ -81,6 +90,8 @@ def _print_plain(r: dict[str, Any]) -> None:
                              f"{_mb(a['max_binding_bytes'])}; {' '.join(a['features']) or 'no f16/subgroups'}; "
                              f"{g.get('package')})")
             lines.append(f"{'':<12} auto picks: {g['auto'] or 'cpu (' + g['reason'] + ')'}")
+            if g.get("selftest"):
+                lines.append(f"{'':<12} self-test: {_gpu_selftest_line(g['selftest'])}")
             continue
         state = f"{g.get('device')} ({g.get('package')})" if g["available"] else f"unavailable: {g['reason']}"
         lines.append(f"{'gpu ' + name:<12} {state}")

@@ -116,8 +116,9 @@ def _kernel_tier() -> dict[str, Any]:
     return info
 
 
-def gpu_backends() -> dict[str, dict[str, Any]]:
-    """Each GPU backend: importable and its device, or why not (never raises)."""
+def gpu_backends(selftest: bool = False) -> dict[str, dict[str, Any]]:
+    """Each GPU backend: importable and its device, or why not (never raises). selftest: the WebGPU self-test
+    (engine/gpu_selftest.py) on the adapter `--backend webgpu` takes, with its figures."""
     out: dict[str, dict[str, Any]] = {}
     try:
         import cupy
@@ -153,6 +154,10 @@ def gpu_backends() -> dict[str, dict[str, Any]]:
                 out["webgpu"]["reason"] = "wgpu imports but sees no adapter"
             elif auto is None:
                 out["webgpu"]["reason"] = "only software adapters, which auto never takes"
+            if found and selftest:
+                from engine.placement import webgpu_selftest
+
+                out["webgpu"]["selftest"] = webgpu_selftest(pick(found, "webgpu"))
         except Exception as exc:
             out["webgpu"] = {"available": False, "package": f"wgpu {wgpu.__version__}",
                              "reason": f"no WebGPU adapter: {type(exc).__name__}: {str(exc)[:200]}"}
@@ -240,7 +245,7 @@ def hardware_report(*, selftest: bool = True, fit: str | None = None, context: i
         "cpu": cpu_info(),
         "kernels": _kernel_tier(),
         "memory": memory_info(),
-        "gpu": gpu_backends(),
+        "gpu": gpu_backends(selftest),
         "selftest": st.report(),
         "models": supported_models(),
     }

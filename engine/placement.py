@@ -57,20 +57,8 @@ def place_on_webgpu(adapter, config, weights, matrices: list[str], placement: di
     (engine/gpu_selftest.py, once per process); None when the self-test failed: placement then says backend cpu
     and why, and one WARN line has gone to note (default stderr)."""
     from engine import gpu_selftest
-    from engine.kernels.webgpu.device import open_device
-    from engine.kernels.webgpu.program import Gpu
 
-    gpu = _GPUS.get(adapter.name)
-    if gpu is None:
-        gpu = _GPUS[adapter.name] = Gpu(open_device(adapter), adapter.max_binding_bytes)
-
-    def resident(c, w, names):
-        from engine.kernels.webgpu.resident import WebGPUResident
-
-        backend = WebGPUResident(gpu, adapter.name)
-        backend.prepare(c, w, None, names)
-        return backend
-
+    resident = _resident_maker(adapter)
     if not selftest:
         placement["selftest"] = {"backend": "webgpu", "adapter": adapter.name, "status": "skipped"}
         return resident(config, weights, matrices)
@@ -81,6 +69,34 @@ def place_on_webgpu(adapter, config, weights, matrices: list[str], placement: di
         placement.update(backend="cpu", reason=reason)
         return None
     return resident(config, weights, matrices)
+
+
+def _resident_maker(adapter):
+    """(config, weights, matrix names) -> a prepared WebGPU backend on the adapter's device (opened once)."""
+    from engine.kernels.webgpu.device import open_device
+    from engine.kernels.webgpu.program import Gpu
+    from engine.kernels.webgpu.resident import WebGPUResident
+
+    gpu = _GPUS.get(adapter.name)
+    if gpu is None:
+        gpu = _GPUS[adapter.name] = Gpu(open_device(adapter), adapter.max_binding_bytes)
+
+    def resident(config, weights, names):
+        backend = WebGPUResident(gpu, adapter.name)
+        backend.prepare(config, weights, None, names)
+        return backend
+
+    return resident
+
+
+def webgpu_selftest(adapter) -> dict:
+    """The self-test on an adapter (check --hardware): its result, run now or earlier in this process."""
+    from engine import gpu_selftest
+
+    try:
+        return gpu_selftest.run(adapter.name, _resident_maker(adapter))
+    except Exception as e:  # opening the device failed: the report says so
+        return {"backend": "webgpu", "adapter": adapter.name, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
 
 
 def _stderr(line: str) -> None:

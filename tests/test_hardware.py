@@ -150,6 +150,11 @@ def test_check_hardware_json_holds_the_fields_and_nothing_personal(tmp_path):
     for backend in report["gpu"].values():  # importable with a device, or the reason why not
         assert backend["available"] or backend["reason"]
     assert report["selftest"]["status"] in ("ok", "stepped_down")
+    webgpu = report["gpu"]["webgpu"]
+    if webgpu.get("adapters"):  # the WebGPU self-test on the adapter --backend webgpu takes (lavapipe in CI)
+        t = webgpu["selftest"]
+        assert t["status"] == "passed" and t["adapter"] == webgpu["adapters"][0]["adapter"], t
+        assert t["worst_cosine"] >= t["bars"]["cosine"] and t["worst_rel_l2"] <= t["bars"]["rel_l2"]
     fit = report["fit"]
     assert fit["model"] == "tiny.gguf" and fit["context"] == 128
     assert fit["total_bytes"] == fit["weights_bytes"] + fit["kv_cache_bytes"] + fit["working_bytes_estimate"]
@@ -169,5 +174,6 @@ def test_check_hardware_plain_output_and_usage(monkeypatch):
     assert r.exit_code == 0, r.output
     for label in ("goinfer", "cpu", "isa", "kernel tier", "memory", "gpu cuda", "gpu webgpu", "self-test"):
         assert label in r.stdout
+    assert "self-test: passed" not in r.stdout  # --no-selftest runs neither self-test
     r = CliRunner().invoke(app, ["check"])
     assert r.exit_code == 2
