@@ -79,7 +79,7 @@ def _resident_maker(adapter):
 
     gpu = _GPUS.get(adapter.name)
     if gpu is None:
-        gpu = _GPUS[adapter.name] = Gpu(open_device(adapter), adapter.max_binding_bytes)
+        gpu = _GPUS[adapter.name] = Gpu(open_device(adapter), adapter.max_binding_bytes, adapter.features)
 
     def resident(config, weights, names):
         backend = WebGPUResident(gpu, adapter.name)

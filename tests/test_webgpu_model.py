@@ -112,7 +112,8 @@ def test_a_failed_self_test_leaves_the_model_on_the_cpu_with_one_warn_line(smoll
 
 def test_the_device_cache_forks_rewinds_and_round_trips():
     """On the self-test's tiny Llama: a fork continues on its own, a rewound cache recomputes the same numbers, and
-    keys/values written from the host (a saved session) read back as they were; each decode equals the CPU's."""
+    keys/values written from the host (a saved session) read back as they were; each decode equals the CPU's exact
+    path's (within the f16 cache's rounding)."""
     from engine import gpu_selftest
     from engine.kernels.cpu.backend import cpu_backend
     from engine.kernels.webgpu.device import pick
@@ -136,8 +137,10 @@ def test_the_device_cache_forks_rewinds_and_round_trips():
     b = a.fork()
     la, lb = resident.decode([5], [a])[0], resident.decode([6], [b])[0]
     assert (a.length, b.length) == (31, 31)
-    np.testing.assert_allclose(la, cpu_last(np.append(ids, 5)), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(lb, cpu_last(np.append(ids, 6)), rtol=1e-4, atol=1e-4)
+    for got, want in ((la, cpu_last(np.append(ids, 5))), (lb, cpu_last(np.append(ids, 6)))):
+        # the device cache is f16 where the adapter has shader-f16 (lavapipe has): the keys' rounding, as the CPU's
+        # default cache has it, and nothing more
+        assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want), np.linalg.norm(got - want)
     a.truncate(10)
     a.reserve(20)
     resident.forward(config, weights, resident, ids[10:], a)

@@ -1,6 +1,7 @@
 """The WebGPU backend's KV cache of one sequence (kernels/backend.py's KVCache), resident on the device.
 
-Keys and values in f32, a buffer each per layer, (capacity, Hkv, D): the attention shader reads a position's
+Keys and values in f16 where the adapter has shader-f16 (as the CPU's default cache), else f32; a buffer each per
+layer, (capacity, Hkv, D): the attention shader reads a position's
 heads contiguously, and a layer's buffer stays within the binding limit far longer than one for all layers would
 (SmolLM2's 30 layers at 8,192 positions are 188 MB; one layer is 6 MB). Grown in steps as the sequence grows, as
 the CPU cache is (a server must not reserve the whole window for every request), by a device-side copy. The
@@ -21,10 +22,11 @@ _SERIALS = itertools.count()
 
 
 class WebGPUKVCache:
-    dtype = "f32"
-
     def __init__(self, gpu, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int):
         self.gpu, self.n_layer, self.n_head_kv, self.head_dim = gpu, n_layer, n_head_kv, head_dim
+        self.dtype = "f16" if gpu.kv_f16 else "f32"
+        self._np = np.float16 if gpu.kv_f16 else np.float32
+        self._bytes = 2 if gpu.kv_f16 else 4  # per element
         self.width = n_head_kv * head_dim  # floats per position
         self.max_tokens = max_tokens
         self.state: dict = {}  # no recurrent state: the WebGPU pass runs dense families only
@@ -42,9 +44,9 @@ class WebGPUKVCache:
             self._grow(min(self.max_tokens, max(need, 2 * self.capacity, _GROW_STEP)))
 
     def _grow(self, capacity: int) -> None:
-        keep = self.length * self.width * 4
-        k = [self.gpu.buffer(capacity * self.width * 4) for _ in range(self.n_layer)]
-        v = [self.gpu.buffer(capacity * self.width * 4) for _ in range(self.n_layer)]
+        keep = -(-self.length * self.width * self._bytes // 4) * 4
+        k = [self.gpu.buffer(capacity * self.width * self._bytes) for _ in range(self.n_layer)]
+        v = [self.gpu.buffer(capacity * self.width * self._bytes) for _ in range(self.n_layer)]
         if keep:
             for old, new in zip(self.k + self.v, k + v):
                 self.gpu.copy(old, new, keep)
@@ -53,7 +55,8 @@ class WebGPUKVCache:
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v (T, Hkv, D) at positions length.. of a layer from the host (a saved session coming back)."""
         for buf, a in ((self.k[layer], k), (self.v[layer], v)):
-            self.gpu.write(buf, np.ascontiguousarray(a, np.float32), self.length * self.width * 4)
+            data = np.ascontiguousarray(a, self._np).reshape(-1)  # whole words: a position's Hkv * D is even
+            self.gpu.write(buf, data, self.length * self.width * self._bytes)
 
     def keys(self, layer: int, n: int | None = None) -> np.ndarray:
         """The first n (default: length) keys of a layer, (n, Hkv, D) f32, read from the device."""
@@ -63,7 +66,7 @@ class WebGPUKVCache:
         return self._read(self.v[layer], self.length if n is None else n)
 
     def _read(self, buf, n: int) -> np.ndarray:
-        return self.gpu.read(buf, n * self.width).reshape(n, self.n_head_kv, self.head_dim) if n else \
+        return self.gpu.read(buf, n * self.width, self._np).reshape(n, self.n_head_kv, self.head_dim) if n else \
             np.zeros((0, self.n_head_kv, self.head_dim), np.float32)
 
     def advance(self, n: int) -> None:
@@ -87,9 +90,9 @@ class WebGPUKVCache:
         if self.capacity:
             twin._grow(self.capacity)
             for old, new in zip(self.k + self.v, twin.k + twin.v):
-                self.gpu.copy(old, new, self.length * self.width * 4)
+                self.gpu.copy(old, new, -(-self.length * self.width * self._bytes // 4) * 4)
         twin.length = self.length
         return twin
 
     def nbytes(self) -> int:
-        return 2 * self.n_layer * self.capacity * self.width * 4
+        return 2 * self.n_layer * self.capacity * self.width * self._bytes

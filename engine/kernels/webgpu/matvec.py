@@ -57,6 +57,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var acc = 0.0;
 """
 
+# With subgroups: each subgroup sums its invocations' parts in registers, its first invocation keeps the sum, and
+# one pass over the 64 slots adds them (no tree of barriers).
+_ROW_TAIL_SUBGROUPS = """
+    let total = subgroupAdd(acc);
+    part[lid] = select(0.0, total, sg == 0u);
+    workgroupBarrier();
+    if (lid == 0u) {
+        var s = 0.0;
+        for (var i = 0u; i < 64u; i = i + 1u) { s = s + part[i]; }
+        y[t * dims.rows + row] = s;
+    }
+}
+"""
+
 _ROW_TAIL = """
     part[lid] = acc;
     workgroupBarrier();
@@ -241,16 +255,23 @@ _MAX_GROUPS = 65535
 class WebGPUMatmul:
     """The matrix kernels on one wgpu device; weights are uploaded once (kept by their bytes' address)."""
 
-    def __init__(self, device, max_binding_bytes: int):
+    def __init__(self, device, max_binding_bytes: int, subgroups: bool = False):
         import wgpu
 
         self._wgpu, self.device, self.max_binding_bytes = wgpu, device, max_binding_bytes
+        self.subgroups = subgroups  # the decode kernel's sums by subgroup (the device has the feature)
         self._pipelines: dict[tuple[GGMLType, bool], object] = {}
         self._weights: dict[tuple, object] = {}
 
     def _pipeline(self, t: GGMLType, tiled: bool):
         if (t, tiled) not in self._pipelines:
-            code = _TILE_HEAD + _BODIES[t] + _TILE_TAIL if tiled else _ROW_HEAD + _BODIES[t] + _ROW_TAIL
+            if tiled:
+                code = _TILE_HEAD + _BODIES[t] + _TILE_TAIL
+            elif self.subgroups:
+                head = _ROW_HEAD.replace("lid: u32)", "lid: u32, @builtin(subgroup_invocation_id) sg: u32)")
+                code = head + _BODIES[t] + _ROW_TAIL_SUBGROUPS
+            else:
+                code = _ROW_HEAD + _BODIES[t] + _ROW_TAIL
             module = self.device.create_shader_module(code=code)
             self._pipelines[t, tiled] = self.device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main"})

@@ -27,16 +27,17 @@ def params(*values) -> np.ndarray:
 class Gpu:
     """A device with its ops' pipelines and the matrix kernels (matvec.py)."""
 
-    def __init__(self, device, max_binding_bytes: int):
+    def __init__(self, device, max_binding_bytes: int, features: tuple[str, ...] = ()):
         import wgpu
 
         self.device, self.usage = device, wgpu.BufferUsage
-        self.matrices = WebGPUMatmul(device, max_binding_bytes)
+        self.kv_f16 = "shader-f16" in features  # the KV cache in f16 (shaders.py)
+        self.matrices = WebGPUMatmul(device, max_binding_bytes, subgroups="subgroup" in features)
         self._pipelines: dict[str, object] = {}
 
     def pipeline(self, name: str):
         if name not in self._pipelines:
-            module = self.device.create_shader_module(code=shaders.SOURCES[name])
+            module = self.device.create_shader_module(code=shaders.source(name, self.kv_f16))
             self._pipelines[name] = self.device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main"})
         return self._pipelines[name]
@@ -58,9 +59,11 @@ class Gpu:
     def write(self, buf, array: np.ndarray, offset: int = 0) -> None:
         self.device.queue.write_buffer(buf, offset, np.ascontiguousarray(array))
 
-    def read(self, buf, count: int) -> np.ndarray:
-        """The first count f32 of buf (waits for the work submitted before)."""
-        return np.frombuffer(self.device.queue.read_buffer(buf, 0, count * 4), np.float32).copy()
+    def read(self, buf, count: int, dtype=np.float32) -> np.ndarray:
+        """The first count elements of buf as f32 (waits for the work submitted before)."""
+        size = np.dtype(dtype).itemsize
+        data = np.frombuffer(self.device.queue.read_buffer(buf, 0, -(-count * size // 4) * 4), dtype)
+        return data[:count].astype(np.float32)
 
     def copy(self, src, dst, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
         """dst[dst_offset:] = src[src_offset:] on the device (a cache's growth and fork)."""

@@ -240,7 +240,8 @@ class WebGPUResident:
         slot = cfg.kv_slot.get(i, i)
         for seq, (cache, row0, n) in enumerate(seqs):
             for src, dst in ((k, cache.k[slot]), (v, cache.v[slot])):
-                rec.elementwise("kv_store", [src, dst, buf["starts"]], params(row0, seq, n, Hkv * D), n * Hkv * D)
+                rec.elementwise("kv_store", [src, dst, buf["starts"]], params(row0, seq, n, Hkv * D),
+                                n * Hkv * D // 2)
             rec.dispatch("attention", [q, cache.k[slot], cache.v[slot], buf["att"], buf["starts"]],
                          params(row0, seq, H, Hkv, D, cfg.layer_window[i], float(cfg.attn_scale),
                                 float(cfg.attn_softcap or 0.0)), (H, n))

@@ -1,5 +1,7 @@
 """WGSL for the forward pass's ops other than the matrices (matvec.py): norms, RoPE, the KV cache's writes,
-attention, gated activations, residual adds, biases and column splits. All f32.
+attention, gated activations, residual adds, biases and column splits. f32, but for the KV cache's element type
+`KVT`: f16 where the adapter has shader-f16 (half the cache's memory and of the bytes attention reads, as the CPU's
+default cache), else f32; `source(name, kv_f16)` fills it in.
 
 Every shader reads its sizes from a uniform `p` at its last binding (program.py packs it: u32 and f32 fields in
 order). Elementwise shaders index by `flat(gid, nwg)`, a 2-D dispatch's invocation number, so a chunk's
@@ -69,10 +71,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 
 # cache[(pos0 + t) * width + c] = src[(row0 + t) * width + c]: a sequence's new keys (or values) into its cache;
 # pos0 = starts[seq], the sequence's length before this pass (a buffer written per pass, so the recorded dispatches
-# of a decode step stay the same from one step to the next)
+# of a decode step stay the same from one step to the next). An invocation writes a pair of elements as one 32-bit
+# word: two invocations storing the halves of one word race on adapters that store 16 bits as a read-modify-write
+# of the word (lavapipe does); width is even (Hkv * D).
 KV_STORE = _FLAT + """
 @group(0) @binding(0) var<storage, read> src: array<f32>;
-@group(0) @binding(1) var<storage, read_write> cache: array<f32>;
+@group(0) @binding(1) var<storage, read_write> cache: array<u32>;
 @group(0) @binding(2) var<storage, read> starts: array<u32>;
 struct P { row0: u32, seq: u32, n: u32, width: u32 };
 @group(0) @binding(3) var<uniform> p: P;
@@ -80,18 +84,23 @@ struct P { row0: u32, seq: u32, n: u32, width: u32 };
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = flat(gid, nwg);
-    if (i >= p.n * p.width) { return; }
-    cache[starts[p.seq] * p.width + i] = src[p.row0 * p.width + i];
+    if (2u * i >= p.n * p.width) { return; }
+    let a = src[p.row0 * p.width + 2u * i];
+    let b = src[p.row0 * p.width + 2u * i + 1u];
+    let o = starts[p.seq] * p.width + 2u * i;
+    STORE
 }
 """
+_STORE = {"f16": "cache[o / 2u] = pack2x16float(vec2<f32>(a, b));",
+          "f32": "cache[o] = bitcast<u32>(a);\n    cache[o + 1u] = bitcast<u32>(b);"}
 
 # Causal (optionally sliding-window, soft-capped) grouped-query attention of one sequence's n query rows
 # (row0.., at positions starts[seq]..) over its cache (cap, Hkv, D): one workgroup per (head, query). Keys go in tiles of
 # 64, one per invocation, with a running max and sum (the online softmax): no score matrix in memory, any length.
 ATTENTION = """
 @group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> kc: array<f32>;
-@group(0) @binding(2) var<storage, read> vc: array<f32>;
+@group(0) @binding(1) var<storage, read> kc: array<KVT>;
+@group(0) @binding(2) var<storage, read> vc: array<KVT>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(4) var<storage, read> starts: array<u32>;
 struct P { row0: u32, seq: u32, heads: u32, kv_heads: u32, d: u32, window: u32, scale: f32, softcap: f32 };
@@ -119,7 +128,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         if (j <= pos) {
             let ko = (j * p.kv_heads + kvh) * p.d;
             var dot = 0.0;
-            for (var i = 0u; i < p.d; i = i + 1u) { dot = dot + qs[i] * kc[ko + i]; }
+            for (var i = 0u; i < p.d; i = i + 1u) { dot = dot + qs[i] * f32(kc[ko + i]); }
             s = dot * p.scale;
             if (p.softcap > 0.0) { s = tanh(clamp(s / p.softcap, -15.0, 15.0)) * p.softcap; }
         }
@@ -140,7 +149,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let vo = ((j0 + i) * p.kv_heads + kvh) * p.d;
             for (var k = 0u; k < 4u; k = k + 1u) {
                 let dd = lid + 64u * k;
-                if (dd < p.d) { acc[k] = acc[k] + e * vc[vo + dd]; }
+                if (dd < p.d) { acc[k] = acc[k] + e * f32(vc[vo + dd]); }
             }
         }
         m = mt;
@@ -206,4 +215,15 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 
 SOURCES = {"rms_norm": RMS_NORM, "rope": ROPE, "kv_store": KV_STORE, "attention": ATTENTION, "act_mul": ACT_MUL,
            "add": ADD, "columns": COLUMNS}
-MAX_HEAD_DIM = 256  # attention's workgroup copy of a query, and its 4 output dims per invocation
+MAX_HEAD_DIM = 256
+KV_OPS = ("kv_store", "attention")
+
+
+def source(name: str, kv_f16: bool) -> str:
+    """An op's WGSL with the KV cache's element type filled in."""
+    code = SOURCES[name]
+    if name not in KV_OPS:
+        return code
+    kvt = "f16" if kv_f16 else "f32"
+    code = code.replace("KVT", kvt).replace("STORE", _STORE[kvt])
+    return "enable f16;\n" + code if kv_f16 else code  # attention's workgroup copy of a query, and its 4 output dims per invocation
