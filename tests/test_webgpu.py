@@ -76,6 +76,23 @@ def test_the_matrix_kernels_equal_the_reference(kernels, t, tokens):
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() * 576 ** 0.5
 
 
+@pytest.mark.parametrize("t", [GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_1])
+def test_the_decode_kernel_sums_by_subgroup_where_the_adapter_has_them(t):
+    """Rows of 64 blocks or more (a row's 64 lanes) summed by subgroup, against the reference."""
+    from engine.kernels.webgpu.device import open_device, pick
+    from engine.kernels.webgpu.matvec import WebGPUMatmul
+
+    info = pick(FOUND, "webgpu")
+    if "subgroup" not in info.features:
+        pytest.skip(f"{info.name} has no subgroups")
+    kernels = WebGPUMatmul(open_device(info), info.max_binding_bytes, subgroups=True)
+    w = _random(t, 130, 4096, seed=6)
+    x = np.random.default_rng(7).normal(0, 1, (3, 4096)).astype(np.float32)
+    expected = x @ reference.dequantize(w).T
+    got = kernels.matmul(x, w)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() * 4096 ** 0.5
+
+
 def test_rows_past_the_dispatch_limit_are_computed_too(kernels):
     w = _random(GGMLType.Q8_0, 65_600, 32, seed=2)
     x = np.random.default_rng(3).normal(0, 1, (2, 32)).astype(np.float32)

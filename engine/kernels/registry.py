@@ -1,7 +1,8 @@
 """Which backend runs a model: the loader names one (hardware and configuration) and gets a new instance.
 
 A backend package is imported only when asked for, so a GPU backend pulls in its library (cupy, wgpu) only when
-a model runs on it.
+a model runs on it. The WebGPU backend is not made here: it needs an adapter and a self-test first
+(engine/placement.py).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ _COMMON = """
 @group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-// rows, cols of the whole weight; row_bytes of a row; row0, piece_rows: this piece's rows; tokens of x
-struct Dims { rows: u32, cols: u32, row_bytes: u32, row0: u32, piece_rows: u32, tokens: u32 };
+// rows, cols of the whole weight; row_bytes of a row; row0, piece_rows: this piece's rows; tokens of x; lanes: the
+// decode kernel's invocations per row (64 / lanes rows per workgroup)
+struct Dims { rows: u32, cols: u32, row_bytes: u32, row0: u32, piece_rows: u32, tokens: u32, lanes: u32 };
 @group(0) @binding(3) var<uniform> dims: Dims;
 
 fn byte_at(o: u32) -> u32 { return (w[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
@@ -41,29 +42,33 @@ fn scale_min_k4(o: u32, j: u32) -> vec2<f32> {
 }
 """
 
-# A few tokens (decode): a workgroup per (row, token), its 64 invocations over the row's blocks, then a reduction;
-# enough workgroups to fill a GPU for one token.
+# A few tokens (decode): a workgroup per (rows, token), `lanes` invocations per row over the row's blocks (64 lanes
+# for a long row; a short one, whose blocks would leave most of 64 idle, shares the workgroup with others), then a
+# reduction in workgroup memory; enough workgroups to fill a GPU for one token.
 _ROW_HEAD = _COMMON + """
 var<workgroup> part: array<f32, 64>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = dims.row0 + wg.x;  // the output's row; wg.x the row within this piece of the weight
+    let r = wg.x * (64u / dims.lanes) + lid / dims.lanes;  // the row within this piece of the weight
+    let live = r < dims.piece_rows;  // a lane past the last row still takes part in the barriers
+    let row = dims.row0 + r;
     let t = wg.y;
     let xt = t * dims.cols;
-    let base = wg.x * dims.row_bytes;
-    let first = lid;
-    let step = 64u;
+    let base = r * dims.row_bytes;
+    var first = lid % dims.lanes;
+    if (!live) { first = 0xffffffu; }
+    let step = dims.lanes;
     var acc = 0.0;
 """
 
-# With subgroups: each subgroup sums its invocations' parts in registers, its first invocation keeps the sum, and
-# one pass over the 64 slots adds them (no tree of barriers).
+# With subgroups (and a row's 64 lanes): each subgroup sums its invocations' parts in registers, its first invocation
+# keeps the sum, and one pass over the 64 slots adds them (no tree of barriers).
 _ROW_TAIL_SUBGROUPS = """
     let total = subgroupAdd(acc);
     part[lid] = select(0.0, total, sg == 0u);
     workgroupBarrier();
-    if (lid == 0u) {
+    if (lid == 0u && live) {
         var s = 0.0;
         for (var i = 0u; i < 64u; i = i + 1u) { s = s + part[i]; }
         y[t * dims.rows + row] = s;
@@ -74,11 +79,11 @@ _ROW_TAIL_SUBGROUPS = """
 _ROW_TAIL = """
     part[lid] = acc;
     workgroupBarrier();
-    for (var s = 32u; s > 0u; s = s >> 1u) {
-        if (lid < s) { part[lid] = part[lid] + part[lid + s]; }
+    for (var s = dims.lanes / 2u; s > 0u; s = s >> 1u) {
+        if (lid % dims.lanes < s) { part[lid] = part[lid] + part[lid + s]; }
         workgroupBarrier();
     }
-    if (lid == 0u) { y[t * dims.rows + row] = part[0]; }
+    if (lid % dims.lanes == 0u && live) { y[t * dims.rows + row] = part[lid]; }
 }
 """
 
@@ -252,6 +257,17 @@ TYPES = frozenset(_BODIES)
 _MAX_GROUPS = 65535
 
 
+def _lanes(w: QTensor) -> int:
+    """The decode kernel's invocations per row: a power of two from 8 to 64, as many as the row has blocks (the
+    units its body walks: 32-weight blocks, 256-weight super-blocks, single weights of F32/F16)."""
+    block = {GGMLType.F32: 1, GGMLType.F16: 1, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}.get(w.ggml_type, 32)
+    units = w.cols // block
+    lanes = 8
+    while lanes < 64 and lanes < units:
+        lanes *= 2
+    return lanes
+
+
 class WebGPUMatmul:
     """The matrix kernels on one wgpu device; weights are uploaded once (kept by their bytes' address)."""
 
@@ -260,22 +276,23 @@ class WebGPUMatmul:
 
         self._wgpu, self.device, self.max_binding_bytes = wgpu, device, max_binding_bytes
         self.subgroups = subgroups  # the decode kernel's sums by subgroup (the device has the feature)
-        self._pipelines: dict[tuple[GGMLType, bool], object] = {}
+        self._pipelines: dict[tuple[GGMLType, str], object] = {}
         self._weights: dict[tuple, object] = {}
 
-    def _pipeline(self, t: GGMLType, tiled: bool):
-        if (t, tiled) not in self._pipelines:
-            if tiled:
+    def _pipeline(self, t: GGMLType, kind: str):
+        """kind: "tile" (prompts), "subgroups" (decode, a row's 64 lanes summed by subgroup), "rows" (decode)."""
+        if (t, kind) not in self._pipelines:
+            if kind == "tile":
                 code = _TILE_HEAD + _BODIES[t] + _TILE_TAIL
-            elif self.subgroups:
+            elif kind == "subgroups":
                 head = _ROW_HEAD.replace("lid: u32)", "lid: u32, @builtin(subgroup_invocation_id) sg: u32)")
                 code = head + _BODIES[t] + _ROW_TAIL_SUBGROUPS
             else:
                 code = _ROW_HEAD + _BODIES[t] + _ROW_TAIL
             module = self.device.create_shader_module(code=code)
-            self._pipelines[t, tiled] = self.device.create_compute_pipeline(
+            self._pipelines[t, kind] = self.device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main"})
-        return self._pipelines[t, tiled]
+        return self._pipelines[t, kind]
 
     def upload(self, w: QTensor) -> None:
         """Put the weight on the device now (a model's load), not at its first use."""
@@ -328,15 +345,17 @@ class WebGPUMatmul:
         if w.ggml_type not in TYPES:
             raise ValueError(f"{w.name}: {w.ggml_type.name} is not a type the WebGPU kernels read yet")
         tiled = tokens >= TILE_TOKENS
-        pipeline = self._pipeline(w.ggml_type, tiled)
+        lanes = _lanes(w)
+        kind = "tile" if tiled else "subgroups" if self.subgroups and lanes == 64 else "rows"
+        pipeline = self._pipeline(w.ggml_type, kind)
         layout = pipeline.get_bind_group_layout(0)
         out = []
         for row0, rows, wbuf in self._pieces(w):
-            dims = np.array([w.rows, w.cols, w.raw.shape[1], row0, rows, tokens, 0, 0], np.uint32)
+            dims = np.array([w.rows, w.cols, w.raw.shape[1], row0, rows, tokens, lanes, 0], np.uint32)
             ubuf = self.device.create_buffer_with_data(data=dims, usage=self._wgpu.BufferUsage.UNIFORM)
             group = self.device.create_bind_group(layout=layout, entries=[
                 {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
                 for i, b in enumerate((wbuf, xbuf, ybuf, ubuf))])
-            groups = (-(-rows // 64), -(-tokens // TILE_TOKENS)) if tiled else (rows, tokens)
+            groups = (-(-rows // 64), -(-tokens // TILE_TOKENS)) if tiled else (-(-rows // (64 // lanes)), tokens)
             out.append((pipeline, group, groups))
         return out

@@ -40,8 +40,8 @@ def unsupported(config, weights, matrices: Sequence[str]) -> str | None:
     if config.arch not in DENSE_ARCHS or config.n_expert or config.attn_sinks or config.attn_output_gate:
         return (f"the WebGPU pass runs the dense families ({', '.join(DENSE_ARCHS)}) so far; this model is "
                 f"{config.arch}{' with experts' if config.n_expert else ''}")
-    if config.head_dim > MAX_HEAD_DIM:
-        return f"head dimension {config.head_dim} is over the WebGPU attention's {MAX_HEAD_DIM}"
+    if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
+        return f"head dimension {config.head_dim}: the WebGPU attention takes even ones up to {MAX_HEAD_DIM}"
     tied = not weights.has("output")
     for name in matrices:
         t = weights.tensor(name)
