@@ -180,3 +180,29 @@ def test_a_served_chat_streams_from_a_webgpu_resident_model(tmp_path, smollm2_gg
         assert "software" in banner
     finally:
         stop(s)
+
+
+def test_logits_over_the_binding_limit_come_in_runs_of_rows_and_a_cache_stops_at_it():
+    """On a device opened with a 128 KiB binding limit: 120 rows of a 5,000-row head (2.4 MB of output) in runs of
+    6 rows, equal to the reference; a layer's cache holds what one binding holds (512 positions of the tiny Llama's
+    1,024), and a longer prompt is a context overflow, not a device error."""
+    from engine.errors import ContextOverflow
+    from engine.kernels import reference
+    from engine.kernels.webgpu.device import open_device, pick
+    from engine.kernels.webgpu.program import Gpu
+    from engine.kernels.webgpu.resident import WebGPUResident
+
+    info = pick(test_webgpu.FOUND, "webgpu")
+    gpu = Gpu(open_device(info), 1 << 17, info.features)
+    resident = WebGPUResident(gpu, info.name)
+    w = test_webgpu._random(test_webgpu.GGMLType.Q8_0, 5000, 64, seed=8)
+    x = np.random.default_rng(9).normal(0, 1, (120, 64)).astype(np.float32)
+    np.testing.assert_allclose(resident.matmul(x, w), x @ reference.dequantize(w).T, rtol=1e-4, atol=1e-3)
+    from engine import gpu_selftest
+
+    config = gpu_selftest._checkpoint("llama", 11)[0]
+    cache = resident.new_cache(config, config.context_length)
+    per_position = config.n_head_kv * config.head_dim * (2 if gpu.kv_f16 else 4)
+    assert cache.max_tokens == (1 << 17) // per_position < config.context_length
+    with pytest.raises(ContextOverflow):
+        cache.reserve(cache.max_tokens + 1)

@@ -28,7 +28,8 @@ class WebGPUKVCache:
         self._np = np.float16 if gpu.kv_f16 else np.float32
         self._bytes = 2 if gpu.kv_f16 else 4  # per element
         self.width = n_head_kv * head_dim  # floats per position
-        self.max_tokens = max_tokens
+        # a layer's keys are one binding: past the adapter's limit a longer sequence is a context overflow
+        self.max_tokens = min(max_tokens, gpu.matrices.max_binding_bytes // (self.width * self._bytes))
         self.state: dict = {}  # no recurrent state: the WebGPU pass runs dense families only
         self.length = 0
         self.capacity = 0

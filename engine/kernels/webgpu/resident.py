@@ -121,7 +121,12 @@ class WebGPUResident:
     # --- ops a caller may still ask for (the head of a prompt's last rows) ------------------------------------
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
-        return self.gpu.matrices.matmul(x, w)
+        """x @ W.T on the device, in runs of rows whose output fits one binding (a prompt's logits over Gemma's
+        262,144-row head: 128 rows per run on a 128 MiB limit)."""
+        per = max(1, self.gpu.matrices.max_binding_bytes // (4 * w.rows))
+        if len(x) <= per:
+            return self.gpu.matrices.matmul(x, w)
+        return np.concatenate([self.gpu.matrices.matmul(x[r : r + per], w) for r in range(0, len(x), per)])
 
     def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
         return [self.matmul(x, w) for w in ws]
