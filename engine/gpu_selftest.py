@@ -3,10 +3,12 @@
 A wrong kernel on hardware nobody here owns does not crash; it returns slightly wrong numbers. So before the first
 model of a process goes resident on an adapter, two tiny random-weight checkpoints, built here from a fixed seed
 (nothing to download, nothing on disk), run through the WebGPU pass and through the CPU's exact path:
-- a dense Llama (SiLU, GQA, interleaved RoPE, a tied head) with its matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-  Q6_K and F16, over a 300-token prompt (past 256 keys);
+- a dense Llama (SiLU, GQA, interleaved RoPE, a tied head) over a 300-token prompt (past 256 keys) and a decode
+  step after it;
 - a Gemma 3 (GELU-tanh, q/k norms, post norms, scaled embeddings, a sliding-window layer and a global one with
-  their own RoPE bases, NeoX RoPE), whose second prompt runs as a batched decode of two sequences.
+  their own RoPE bases, NeoX RoPE), whose second prompt runs as a batched decode of two sequences;
+between them every matrix type the WebGPU kernels read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K), by the prompt kernel and the decode kernel.
 Every position's logits must agree with the CPU's to cosine >= 0.995 and relative L2 <= 0.10, and be finite; the
 result (status passed | failed, the worst figures beside the bars, the reason) is remembered per adapter for the
 process, and a failure sends the model to the CPU (engine/placement.py).
@@ -32,9 +34,9 @@ _RESULTS: dict[str, dict] = {}  # adapter name -> its result, once per process
 _LLAMA_TYPES = {"attn_q": GGMLType.Q8_0, "attn_k": GGMLType.Q4_0, "attn_v": GGMLType.Q4_1,
                 "attn_output": GGMLType.Q5_0, "ffn_gate": GGMLType.Q4_K, "ffn_up": GGMLType.Q6_K,
                 "ffn_down": GGMLType.Q5_1}
-_GEMMA_TYPES = {"attn_q": GGMLType.Q4_K, "attn_k": GGMLType.F16, "attn_v": GGMLType.Q8_0,
-                "attn_output": GGMLType.Q6_K, "ffn_gate": GGMLType.Q5_0, "ffn_up": GGMLType.Q8_0,
-                "ffn_down": GGMLType.Q4_1}
+_GEMMA_TYPES = {"attn_q": GGMLType.Q5_K, "attn_k": GGMLType.F16, "attn_v": GGMLType.Q8_0,
+                "attn_output": GGMLType.Q6_K, "ffn_gate": GGMLType.F32, "ffn_up": GGMLType.BF16,
+                "ffn_down": GGMLType.Q4_0}
 
 
 class _MemoryTensors:
@@ -55,19 +57,20 @@ class _MemoryTensors:
 
 
 def _matrix(rng, name: str, rows: int, cols: int, t: GGMLType, std: float = 0.05) -> QTensor:
-    if t in (GGMLType.Q4_K, GGMLType.Q6_K):  # gguf cannot quantize K-quants: random blocks under sane scales
+    if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):  # gguf cannot quantize K-quants: random blocks
         block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))][1]
         n = rows * cols // 256
         raw = rng.integers(0, 256, size=(n, block), dtype=np.uint8)
         if t == GGMLType.Q6_K:  # int8 scales at 192..207, f16 d last
             raw[:, 192:208] = rng.integers(-8, 9, size=(n, 16)).astype(np.int8).view(np.uint8)
             raw[:, 208:210] = np.full(n, 3 * std / 256, "<f2").view(np.uint8).reshape(n, 2)
-        else:  # f16 d, f16 dmin first
-            raw[:, 0:2] = np.full(n, 3 * std / (63 * 15), "<f2").view(np.uint8).reshape(n, 2)
+        else:  # f16 d, f16 dmin first: weights within about +-3 std, centred near zero
+            qmax = 15 if t == GGMLType.Q4_K else 31
+            raw[:, 0:2] = np.full(n, 3 * std / (63 * qmax), "<f2").view(np.uint8).reshape(n, 2)
             raw[:, 2:4] = np.full(n, 3 * std / (63 * 2), "<f2").view(np.uint8).reshape(n, 2)
         return QTensor(name, t, (rows, cols), raw.reshape(rows, -1))
     w = rng.normal(0, std, (rows, cols)).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t)))
+    raw = w if t == GGMLType.F32 else gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t)))
     return QTensor(name, t, (rows, cols), np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1))
 
 
@@ -130,7 +133,10 @@ def _cases(make_resident):
         gcache.reserve(tokens)
         got = resident.matmul(resident.forward(config, weights, resident, ids, gcache), head)
         yield f"{arch} prompt of {tokens}", got, cpu_rows(ids)
-        if arch == "gemma3":  # two sequences decoded together (rows of one batch, each on its own cache)
+        if arch == "llama":  # a decode step after the prompt: the matrices through the decode kernel
+            got = resident.decode([7], [gcache])
+            yield f"{arch} decode after {tokens}", got, cpu_rows(np.append(ids, 7))[-1:]
+        else:  # two sequences decoded together (rows of one batch, each on its own cache)
             other = resident.new_cache(config, tokens + 1)
             other.reserve(tokens - 1)
             resident.forward(config, weights, resident, ids[:-1], other)

@@ -93,6 +93,21 @@ def test_the_decode_kernel_sums_by_subgroup_where_the_adapter_has_them(t):
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() * 4096 ** 0.5
 
 
+@pytest.mark.parametrize("t", [GGMLType.BF16, GGMLType.Q5_K])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_bf16_and_q5_k_equal_the_reference(kernels, t, tokens):
+    """gguf writes BF16 but cannot quantize K-quants: Q5_K is random blocks under sane scales (testdata's fixtures'
+    recipe), against the reference's decoder (itself checked against gguf's)."""
+    from testdata.make_fixtures import random_weight
+
+    raw = random_weight(np.random.default_rng(10), 200, 512, int(t))
+    w = QTensor(f"random-{t.name}", t, (200, 512), raw)
+    x = np.random.default_rng(11).normal(0, 1, (tokens, 512)).astype(np.float32)
+    expected = x @ reference.dequantize(w).T
+    got = kernels.matmul(x, w)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() * 512 ** 0.5
+
+
 def test_rows_past_the_dispatch_limit_are_computed_too(kernels):
     w = _random(GGMLType.Q8_0, 65_600, 32, seed=2)
     x = np.random.default_rng(3).normal(0, 1, (2, 32)).astype(np.float32)
@@ -172,6 +187,6 @@ def test_a_row_over_the_binding_limit_and_an_unread_type_are_refused(kernels):
     small = WebGPUMatmul(kernels.device, max_binding_bytes=1024)
     with pytest.raises(ValueError, match="one row is 2304 bytes, over the adapter's 1024-byte binding limit"):
         small.matmul(np.ones((1, 576), np.float32), _random(GGMLType.F32, 8, 576))
-    with pytest.raises(ValueError, match="Q5_K is not a type the WebGPU kernels read yet"):
-        q5k = QTensor("q5k", GGMLType.Q5_K, (4, 256), np.zeros((4, 176), np.uint8))  # 176 bytes per 256 weights
-        kernels.matmul(np.ones((1, 256), np.float32), q5k)
+    with pytest.raises(ValueError, match="MXFP4 is not a type the WebGPU kernels read yet"):
+        mx = QTensor("mxfp4", GGMLType.MXFP4, (4, 32), np.zeros((4, 17), np.uint8))  # 17 bytes per 32 weights
+        kernels.matmul(np.ones((1, 32), np.float32), mx)

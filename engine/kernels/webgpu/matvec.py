@@ -7,8 +7,8 @@ reduction in workgroup memory; for 8 or more (a prompt) an invocation per (row, 
 the device in pieces of whole rows, each within the adapter's binding limit (128 MiB on lavapipe: Gemma 3's 178 MB
 head is two) and the dispatch limit of 65,535 workgroups per dimension; a piece is one dispatch, writing its rows.
 
-Types: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K (Gemma 3 270M's Q4_K_M file has Q5_0 matrices too);
-Q5_K, BF16 and MXFP4 come later.
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (MXFP4, gpt-oss's expert type, comes with
+the MoE families).
 """
 
 from __future__ import annotations
@@ -121,6 +121,13 @@ _BODIES = {
         acc = acc + half_at(base + 2u * c) * x[xt + c];
     }
 """,
+    # BF16: the top half of an f32
+    GGMLType.BF16: """
+    for (var c = first; c < dims.cols; c = c + step) {
+        let o = base + 2u * c;
+        acc = acc + bitcast<f32>((byte_at(o) | (byte_at(o + 1u) << 8u)) << 16u) * x[xt + c];
+    }
+""",
     GGMLType.Q8_0: """
     for (var b = first; b < dims.cols / 32u; b = b + step) {
         let o = base + b * 34u;
@@ -225,6 +232,35 @@ _BODIES = {
         }
     }
 """,
+    # Q5_K: 256 weights in 176 bytes: f16 d, f16 dmin, Q4_K's 12 bytes of scales and mins, 32 bytes of fifth bits
+    # (bit s of byte l: weight l of sub-block s), 128 bytes of nibbles as Q4_K's; d sc q - dmin m
+    GGMLType.Q5_K: """
+    for (var b = first; b < dims.cols / 256u; b = b + step) {
+        let o = base + b * 176u;
+        let d = half_at(o);
+        let dmin = half_at(o + 2u);
+        let xb = xt + b * 256u;
+        for (var j = 0u; j < 4u; j = j + 1u) {
+            let lo = scale_min_k4(o + 4u, 2u * j);
+            let hi = scale_min_k4(o + 4u, 2u * j + 1u);
+            var s1 = 0.0;
+            var s2 = 0.0;
+            var x1 = 0.0;
+            var x2 = 0.0;
+            for (var l = 0u; l < 32u; l = l + 1u) {
+                let q = byte_at(o + 48u + 32u * j + l);
+                let h = byte_at(o + 16u + l);
+                let a = x[xb + 64u * j + l];
+                let c = x[xb + 64u * j + 32u + l];
+                s1 = s1 + f32((q & 15u) | (((h >> (2u * j)) & 1u) << 4u)) * a;
+                x1 = x1 + a;
+                s2 = s2 + f32((q >> 4u) | (((h >> (2u * j + 1u)) & 1u) << 4u)) * c;
+                x2 = x2 + c;
+            }
+            acc = acc + d * (lo.x * s1 + hi.x * s2) - dmin * (lo.y * x1 + hi.y * x2);
+        }
+    }
+""",
     # Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
     # weights), f16 d last; d sc (q - 32), in two halves of 128 (llama.cpp's dequantize_row_q6_K)
     GGMLType.Q6_K: """
@@ -260,7 +296,8 @@ _MAX_GROUPS = 65535
 def _lanes(w: QTensor) -> int:
     """The decode kernel's invocations per row: a power of two from 8 to 64, as many as the row has blocks (the
     units its body walks: 32-weight blocks, 256-weight super-blocks, single weights of F32/F16)."""
-    block = {GGMLType.F32: 1, GGMLType.F16: 1, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}.get(w.ggml_type, 32)
+    block = {GGMLType.F32: 1, GGMLType.F16: 1, GGMLType.BF16: 1, GGMLType.Q4_K: 256, GGMLType.Q5_K: 256,
+             GGMLType.Q6_K: 256}.get(w.ggml_type, 32)
     units = w.cols // block
     lanes = 8
     while lanes < 64 and lanes < units:
