@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels.quant_types import GGMLType, QTensor
+from engine.kernels.webgpu import tiles
 
 __all__ = ["TYPES", "WebGPUMatmul"]
 
@@ -87,8 +88,9 @@ _ROW_TAIL = """
 }
 """
 
-# A prompt's tokens: an invocation per (row, tile of 8 tokens) walks its row for each token of the tile (the
-# blocks stay in cache), no reductions or barriers: a chunk is rows/64 x tokens/8 workgroups, not rows x tokens.
+# A prompt's tokens: an invocation per (row, tile of 8 tokens), no reductions or barriers: a chunk is rows/64 x
+# tokens/8 workgroups, not rows x tokens. Block types decode each block once for the tile (tiles.py); float types
+# walk their row for each token of the tile here (their "decoding" is a load).
 TILE_TOKENS = 8
 _TILE_HEAD = _COMMON + """
 @compute @workgroup_size(64)
@@ -320,7 +322,7 @@ class WebGPUMatmul:
         """kind: "tile" (prompts), "subgroups" (decode, a row's 64 lanes summed by subgroup), "rows" (decode)."""
         if (t, kind) not in self._pipelines:
             if kind == "tile":
-                code = _TILE_HEAD + _BODIES[t] + _TILE_TAIL
+                code = tiles.tile_kernel(_COMMON, t) if t in tiles.TYPES else _TILE_HEAD + _BODIES[t] + _TILE_TAIL
             elif kind == "subgroups":
                 head = _ROW_HEAD.replace("lid: u32)", "lid: u32, @builtin(subgroup_invocation_id) sg: u32)")
                 code = head + _BODIES[t] + _ROW_TAIL_SUBGROUPS

@@ -95,8 +95,8 @@ _STORE = {"f16": "cache[o / 2u] = pack2x16float(vec2<f32>(a, b));",
           "f32": "cache[o] = bitcast<u32>(a);\n    cache[o + 1u] = bitcast<u32>(b);"}
 
 # Causal (optionally sliding-window, soft-capped) grouped-query attention of one sequence's n query rows
-# (row0.., at positions starts[seq]..) over its cache (cap, Hkv, D): one workgroup per (head, query). Keys go in tiles of
-# 64, one per invocation, with a running max and sum (the online softmax): no score matrix in memory, any length.
+# (row0.., at positions starts[seq]..) over its cache (cap, Hkv, D): one workgroup per (head, query). Keys go in
+# tiles of 64, one per invocation, with a running max and sum (the online softmax): no score matrix, any length.
 ATTENTION = """
 @group(0) @binding(0) var<storage, read> q: array<f32>;
 @group(0) @binding(1) var<storage, read> kc: array<KVT>;
@@ -215,7 +215,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 
 SOURCES = {"rms_norm": RMS_NORM, "rope": ROPE, "kv_store": KV_STORE, "attention": ATTENTION, "act_mul": ACT_MUL,
            "add": ADD, "columns": COLUMNS}
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # attention's workgroup copy of a query, and its 4 output dims per invocation
 KV_OPS = ("kv_store", "attention")
 
 
@@ -226,4 +226,4 @@ def source(name: str, kv_f16: bool) -> str:
         return code
     kvt = "f16" if kv_f16 else "f32"
     code = code.replace("KVT", kvt).replace("STORE", _STORE[kvt])
-    return "enable f16;\n" + code if kv_f16 else code  # attention's workgroup copy of a query, and its 4 output dims per invocation
+    return "enable f16;\n" + code if kv_f16 else code
