@@ -206,63 +206,6 @@ _BODIES = {
         acc = acc + half_at(o) * s + half_at(o + 2u) * sx;
     }
 """,
-    # Q4_K: 256 weights in 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
-    # 128 bytes of nibbles (each 32 bytes: a sub-block in the low nibbles, the next in the high); d sc q - dmin m
-    GGMLType.Q4_K: """
-    for (var b = first; b < dims.cols / 256u; b = b + step) {
-        let o = base + b * 144u;
-        let d = half_at(o);
-        let dmin = half_at(o + 2u);
-        let xb = xt + b * 256u;
-        for (var j = 0u; j < 4u; j = j + 1u) {
-            let lo = scale_min_k4(o + 4u, 2u * j);
-            let hi = scale_min_k4(o + 4u, 2u * j + 1u);
-            var s1 = 0.0;
-            var s2 = 0.0;
-            var x1 = 0.0;
-            var x2 = 0.0;
-            for (var l = 0u; l < 32u; l = l + 1u) {
-                let q = byte_at(o + 16u + 32u * j + l);
-                let a = x[xb + 64u * j + l];
-                let c = x[xb + 64u * j + 32u + l];
-                s1 = s1 + f32(q & 15u) * a;
-                x1 = x1 + a;
-                s2 = s2 + f32(q >> 4u) * c;
-                x2 = x2 + c;
-            }
-            acc = acc + d * (lo.x * s1 + hi.x * s2) - dmin * (lo.y * x1 + hi.y * x2);
-        }
-    }
-""",
-    # Q5_K: 256 weights in 176 bytes: f16 d, f16 dmin, Q4_K's 12 bytes of scales and mins, 32 bytes of fifth bits
-    # (bit s of byte l: weight l of sub-block s), 128 bytes of nibbles as Q4_K's; d sc q - dmin m
-    GGMLType.Q5_K: """
-    for (var b = first; b < dims.cols / 256u; b = b + step) {
-        let o = base + b * 176u;
-        let d = half_at(o);
-        let dmin = half_at(o + 2u);
-        let xb = xt + b * 256u;
-        for (var j = 0u; j < 4u; j = j + 1u) {
-            let lo = scale_min_k4(o + 4u, 2u * j);
-            let hi = scale_min_k4(o + 4u, 2u * j + 1u);
-            var s1 = 0.0;
-            var s2 = 0.0;
-            var x1 = 0.0;
-            var x2 = 0.0;
-            for (var l = 0u; l < 32u; l = l + 1u) {
-                let q = byte_at(o + 48u + 32u * j + l);
-                let h = byte_at(o + 16u + l);
-                let a = x[xb + 64u * j + l];
-                let c = x[xb + 64u * j + 32u + l];
-                s1 = s1 + f32((q & 15u) | (((h >> (2u * j)) & 1u) << 4u)) * a;
-                x1 = x1 + a;
-                s2 = s2 + f32((q >> 4u) | (((h >> (2u * j + 1u)) & 1u) << 4u)) * c;
-                x2 = x2 + c;
-            }
-            acc = acc + d * (lo.x * s1 + hi.x * s2) - dmin * (lo.y * x1 + hi.y * x2);
-        }
-    }
-""",
     # Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
     # weights), f16 d last; d sc (q - 32), in two halves of 128 (llama.cpp's dequantize_row_q6_K)
     GGMLType.Q6_K: """
@@ -291,6 +234,44 @@ _BODIES = {
     }
 """,
 }
+
+
+def _k_body(block_bytes: int, nibbles_at: int, fifth_bits: bool) -> str:
+    """Q4_K: 256 weights in 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
+    128 bytes of nibbles (each 32 bytes: a sub-block in the low nibbles, the next in the high); d sc q - dmin m.
+    Q5_K: 176 bytes, 32 bytes of fifth bits (bit s of byte l: weight l of sub-block s) before the nibbles."""
+    lo_bit = " | (((byte_at(o + 16u + l) >> (2u * j)) & 1u) << 4u)" if fifth_bits else ""
+    hi_bit = " | (((byte_at(o + 16u + l) >> (2u * j + 1u)) & 1u) << 4u)" if fifth_bits else ""
+    return f"""
+    for (var b = first; b < dims.cols / 256u; b = b + step) {{
+        let o = base + b * {block_bytes}u;
+        let d = half_at(o);
+        let dmin = half_at(o + 2u);
+        let xb = xt + b * 256u;
+        for (var j = 0u; j < 4u; j = j + 1u) {{
+            let lo = scale_min_k4(o + 4u, 2u * j);
+            let hi = scale_min_k4(o + 4u, 2u * j + 1u);
+            var s1 = 0.0;
+            var s2 = 0.0;
+            var x1 = 0.0;
+            var x2 = 0.0;
+            for (var l = 0u; l < 32u; l = l + 1u) {{
+                let q = byte_at(o + {nibbles_at}u + 32u * j + l);
+                let a = x[xb + 64u * j + l];
+                let c = x[xb + 64u * j + 32u + l];
+                s1 = s1 + f32((q & 15u){lo_bit}) * a;
+                x1 = x1 + a;
+                s2 = s2 + f32((q >> 4u){hi_bit}) * c;
+                x2 = x2 + c;
+            }}
+            acc = acc + d * (lo.x * s1 + hi.x * s2) - dmin * (lo.y * x1 + hi.y * x2);
+        }}
+    }}
+"""
+
+
+_BODIES[GGMLType.Q4_K] = _k_body(144, 16, fifth_bits=False)
+_BODIES[GGMLType.Q5_K] = _k_body(176, 48, fifth_bits=True)
 TYPES = frozenset(_BODIES)
 _MAX_GROUPS = 65535
 

@@ -77,39 +77,6 @@ fn unit(base: u32, u: u32) -> array<f32, 32> {
     return w;
 }
 """,
-    # sub-block j of a super-block: the low (j even) or high nibbles of 32 bytes at 16 + 32 (j / 2)
-    GGMLType.Q4_K: """
-fn unit(base: u32, u: u32) -> array<f32, 32> {
-    let o = base + (u / 8u) * 144u;
-    let j = u % 8u;
-    let sm = scale_min_k4(o + 4u, j);
-    let scale = half_at(o) * sm.x;
-    let offset = half_at(o + 2u) * sm.y;
-    let shift = 4u * (j % 2u);
-    var w: array<f32, 32>;
-    for (var l = 0u; l < 32u; l = l + 1u) {
-        w[l] = scale * f32((byte_at(o + 16u + 32u * (j / 2u) + l) >> shift) & 15u) - offset;
-    }
-    return w;
-}
-""",
-    # as Q4_K's, the nibbles at 48 + 32 (j / 2), with bit j of byte 16 + l on top
-    GGMLType.Q5_K: """
-fn unit(base: u32, u: u32) -> array<f32, 32> {
-    let o = base + (u / 8u) * 176u;
-    let j = u % 8u;
-    let sm = scale_min_k4(o + 4u, j);
-    let scale = half_at(o) * sm.x;
-    let offset = half_at(o + 2u) * sm.y;
-    let shift = 4u * (j % 2u);
-    var w: array<f32, 32>;
-    for (var l = 0u; l < 32u; l = l + 1u) {
-        let q = ((byte_at(o + 48u + 32u * (j / 2u) + l) >> shift) & 15u) | (((byte_at(o + 16u + l) >> j) & 1u) << 4u);
-        w[l] = scale * f32(q) - offset;
-    }
-    return w;
-}
-""",
     # quarter k of half n (j = 4n + k): the low (k < 2) or high nibbles of ql[64n + 32 (k % 2) + l], bits 2k, 2k + 1
     # of qh[32n + l] on top, minus 32; a scale per 16 weights
     GGMLType.Q6_K: """
@@ -131,6 +98,32 @@ fn unit(base: u32, u: u32) -> array<f32, 32> {
 }
 """,
 }
+
+
+def _k_unit(block_bytes: int, nibbles_at: int, fifth_bits: bool) -> str:
+    """Q4_K / Q5_K: sub-block j of a super-block is the low (j even) or high nibbles of 32 bytes at
+    nibbles_at + 32 (j / 2) (Q5_K: bit j of byte 16 + l on top), times d sc, minus dmin m."""
+    fifth = " | (((byte_at(o + 16u + l) >> j) & 1u) << 4u)" if fifth_bits else ""
+    return f"""
+fn unit(base: u32, u: u32) -> array<f32, 32> {{
+    let o = base + (u / 8u) * {block_bytes}u;
+    let j = u % 8u;
+    let sm = scale_min_k4(o + 4u, j);
+    let scale = half_at(o) * sm.x;
+    let offset = half_at(o + 2u) * sm.y;
+    let shift = 4u * (j % 2u);
+    var w: array<f32, 32>;
+    for (var l = 0u; l < 32u; l = l + 1u) {{
+        let q = ((byte_at(o + {nibbles_at}u + 32u * (j / 2u) + l) >> shift) & 15u){fifth};
+        w[l] = scale * f32(q) - offset;
+    }}
+    return w;
+}}
+"""
+
+
+_UNITS[GGMLType.Q4_K] = _k_unit(144, 16, fifth_bits=False)
+_UNITS[GGMLType.Q5_K] = _k_unit(176, 48, fifth_bits=True)
 TYPES = frozenset(_UNITS)
 
 _KERNEL = """
