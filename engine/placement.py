@@ -58,17 +58,24 @@ def place_on_webgpu(adapter, config, weights, matrices: list[str], placement: di
     and why, and one WARN line has gone to note (default stderr)."""
     from engine import gpu_selftest
 
-    resident = _resident_maker(adapter)
-    if not selftest:
-        placement["selftest"] = {"backend": "webgpu", "adapter": adapter.name, "status": "skipped"}
+    warn = note or _stderr
+    try:
+        resident = _resident_maker(adapter)
+        if selftest:
+            result = placement["selftest"] = gpu_selftest.run(adapter.name, resident)
+            if result["status"] != "passed":
+                reason = f"the WebGPU self-test failed on {adapter.name} ({result['reason']})"
+                warn(f"WARN: self-test: {reason}; the model runs on the CPU")
+                placement.update(backend="cpu", reason=reason)
+                return None
+        else:
+            placement["selftest"] = {"backend": "webgpu", "adapter": adapter.name, "status": "skipped"}
         return resident(config, weights, matrices)
-    result = placement["selftest"] = gpu_selftest.run(adapter.name, resident)
-    if result["status"] != "passed":
-        reason = f"the WebGPU self-test failed on {adapter.name} ({result['reason']})"
-        (note or _stderr)(f"WARN: self-test: {reason}; the model runs on the CPU")
+    except Exception as e:  # the device refused it (no memory left, a lost device): the CPU can still run it
+        reason = f"the model could not go on {adapter.name} ({type(e).__name__}: {str(e)[:200]})"
+        warn(f"WARN: webgpu: {reason}; the model runs on the CPU")
         placement.update(backend="cpu", reason=reason)
         return None
-    return resident(config, weights, matrices)
 
 
 def _resident_maker(adapter):

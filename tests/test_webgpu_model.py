@@ -206,3 +206,19 @@ def test_logits_over_the_binding_limit_come_in_runs_of_rows_and_a_cache_stops_at
     assert cache.max_tokens == (1 << 17) // per_position < config.context_length
     with pytest.raises(ContextOverflow):
         cache.reserve(cache.max_tokens + 1)
+
+
+def test_a_device_that_refuses_the_model_leaves_it_on_the_cpu_with_one_warn_line(smollm2_gguf, monkeypatch, capfd):
+    from engine.kernels.webgpu.resident import WebGPUResident
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("Device out of memory (a stand-in for the device's own refusal)")
+
+    monkeypatch.setattr(WebGPUResident, "prepare", refuse)
+    capfd.readouterr()
+    model = engine.load_model(smollm2_gguf, backend="webgpu", selftest=False)
+    warns = [line for line in capfd.readouterr().err.splitlines() if "WARN" in line]
+    assert len(warns) == 1 and warns[0].startswith("goinfer: WARN: webgpu: the model could not go on "), warns
+    assert "RuntimeError: Device out of memory" in warns[0] and warns[0].endswith("the model runs on the CPU")
+    assert model.backend.name == "cpu" and model.placement["backend"] == "cpu"
+    assert model.placement["reason"].startswith("the model could not go on ")
