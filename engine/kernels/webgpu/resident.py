@@ -12,7 +12,8 @@ What it runs: the decoder-only families of models/dense.py without experts, atte
 (llama, qwen2, qwen3, phi3, gemma2, gemma3): RMSNorm, q/k norms, post norms, q/k/v biases, fused q|k|v and
 gate|up matrices, RoPE (NeoX or interleaved, per-layer bases, frequency divisors), GQA with per-layer sliding
 windows and soft-capped scores, SiLU or GELU-tanh gates. `unsupported` says why another model is not.
-All in f32 (as the CPU's exact path); the tables of RoPE are computed on the host in f64 as the CPU's are.
+Activations in f32 (as the CPU's exact path), the KV cache in f16 where the adapter has shader-f16 (as the CPU's
+default cache); the tables of RoPE are computed on the host in f64 as the CPU's are.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def unsupported(config, weights, matrices: Sequence[str]) -> str | None:
 
 class WebGPUResident:
     name = "webgpu"
-    path = "exact"  # f32 activations and cache, as the CPU's exact path
+    path = "exact"  # f32 activations, as the CPU's exact path
     stepped_down: frozenset[int] = frozenset()
     prompt_tile = 64
 
@@ -64,7 +65,8 @@ class WebGPUResident:
         self._plans: dict[tuple, Plan] = {}  # decode steps' recorded passes, by rows, head and the caches' buffers
 
     def describe(self) -> str:
-        return f"webgpu on {self.adapter_name} (f32, model resident)"
+        kv = "f16" if self.gpu.kv_f16 else "f32"
+        return f"webgpu on {self.adapter_name} (model resident, f32 activations, {kv} KV cache)"
 
     # --- layouts and the decode step ------------------------------------------------------------------------
 
