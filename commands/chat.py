@@ -21,8 +21,9 @@ from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
-from engine.reasoning import ThinkingPlan, ThinkingSettings
-from engine.prompts import encode_prompt, thinking_of
+from engine.reasoning import ThinkingSettings
+from engine.prompts import encode_prompt, reply_plan, thinking_of
+from engine.templates.harmony import EFFORTS
 from engine.templates.thinking import MODES, render_prompt
 from engine.store.paths import goinfer_home
 
@@ -51,8 +52,8 @@ In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /think MODE, /quit.
 quits.
 """
 
-REPL_HELP = ("/reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /quit   "
-             "(Ctrl-C stops a reply, Ctrl-D quits)")
+REPL_HELP = ("/reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /effort low|medium|high  "
+             "/quit   (Ctrl-C stops a reply, Ctrl-D quits)")
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ChatState:
     warm: WarmConversation | None = None  # the conversation's KV cache, kept between turns
     thinking: ThinkingSettings = ThinkingSettings()  # --thinking / --reasoning-budget, /think
     show_thinking: bool = True
+    effort: str | None = None  # --reasoning-effort, /effort: gpt-oss's Reasoning line
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -98,6 +100,9 @@ def chat(
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking", help="Print a thinking model's reasoning (dimmed, on stderr) before its "
                                                  "answer, or only a marker.")] = True,
+    reasoning_effort: Annotated[Optional[str], typer.Option(
+        "--reasoning-effort", help="gpt-oss: low, medium or high, written on its template's Reasoning line "
+                                   "(default: the template's, medium). Other models ignore it.")] = None,
 ) -> None:
     if temp < 0:
         raise fail(f"--temp must be >= 0, got {temp}")
@@ -108,8 +113,11 @@ def chat(
     if session_file is not None and prompt is not None:
         raise fail("--session resumes a REPL conversation; it does not go with --prompt")
     backend_choice(backend)
+    if reasoning_effort is not None and reasoning_effort.lower() not in EFFORTS:
+        raise fail(f"--reasoning-effort must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
     session = ChatState(system, temp, top_k, top_p, seed, max_tokens,
-                        thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking)
+                        thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking,
+                        effort=reasoning_effort)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
@@ -155,10 +163,9 @@ def _reply(llm, session: ChatState) -> str:
     answer's text (also when stopped by Ctrl-C)."""
     thinking = thinking_of(llm)
     mode = "off" if session.grammar is not None else session.thinking.mode  # a grammar wants JSON from token 1
-    prompt = render_prompt(llm.template, thinking, session.conversation(), mode=mode)
+    prompt = render_prompt(llm.template, thinking, session.conversation(), mode=mode, effort=session.effort)
     ids = encode_prompt(llm, prompt.text)  # no second BOS when the template writes one
-    plan = None if thinking is None else ThinkingPlan(thinking.open, thinking.close, prompt.inside,
-                                                      thinking.close_id, server=session.thinking.budget)
+    plan = reply_plan(llm, prompt, server=session.thinking.budget, constrained=session.grammar is not None)
     parts: list[str] = []
     shown = False  # the reasoning (or its marker) was printed: the answer starts on a new line
     try:
@@ -250,6 +257,11 @@ def _command(line: str, session: ChatState) -> bool:
                 raise ValueError
             session.thinking = ThinkingSettings(arg, session.thinking.budget)
             say(f"thinking: {arg}")
+        elif name == "/effort":
+            if arg.lower() not in EFFORTS:
+                raise ValueError
+            session.effort = arg.lower()
+            say(f"reasoning effort: {session.effort}")
         elif name == "/max":
             value = int(arg)
             if value < 1:

@@ -17,7 +17,7 @@ from engine.errors import ContextOverflow, InvalidRequest
 from engine.kernels.backend import KVCache
 from engine.kernels.cpu import vmath
 from engine.models.base import Model
-from engine.reasoning import ReasoningSplitter, ThinkingPlan, thinking_budget
+from engine.reasoning import ThinkingPlan, splitter, thinking_budget
 from engine.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
 from engine.tokenizer import IncrementalDecoder
 
@@ -105,8 +105,9 @@ class Generation:
         self.finished = False
         # A thinking reply: its text split as it comes, and the budget after which the close is forced.
         self._plan = thinking
-        self._split = ReasoningSplitter(thinking.open, thinking.close, thinking.inside) if thinking else None
+        self._split = splitter(thinking) if thinking else None
         self._budget = thinking_budget(self._plan, self.max_tokens) if self._plan else None
+        self._forcing: list[int] = []  # the rest of a close of several tokens being forced
         self.thought_tokens = 0  # tokens generated inside the thinking block (what the budget counts)
 
     @property
@@ -126,8 +127,11 @@ class Generation:
         # The normalizer is a pass over the vocabulary (0.35 ms a token on a 262k one): only when asked for.
         lse = _logsumexp(logits) if want_logprob else 0.0
         work = logits.copy() if want_logprob and processors else logits  # processors work in place
-        if self._budget is not None and self._split.thinking and self.thought_tokens >= self._budget:
-            token = self._plan.close_id  # the budget is spent: the block is closed and the answer follows
+        if not self._forcing and self._budget is not None and self._split.can_close and \
+                self.thought_tokens >= self._budget:
+            self._forcing = list(self._plan.close_tokens)  # the budget is spent: the block closes, the answer follows
+        if self._forcing:
+            token = self._forcing.pop(0)
         else:
             for proc in processors:
                 work = proc(work, self._history)

@@ -4,6 +4,7 @@ a final assistant message continued), or a completion's text or token ids; and t
     render_request(model, req, settings) -> PromptText     the chat's prompt text (and whether it opens thinking)
     prompt_ids(model, req, settings)     -> token ids       what the model evaluates
     thinking_plan(model, req, prompt, settings)              how the reply is split (None: not a thinking model)
+    reply_plan(model, prompt, ...)                           the same from the parts (the chat REPL's)
     continuation_ids(model, req, reply)                      how the next turn's prompt will likely start
 """
 
@@ -14,13 +15,14 @@ import weakref
 from engine.errors import RequestError
 from engine.models.base import Model
 from engine.reasoning import ThinkingPlan, ThinkingSettings
+from engine.templates.harmony import FINAL, START, harmony_messages
 from engine.templates.thinking import PromptText, ThinkingTemplate, read_thinking, render_prompt
 from engine.templates.tools import render_messages
 
 # `req` below is an engine.requests.GenerationRequest (not imported: engine.requests builds on this module).
 
-__all__ = ["continuation_ids", "encode_prompt", "prompt_ids", "render_request", "thinking_mode", "thinking_of",
-           "thinking_plan"]
+__all__ = ["continuation_ids", "encode_prompt", "prompt_ids", "render_request", "reply_plan", "thinking_mode",
+           "thinking_of", "thinking_plan"]
 
 
 def encode_prompt(model: Model, text: str) -> list[int]:
@@ -55,8 +57,12 @@ def render_request(model: Model, req, settings: ThinkingSettings = ThinkingSetti
     """A chat request's prompt text, thinking as `settings` and the request say."""
     tools = list(req.tools or ()) if req.calls_tools else None
     messages, template_tools = render_messages(list(req.messages), tools, model.template.source)
-    return render_prompt(model.template, thinking_of(model), messages, tools=template_tools,
-                         mode=thinking_mode(req, settings), variables=req.template_variables)
+    thinking = thinking_of(model)
+    if thinking is not None and thinking.harmony:
+        messages = harmony_messages(messages)
+    return render_prompt(model.template, thinking, messages, tools=template_tools,
+                         mode=thinking_mode(req, settings), variables=req.template_variables,
+                         effort=req.reasoning_effort)
 
 
 def prompt_ids(model: Model, req, settings: ThinkingSettings = ThinkingSettings()) -> list[int]:
@@ -74,11 +80,27 @@ def prompt_ids(model: Model, req, settings: ThinkingSettings = ThinkingSettings(
 def thinking_plan(model: Model, req, prompt: PromptText,
                   settings: ThinkingSettings = ThinkingSettings()) -> ThinkingPlan | None:
     """How a chat reply is split (None: a completion, or a model whose template does not think)."""
-    thinking = thinking_of(model) if req.messages is not None else None
+    if req.messages is None:
+        return None
+    return reply_plan(model, prompt, requested=req.thinking_budget, server=settings.budget,
+                      fmt=req.reasoning_format, constrained=req.constrained)
+
+
+def reply_plan(model: Model, prompt: PromptText, *, requested: int | None = None, server: int | str = "auto",
+               fmt: str = "auto", constrained: bool = False) -> ThinkingPlan | None:
+    """How the reply to a rendered chat prompt is split, and its budget (None: the template does not think). A
+    Harmony reply constrained from its first token is the grammar's text alone: nothing to split."""
+    thinking = thinking_of(model)
     if thinking is None:
         return None
-    return ThinkingPlan(thinking.open, thinking.close, prompt.inside, thinking.close_id, req.thinking_budget,
-                        settings.budget, req.reasoning_format)
+    if thinking.harmony:
+        if constrained:
+            return None
+        close = tuple(model.tokenizer.encode(FINAL, add_bos=False))
+        lead = prompt.text[max(0, prompt.text.rfind(START)):]
+        return ThinkingPlan(thinking.open, thinking.close, False, None, requested, server, fmt, harmony=True,
+                            close_ids=close, lead=lead)
+    return ThinkingPlan(thinking.open, thinking.close, prompt.inside, thinking.close_id, requested, server, fmt)
 
 
 def continuation_ids(model: Model, req, reply: str) -> list[int] | None:

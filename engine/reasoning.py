@@ -4,6 +4,7 @@ answer.
     ThinkingSettings     the runner's defaults (`serve --thinking`, `--reasoning-budget`)
     ThinkingPlan         one reply's: the delimiters, whether its prompt opened the block, its budget rule, format
     ReasoningSplitter    text in, (reasoning, answer) out, piece by piece; holds back what may be a delimiter
+    splitter(plan)       the plan's reader: a ReasoningSplitter, or Harmony's (engine/templates/harmony.py)
     thinking_budget      the reasoning budget of one reply (the seed's rule; see the function)
 
 The split is on text, so it works whatever the tokenizer makes of the delimiters; the budget needs the closing
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FORMATS", "ReasoningSplitter", "ThinkingPlan", "ThinkingSettings", "parse_budget", "thinking_budget"]
+from engine.templates.harmony import HarmonySplitter
+
+__all__ = ["FORMATS", "ReasoningSplitter", "ThinkingPlan", "ThinkingSettings", "parse_budget", "splitter",
+           "thinking_budget"]
 
 # reasoning_format: auto / deepseek split; none: the raw text in content, nothing split; deepseek-legacy: the
 # reasoning split out and the raw text (markup included) in content as well, as llama.cpp's legacy format.
@@ -52,23 +56,44 @@ class ThinkingPlan:
     requested: int | None = None  # the request's budget (thinking_token_budget, Anthropic's budget_tokens)
     server: int | str = "auto"  # the runner's --reasoning-budget
     format: str = "auto"
+    # Harmony (gpt-oss; engine/templates/harmony.py): the reply is read by channels; the budget forces `close_ids`
+    # (the analysis closed and the final channel opened, several tokens); `lead` is the prompt's open header.
+    harmony: bool = False
+    close_ids: tuple[int, ...] = ()
+    lead: str = ""
 
     @property
     def splits(self) -> bool:
         return self.format != "none"
 
+    @property
+    def close_tokens(self) -> tuple[int, ...]:
+        """What the budget forces, in order (empty: no budget can be forced)."""
+        return self.close_ids or (() if self.close_id is None else (self.close_id,))
+
 
 def thinking_budget(plan: ThinkingPlan, max_tokens: int) -> int | None:
     """Tokens the reasoning may take before its close is forced, for a reply of at most `max_tokens`: the smaller
     of the request's budget (else the runner's number) and the room rule (three quarters of max_tokens, leaving at
-    least 2 to answer; dropped under "unlimited"). None: no budget (no single-token close, a turn under MIN_TURN
-    tokens, or nothing asked under "unlimited")."""
-    if plan.close_id is None or max_tokens < MIN_TURN:
+    least 2 to answer; dropped under "unlimited"). A close of several tokens (Harmony's) counts as reasoning: it
+    starts that much earlier. None: no budget (no close to force, a turn under MIN_TURN tokens, or nothing asked
+    under "unlimited")."""
+    close = len(plan.close_tokens)
+    if not close or max_tokens < MIN_TURN + close - 1:
         return None
-    room = None if plan.server == "unlimited" else max(0, min(max_tokens * 3 // 4, max_tokens - 2))
+    room = None if plan.server == "unlimited" else max(0, min(max_tokens * 3 // 4, max_tokens - 2 - (close - 1)))
     asked = plan.requested if plan.requested is not None else (plan.server if isinstance(plan.server, int) else None)
+    if asked is not None:
+        asked = max(0, asked - (close - 1))
     limits = [x for x in (asked, room) if x is not None]
     return min(limits) if limits else None
+
+
+def splitter(plan: ThinkingPlan) -> ReasoningSplitter | HarmonySplitter:
+    """The reader of a reply split by `plan`."""
+    if plan.harmony:
+        return HarmonySplitter(plan.lead)
+    return ReasoningSplitter(plan.open, plan.close, plan.inside)
 
 
 _START, _THINKING, _AFTER, _ANSWER = "start", "thinking", "after", "answer"
@@ -89,6 +114,11 @@ class ReasoningSplitter:
     @property
     def thinking(self) -> bool:
         """Inside the block now."""
+        return self._state == _THINKING
+
+    @property
+    def can_close(self) -> bool:
+        """The budget may force the close now."""
         return self._state == _THINKING
 
     def push(self, text: str) -> tuple[str, str]:

@@ -82,6 +82,7 @@ class GenerationRequest:
     confidence: bool = False
     thinking_budget: int | None = None
     template_variables: dict | None = field(default=None, hash=False)
+    reasoning_effort: str | None = None  # low / medium / high: a Harmony template's Reasoning line (gpt-oss only)
 
     @property
     def kind(self) -> str:

@@ -1,7 +1,8 @@
 """Real chat templates for the tests, fetched from PyPI into the goinfer cache (never committed to this repo).
 
 Why from there: the llama-cpp-python source distribution vendors llama.cpp's `models/templates/`, the chat
-templates of real models (Qwen3, Qwen3.5, DeepSeek-R1 distills, Gemma 4) exactly as their Hub repositories ship them.
+templates of real models (Qwen3, Qwen3.5, DeepSeek-R1 distills, Gemma 4, gpt-oss) exactly as their Hub
+repositories ship them.
 PyPI keeps every release, so one pinned version gives the same bytes forever, and its index publishes the
 sdist's sha256; our own sha256 pin per template then guards the member we actually use.
 
@@ -45,6 +46,7 @@ PINS: dict[str, str] = {
     "Qwen3.5-4B": "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "bbe594884b44d740667ee65a70bc8d333a565eab3d63ea59f291ea73ada84ba6",
     "google-gemma-4-31B-it": "85a08664d16d8f3be4416c92427b3ac10df1024ac566cc0b4bc3bab409393f98",
+    "openai-gpt-oss-120b": "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",
 }
 
 _STAGING_PREFIX = f"{RELEASE}-templates."

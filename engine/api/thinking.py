@@ -2,8 +2,9 @@
 batch lines): which fields turn thinking on or off, how the reply is split, its budget, and replayed reasoning.
 
     chat_template_kwargs.enable_thinking   true / false: on / off (the other keys reach the template as they are)
-    reasoning_effort                       "none": off; any other value changes nothing and is never refused
-                                           (clients send a bare effort to every endpoint)
+    reasoning_effort                       "none": off; low / medium / high reach gpt-oss's template (its Reasoning
+                                           line); any other value, on any other model, changes nothing and is never
+                                           refused (clients send a bare effort to every endpoint)
     reasoning_format                       auto | deepseek (split), none (raw text), deepseek-legacy (both)
     thinking_token_budget                  the request's reasoning budget, in tokens
 """
@@ -46,7 +47,8 @@ def thinking_controls(body: dict, effort: Any = None) -> dict:
                            "reasoning_format", "invalid_value")
     return {"thinking": thinking, "reasoning_format": fmt,
             "thinking_budget": int_field(body, "thinking_token_budget", 0),
-            "template_variables": variables or None}
+            "template_variables": variables or None,
+            "reasoning_effort": effort if isinstance(effort, str) else None}
 
 
 def _template_variables(value: Any) -> dict:

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.errors import InvalidRequest, TemplateError
 from engine.templates.chat import ChatTemplate
+from engine.templates.harmony import CHANNEL, EFFORTS, END, MESSAGE, is_harmony
 
 __all__ = ["DELIMITERS", "MODES", "PromptText", "ThinkingTemplate", "read_thinking", "render_prompt"]
 
@@ -46,6 +47,7 @@ class ThinkingTemplate:
     default: str  # its generation prompt with thinking unspecified: "open", "closed" or "free"
     open_id: int | None  # the delimiters as single tokens, where the tokenizer has them (None: several tokens)
     close_id: int | None
+    harmony: bool = False  # gpt-oss: the reply's channels say what is reasoning (engine/templates/harmony.py)
 
     @property
     def thinks_by_default(self) -> bool:
@@ -85,6 +87,8 @@ def _suffix(template: ChatTemplate, **variables: Any) -> str | None:
 
 def read_thinking(template: ChatTemplate, tokenizer: Any) -> ThinkingTemplate | None:
     """The template's thinking, or None where it has no recognised thinking control."""
+    if is_harmony(template.source):  # always reasons, on its analysis channel; no off form, no switch
+        return ThinkingTemplate(f"{CHANNEL}analysis{MESSAGE}", END, False, "free", None, None, harmony=True)
     for open_, close in DELIMITERS:
         if open_ not in template.source or close not in template.source:
             continue
@@ -105,13 +109,19 @@ def read_thinking(template: ChatTemplate, tokenizer: Any) -> ThinkingTemplate | 
 
 
 def render_prompt(template: ChatTemplate, thinking: ThinkingTemplate | None, messages: list[dict], *,
-                  tools: list | None = None, mode: str = "template", variables: dict | None = None) -> PromptText:
+                  tools: list | None = None, mode: str = "template", variables: dict | None = None,
+                  effort: str | None = None) -> PromptText:
     """The prompt for `messages` under thinking `mode` (see the module's doc). A final assistant message with text
     is continued; `variables` reach the template (chat_template_kwargs; `enable_thinking` there is the caller's
-    to fold into `mode`)."""
+    to fold into `mode`). `effort` (reasoning_effort) is written on a Harmony template's `Reasoning:` line when
+    it is one of low / medium / high; any other value, and every other template, ignore it."""
     if mode not in MODES:
         raise InvalidRequest(f"thinking: must be one of {', '.join(MODES)} (got {mode!r})")
     variables = {k: v for k, v in (variables or {}).items() if k != "enable_thinking"}
+    if thinking is not None and thinking.harmony:  # gpt-oss reasons whatever the mode: no off form to render
+        if isinstance(effort, str) and effort.strip().lower() in EFFORTS:
+            variables.setdefault("reasoning_effort", effort.strip().lower())
+        thinking, mode = None, "template"
     if thinking is None or mode == "asis":
         messages = [_without_reasoning(m) for m in messages]
     elif thinking.switch and mode in ("on", "off"):

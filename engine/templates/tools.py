@@ -62,7 +62,7 @@ def render_messages(messages: list[dict], tools: list[dict] | None, template_sou
     built-in tool prompt. `tools` are {"name", "description", "parameters"} each."""
     if template_supports_tools(template_source):
         if _OBJECT_ARGUMENTS.search(template_source):
-            messages = [_with_object_arguments(m) for m in messages]
+            messages = [with_object_arguments(m) for m in messages]
         return messages, [_function(t) for t in tools] if tools else None
     out: list[dict] = []
     for m in messages:
@@ -94,7 +94,7 @@ def render_messages(messages: list[dict], tools: list[dict] | None, template_sou
 _OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*items|arguments\.items\(\)")
 
 
-def _with_object_arguments(message: dict) -> dict:
+def with_object_arguments(message: dict) -> dict:
     if not message.get("tool_calls"):
         return message
     calls = []

@@ -23,7 +23,12 @@ from engine.tokenizer.hf_build import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, US
 SPACE = "\u2581"  # SentencePiece's visible space
 
 # Tokens llama.cpp treats as end-of-generation by their text (llama-vocab.cpp), besides eos/eot/eom ids.
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>")
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+              "<|eom_id|>", "<EOT>")
+# gpt-oss's Harmony (o200k_harmony): a reply is several messages, each closed by <|end|>; only <|return|> (the answer
+# is done) and <|call|> (a tool call is) end it. llama.cpp drops <|end|> from the set where both of those are there,
+# and renders these message markers as text (user-defined), so a reply's channels can be read from its text.
+_HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
               "<\uff5cend\u2581of\u2581sentence\uff5c>")
 _FIM_EOG = {  # FIM pad / repo / file-separator tokens also end generation in llama.cpp
@@ -268,8 +273,9 @@ def _rstrip_ids(meta: dict, vocab: dict[str, int], attrs: np.ndarray) -> frozens
 
 
 def end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None, key_id) -> set[int]:
-    """llama.cpp's end-of-generation set: eos, eot, eom, FIM pad/repo/sep and tokens with EOG-looking text.
-    Tokens it finds by their text it also retypes as control (`attrs` is updated in place)."""
+    """llama.cpp's end-of-generation set: eos, eot, eom, FIM pad/repo/sep and tokens with EOG-looking text, less
+    Harmony's <|end|>. Tokens it finds by their text it also retypes as control, Harmony's markers as user-defined
+    (`attrs` is updated in place)."""
     eog: set[int] = set()
     by_text: set[int] = set()
 
@@ -298,6 +304,12 @@ def end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None,
     for i in by_text:
         attrs[i] = CONTROL
     eog.update(x for x in (eos, eot, eom) if x is not None)
+    for t in _HARMONY_MARKERS:
+        if t in vocab:
+            attrs[vocab[t]] = USER_DEFINED
+    if all(t in vocab and vocab[t] in eog for t in ("<|return|>", "<|call|>", "<|end|>")):
+        eog.discard(vocab["<|end|>"])
+        attrs[vocab["<|end|>"]] = USER_DEFINED
     return eog
 
 
