@@ -98,6 +98,11 @@ class GenerationRequest:
         return {t["name"] for t in self.tools or ()}
 
     @property
+    def tool_schemas(self) -> dict[str, dict]:
+        """Each tool's name to its parameters' JSON schema (what types a call's values in Qwen3.5's XML form)."""
+        return {t["name"]: t.get("parameters") or {} for t in self.tools or ()}
+
+    @property
     def constrained(self) -> bool:
         """Grammar-constrained from the first token (a JSON format, a forced tool call): rendered thinking-off."""
         if self.grammar is None:
@@ -336,7 +341,7 @@ class Collector:
                        self._thought)]
         if self._request.calls_tools:
             for c in choices:
-                text, calls = parse_tool_calls(c.text, self._request.tool_names)
+                text, calls = parse_tool_calls(c.text, self._request.tool_schemas)
                 if calls:
                     c.text, c.tool_calls = text, calls
                     if c.finish_reason == "stop":

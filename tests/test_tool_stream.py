@@ -211,3 +211,57 @@ def test_without_calls_the_streams_are_as_before(text):
     kinds = [k for k, _ in named_events(data)]
     assert kinds.count("content_block_start") == 1 and "input_json_delta" not in data.decode()
     assert named_events(data)[-2][1]["delta"]["stop_reason"] == "end_turn"
+
+
+# ------------------------------------------------------------------------------- Qwen3.5's own (XML) form
+
+SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"},
+    "alerts": {"type": "boolean"}, "hours": {"type": "array", "items": {"type": "integer"}},
+    "unit": {"type": ["string", "null"]}}}, "get_time": {"type": "object", "properties": {}}}
+# As Qwen3.5's template asks for it (and writes history calls back): a line per tag, values unquoted.
+XML = ("I will check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+       "<parameter=zip>\n01310\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=alerts>\ntrue\n"
+       "</parameter>\n<parameter=hours>\n[6, 12]\n</parameter>\n<parameter=note>\nline one\nline two\n"
+       "</parameter>\n<parameter=unit>\n123\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+       "<function=get_time>\n</function>\n</tool_call>")
+
+
+def test_the_xml_form_is_typed_by_each_tools_schema():
+    content, calls = parsed(XML, SCHEMAS)
+    assert content == "I will check." and [n for n, _ in calls] == ["get_weather", "get_time"]
+    # a string parameter keeps its text ("01310", "123" stay strings); the others are read as JSON; a parameter
+    # the schema does not name is text unless it is JSON of another kind
+    assert json.loads(calls[0][1]) == {"city": "São Paulo", "zip": "01310", "days": 3, "alerts": True,
+                                       "hours": [6, 12], "note": "line one\nline two", "unit": "123"}
+    assert json.loads(calls[1][1]) == {}
+    assert parsed(XML, {"get_time": {}})[1] == []  # a tool that was not given is not a call: all stays text
+    assert parsed(XML, None)[1][0][0] == "get_weather"  # no names to check against: any call is read
+
+
+def test_the_xml_form_streams_like_the_whole_answer_at_every_split_point():
+    want = parsed(XML, SCHEMAS)
+    for pieces in splits(XML):
+        content, calls, _ = read(pieces, SCHEMAS)
+        assert (content, calls) == want, pieces
+
+
+def test_a_broken_xml_block_is_text():
+    broken = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"
+    assert parsed(broken, SCHEMAS) == (broken, [])
+    assert read([broken[:30], broken[30:]], SCHEMAS)[:2] == (broken, [])
+
+
+def test_a_history_call_rendered_by_qwen35s_template_reads_back():
+    from engine.templates import ChatTemplate
+    from engine.templates.tools import render_messages
+    from tests import reference_templates as ref
+
+    args = {"city": "São Paulo", "zip": "01310", "days": 3, "hours": [6, 12]}
+    source = ref.reference_template("Qwen3.5-4B")
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}
+    messages, _ = render_messages([{"role": "user", "content": "Weather?"}, call], None, source)
+    text = ChatTemplate(source).render(messages, add_generation_prompt=False)
+    block = text[text.index("<tool_call>"):text.index("</tool_call>") + len("</tool_call>")]
+    assert "<function=get_weather>" in block and json.loads(parsed(block, SCHEMAS)[1][0][1]) == args

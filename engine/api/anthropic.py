@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from engine.api.fields import float_field, int_field, kind_of, object_body, str_field
 from engine.api.openai import parse_tools
@@ -303,7 +303,7 @@ class MessageStream:
     id: str
     model: str
     input_tokens: int
-    tool_names: frozenset[str] | None = None
+    tool_names: Mapping[str, dict] | None = None  # name -> parameters' schema
     # the prompt tokens a warm session held, known once the prompt is evaluated (message_delta's usage says it)
     cached_tokens: Callable[[], int] = lambda: 0
     _block: int = -1  # index of the last block opened (-1: none yet)
@@ -313,7 +313,7 @@ class MessageStream:
     _reader: ToolCallStream | None = field(init=False)  # reads the calls, when the request has tools
 
     def __post_init__(self):
-        self._reader = None if self.tool_names is None else ToolCallStream(set(self.tool_names))
+        self._reader = None if self.tool_names is None else ToolCallStream(self.tool_names)
 
     def start(self) -> bytes:
         msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],

@@ -54,9 +54,10 @@ class Dialect(Protocol):
     def count(self, n: int) -> dict: ...
 
 
-def _tool_names(req: GenerationRequest) -> frozenset[str] | None:
-    """The tools whose calls a stream reads out of the text, or None when the request calls none."""
-    return frozenset(req.tool_names) if req.calls_tools else None
+def _tool_names(req: GenerationRequest) -> dict[str, dict] | None:
+    """The tools whose calls a stream reads out of the text (each name to its parameters' schema), or None when
+    the request calls none."""
+    return req.tool_schemas if req.calls_tools else None
 
 
 class _Generating:

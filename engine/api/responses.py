@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from engine.api import thinking as thinking_fields
 from engine.api.fields import float_field, int_field, kind_of, str_field
@@ -279,7 +279,7 @@ class ResponseStream:
     id: str
     model: str
     created: int
-    tool_names: frozenset[str] | None = None
+    tool_names: Mapping[str, dict] | None = None  # name -> parameters' schema
     calls: list = field(default_factory=list)  # the function calls sent (ToolCall), for the final object
     _seq: int = 0
     msg_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
@@ -294,7 +294,7 @@ class ResponseStream:
     _reader: ToolCallStream | None = field(init=False)  # reads the calls, when the request has tools
 
     def __post_init__(self):
-        self._reader = None if self.tool_names is None else ToolCallStream(set(self.tool_names))
+        self._reader = None if self.tool_names is None else ToolCallStream(self.tool_names)
 
     def _ev(self, name: str, obj: dict) -> bytes:
         obj = {"type": name, "sequence_number": self._seq, **obj}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from engine.api.openai_objects import chat_logprobs, completion_logprobs, usage
 from engine.requests import Delta
@@ -55,7 +56,7 @@ class Stream:
     include_usage: bool = False
     # With tools: the names an answer may call. Its calls are read as they come (engine.templates.tool_stream)
     # and sent as tool_calls deltas: a call's id and name, then its arguments piece by piece.
-    tool_names: frozenset[str] | None = None
+    tool_names: Mapping[str, dict] | None = field(default=None, compare=False)  # name -> parameters' schema
     _readers: dict = field(default_factory=dict, compare=False, repr=False)  # choice index -> ToolCallStream
 
     def _chunk(self, choices: list[dict]) -> dict:
@@ -82,7 +83,7 @@ class Stream:
                                      "logprobs": None, "finish_reason": None}]))
         text, events, finish = d.text, [], d.finish_reason
         if self.tool_names is not None:
-            reader = self._readers.setdefault(d.index, ToolCallStream(set(self.tool_names)))
+            reader = self._readers.setdefault(d.index, ToolCallStream(self.tool_names))
             events = reader.push(d.text) + (reader.finish() if finish else [])
             text = "".join(e.text for e in events if isinstance(e, Text))  # text only ever comes before calls
             if reader.started and finish == "stop":

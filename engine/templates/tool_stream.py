@@ -7,6 +7,9 @@ is read and checked, and its arguments follow token by token, re-written as json
 (json_stream), so the pieces join up to exactly the `arguments` that parse_tool_calls reads from the whole
 answer. Markup split across pieces ("<tool" + "_call>") is held back only while it could still be markup.
 
+Qwen3.5's XML form inside a block (`<function=NAME><parameter=K>...`) is read whole at the block's close, its
+values typed by the tools' schemas as parse_tool_calls types them.
+
 Where the whole-answer parser decides differently, the stream decides the same way: an answer whose first
 block is no call streams as plain text; text before the first opener loses its trailing whitespace (the
 parser strips it); text between and after blocks is dropped. Llama-3 bare JSON and Mistral `[TOOL_CALLS]`
@@ -17,6 +20,7 @@ once sent: a call cut off by max_tokens or a stop string still arrives, with the
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.templates.json_stream import STR_CLOSE, STR_OPEN, STR_PART, JsonLexer, JsonStreamError, dumps
@@ -83,9 +87,10 @@ class _Block:
 
 class ToolCallStream:
     """Feed an answer's pieces with push(); finish() at its end. `tool_names`: the tools the answer may call
-    (None: any name). `started` counts the calls begun so far."""
+    (None: any name; a mapping to their parameters' schemas types Qwen3.5's XML values). `started` counts the
+    calls begun so far."""
 
-    def __init__(self, tool_names: set[str] | frozenset[str] | None = None):
+    def __init__(self, tool_names: Collection[str] | None = None):
         self._names = tool_names
         self._mode = "start"  # start, text, calls, whole (parsed at the end), plain (no calls: all is text)
         self._held = ""  # start / whole: all so far; text: trailing whitespace and a partial opener
@@ -193,6 +198,9 @@ class ToolCallStream:
         if b.phase == "open":
             text = text.lstrip()  # the parser strips the block
             if not text:
+                return
+            if text.startswith("<"):  # Qwen3.5's XML form: read whole at the block's close (_end_block)
+                b.phase = "end"
                 return
         try:
             tokens = b.lexer.feed(text)

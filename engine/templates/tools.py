@@ -5,8 +5,9 @@ transformers passes them). Any other template (SmolLM2's ChatML, Gemma's built-i
 Hermes-style prompt: the tools described in the system message, earlier calls written back as
 `<tool_call>` blocks and tool results as `<tool_response>` blocks in a user turn (every template has one).
 
-Parsing: Hermes `<tool_call>{...}</tool_call>` blocks, Mistral `[TOOL_CALLS][...]`, and a Llama-3 style
-answer that is one bare JSON object `{"name": ..., "parameters"|"arguments": {...}}`. The same calls read while
+Parsing: Hermes `<tool_call>{...}</tool_call>` blocks (inside them, Qwen3.5's `<function=NAME><parameter=K>`
+form too, typed by the tools' schemas), Mistral `[TOOL_CALLS][...]`, and a Llama-3 style answer that is one bare
+JSON object `{"name": ..., "parameters"|"arguments": {...}}`. The same calls read while
 they are generated (for streams): engine/templates/tool_stream.py.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
@@ -123,7 +125,7 @@ def _call_json(call: dict) -> dict:
     return {"name": fn.get("name"), "arguments": args}
 
 
-def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
     """(content before the calls, calls) from an answer. Calls that do not parse, or name a tool that was
     not given, are left in the content."""
     calls: list[ToolCall] = []
@@ -153,8 +155,12 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str
     return text, []
 
 
-def read_call(block: str, tool_names: set[str] | None) -> ToolCall | None:
-    """The call one block's JSON makes, its arguments re-written by json.dumps; None if it makes none."""
+def read_call(block: str, tool_names: Collection[str] | None) -> ToolCall | None:
+    """The call one block makes (its JSON, or Qwen3.5's XML form), its arguments re-written by json.dumps; None
+    if it makes none. `tool_names` may map each name to its parameters' schema (the XML form's values are typed by
+    it)."""
+    if block.startswith("<function="):
+        return read_xml_call(block, tool_names)
     try:
         obj = json.loads(block)
     except ValueError:
@@ -170,3 +176,44 @@ def read_call(block: str, tool_names: set[str] | None) -> ToolCall | None:
         except ValueError:
             return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+# Qwen3.5's own form (its template asks for it): <function=NAME> then <parameter=KEY>\nvalue\n</parameter> per argument.
+_XML_CALL = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def read_xml_call(block: str, tool_names: Collection[str] | None) -> ToolCall | None:
+    """The call a `<function=NAME>...</function>` block makes, each value typed by the tool's schema: a string
+    parameter keeps its text as it is ("123" stays a string), any other type is read as JSON (its text where that
+    fails), and a parameter the schema does not name is JSON where it parses as a non-string, else text."""
+    m = _XML_CALL.fullmatch(block.strip())
+    if m is None:
+        return None
+    name = m.group(1).strip()
+    if tool_names is not None and name not in tool_names:
+        return None
+    schema = tool_names.get(name) if isinstance(tool_names, Mapping) else None
+    properties = (schema or {}).get("properties") or {}
+    args, at, body = {}, 0, m.group(2)
+    for p in _XML_PARAMETER.finditer(body):
+        if body[at:p.start()].strip():
+            return None  # text between parameters: not this form
+        key = p.group(1).strip()
+        args[key] = _typed(p.group(2), properties.get(key))
+        at = p.end()
+    if body[at:].strip():
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _typed(text: str, schema: dict | None):
+    kinds = (schema or {}).get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    if "string" in kinds:
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return text if isinstance(value, str) and not kinds else value
