@@ -76,6 +76,10 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
         help="Require this key on every route (Bearer or x-api-key).")] = None,
+    cors_origin: Annotated[Optional[List[str]], typer.Option(
+        "--cors-origin", metavar="ORIGIN",
+        help="A web page origin (http://host:port) whose scripts may read the answers, besides this machine's "
+             "(localhost, 127.0.0.1, [::1]); * for any; repeatable.")] = None,
     tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="PEM certificate: serve HTTPS.")] = None,
     tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key for --tls-cert.")] = None,
     ctx: Annotated[int, typer.Option(help="Context window per request, in tokens (capped at the model's own; "
@@ -142,7 +146,7 @@ def serve(
                               max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
                               kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
                               max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings,
-                              decisions_template=decisions_template)
+                              decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()))
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref in specs]

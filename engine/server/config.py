@@ -14,6 +14,7 @@ from engine.models.base import PREFILL_CHUNK
 from engine.reasoning import ThinkingSettings
 from engine.requests import context_window
 from engine.kernels.cpu.matmul import PROMPT_TILE
+from engine.server.cors import parse_origins
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
 from engine.server.intake import LOOPBACK_NAMES
 from engine.scheduler import DEFAULT_MAX_CONCURRENT
@@ -56,6 +57,7 @@ class ServerConfig:
     decisions_template: str = "chat-v1"  # how /v1/systemone shows a question (engine/decisions/prompts.py)
     # per served model, per kind: fitted temperatures (--decisions-calibration; engine/decisions/calibration.py)
     decisions_temperatures: dict = field(default_factory=dict)
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: web pages besides this machine's that may read answers
 
     @property
     def tls(self) -> bool:
@@ -110,6 +112,10 @@ class ServerConfig:
             raise ServerConfigError(f"--sse-keepalive must be > 0, got {self.keepalive_s}")
         if self.threads is not None and self.threads < 1:
             raise ServerConfigError(f"--threads must be >= 1, got {self.threads}")
+        try:
+            self.cors_origins = parse_origins(self.cors_origins)
+        except ValueError as e:
+            raise ServerConfigError(str(e)) from None
 
 
 @dataclass

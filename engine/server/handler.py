@@ -145,47 +145,16 @@ class Handler(BaseHTTPRequestHandler):
         self._usage: tuple[int, int] | None = None
         path = urlsplit(self.path).path
         self._dialect = self._route_dialect()
+        self._cors = self.state.cors.headers(self.headers.get("Origin"))  # end_headers adds them (cors.py)
         if not intake.has_body(self.headers):
             self._request_read()  # the headers were the whole request
         try:
             intake.check_host(self.headers, self.state.allowed_hosts)
-            intake.check_auth(self.headers, self.state.api_key)
-            if path == "/health":
-                self._only("GET")
-                self._send_json(200 if not self.state.closing else 503, self.state.health())
-            elif path == "/v1/models":
-                self._only("GET")
-                self._send_json(200, {**model_list(list(self.state.model_entries().values())),
-                                      "models": self.state.typesafe_models()})
-            elif path.startswith("/v1/models/"):
-                self._only("GET")
-                entry = self.state.model_entries().get(path[len("/v1/models/"):])
-                if entry is None:
-                    raise self._unknown_model(path[len("/v1/models/"):])
-                self._send_json(200, entry)
-            elif path in ROUTES:
-                self._only("POST")
-                self._generate()
-            elif path == EMBEDDINGS_URL:
-                self._only("POST")
-                self._embed()
-            elif path == DECISIONS_URL:
-                self._only("POST")
-                self._model_name, answer, tokens = self.state.decisions.answer(self._json_body())
-                self._usage = (tokens, 0)
-                self._send_json(200, answer)
-            elif path.startswith(RESPONSES_URL + "/"):
-                self._only("GET")
-                found = self.state.response_store.get(path[len(RESPONSES_URL) + 1:])
-                if found is None:
-                    raise HTTPError(404, error_object(f"no stored response {path.rsplit('/', 1)[-1]!r}",
-                                                      "invalid_request_error", None, "not_found"))
-                self._send_json(200, found[0])
+            if self.command == "OPTIONS" and "Access-Control-Request-Method" in self.headers:
+                self._preflight()  # a browser's, before its request: it never carries the key
             else:
-                routes = ", ".join(["GET /health", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
-                                   + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID"])
-                raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
-                                                  "invalid_request_error", None, "not_found"))
+                intake.check_auth(self.headers, self.state.api_key)
+                self._route(path)
         except HTTPError as e:
             self._send_error(e)
         except ClientGone:
@@ -199,6 +168,57 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self._access(path)
         self._expect_request()  # the connection's next request, if it sends one
+
+    def _preflight(self) -> None:
+        origin = self.headers.get("Origin")
+        if not self.state.cors.allowed(origin):
+            raise HTTPError(403, error_object(f"origin {origin!r} may not read this server's answers (allow it with "
+                                              "--cors-origin)", "invalid_request_error", None, "origin_not_allowed"))
+        self._cors = {}
+        self.send_response(204)
+        for k, v in self.state.cors.preflight(origin, self.headers.get("Access-Control-Request-Headers")).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", "0")
+        self._end_headers()
+        self._status = 204
+
+    def _route(self, path: str) -> None:
+        if path == "/health":
+            self._only("GET")
+            self._send_json(200 if not self.state.closing else 503, self.state.health())
+        elif path == "/v1/models":
+            self._only("GET")
+            self._send_json(200, {**model_list(list(self.state.model_entries().values())),
+                                  "models": self.state.typesafe_models()})
+        elif path.startswith("/v1/models/"):
+            self._only("GET")
+            entry = self.state.model_entries().get(path[len("/v1/models/"):])
+            if entry is None:
+                raise self._unknown_model(path[len("/v1/models/"):])
+            self._send_json(200, entry)
+        elif path in ROUTES:
+            self._only("POST")
+            self._generate()
+        elif path == EMBEDDINGS_URL:
+            self._only("POST")
+            self._embed()
+        elif path == DECISIONS_URL:
+            self._only("POST")
+            self._model_name, answer, tokens = self.state.decisions.answer(self._json_body())
+            self._usage = (tokens, 0)
+            self._send_json(200, answer)
+        elif path.startswith(RESPONSES_URL + "/"):
+            self._only("GET")
+            found = self.state.response_store.get(path[len(RESPONSES_URL) + 1:])
+            if found is None:
+                raise HTTPError(404, error_object(f"no stored response {path.rsplit('/', 1)[-1]!r}",
+                                                  "invalid_request_error", None, "not_found"))
+            self._send_json(200, found[0])
+        else:
+            routes = ", ".join(["GET /health", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
+                               + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID"])
+            raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
+                                              "invalid_request_error", None, "not_found"))
 
     def _admissible(self, scheduler, name: str, attempt) -> None:
         """attempt() (a queue check, or the submission), its refusals as the answers they get."""
@@ -378,6 +398,11 @@ class Handler(BaseHTTPRequestHandler):
         self._write_chunk(b"")  # the zero-length chunk: end of the response
 
     # ------------------------------------------------------------------ writing
+
+    def end_headers(self) -> None:
+        for k, v in getattr(self, "_cors", {}).items():  # an allowed origin's page may read every answer
+            self.send_header(k, v)
+        super().end_headers()
 
     def _end_headers(self) -> None:
         self.end_headers()

@@ -13,6 +13,7 @@ from engine.api.responses import ResponseStore
 from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
 from engine.server.config import ServedModel, ServerConfig, body_cap
+from engine.server.cors import CorsPolicy
 from engine.server.deciding import DecisionDesk
 from engine.scheduler import Scheduler
 from engine.session_store import SessionDir
@@ -30,6 +31,7 @@ class ServerState:
         self.embed_queues = {m.name: EmbeddingQueue(m) for m in embedders}
         self.api_key = config.api_key
         self.allowed_hosts = config.allowed_hosts
+        self.cors = CorsPolicy(config.cors_origins)
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
         self.body_cap = body_cap(config, models)
         self.keepalive_s = config.keepalive_s
