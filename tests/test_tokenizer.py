@@ -308,3 +308,22 @@ def test_a_gemma4_vocabulary_tokenizes_as_llama_cpp(quant):
         assert tok.encode(case["prompt"], add_bos=case["add_bos"]) == case["tokens"], case["name"]
     text = "Zürich\n\n  naïve 😀 tabs\there"  # characters outside the 2k vocabulary come back from their bytes
     assert tok.decode(tok.encode(text, add_bos=False)) == text
+
+
+def test_end_of_generation_by_text_as_llama_cpp_lists_it():
+    from engine.tokenizer.gguf_tokenizer import end_of_generation
+    from engine.tokenizer.hf_build import CONTROL, NORMAL, USER_DEFINED
+
+    def eog(names: list[str], eos: int | None = None) -> tuple[set[str], dict[str, int]]:
+        vocab = {n: i for i, n in enumerate(names)}
+        attrs = np.full(len(names), NORMAL, np.int32)
+        ids = end_of_generation(vocab, attrs, eos, lambda key, default: default)
+        return {names[i] for i in ids}, {n: int(attrs[i]) for n, i in vocab.items()}
+
+    # Gemma 4 (a real GGUF's eos is <eos>): the turn's end and the tool-response opener end a reply too
+    ends, attrs = eog(["<pad>", "<eos>", "<turn|>", "<|tool_response>", "</s>", "hello"], eos=1)
+    assert ends == {"<eos>", "<turn|>", "<|tool_response>"} and attrs["<turn|>"] == CONTROL
+    # gpt-oss: <|end|> goes on where <|return|> and <|call|> end; the Harmony markers are text
+    ends, attrs = eog(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"])
+    assert ends == {"<|return|>", "<|call|>"} and attrs["<|end|>"] == attrs["<|channel|>"] == USER_DEFINED
+    assert eog(["<|end|>", "<|endoftext|>"])[0] == {"<|end|>", "<|endoftext|>"}  # Phi-3: <|end|> ends

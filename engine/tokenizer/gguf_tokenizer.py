@@ -22,12 +22,14 @@ from engine.tokenizer.hf_build import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, US
 
 SPACE = "\u2581"  # SentencePiece's visible space
 
-# Tokens llama.cpp treats as end-of-generation by their text (llama-vocab.cpp), besides eos/eot/eom ids.
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-              "<|eom_id|>", "<EOT>")
-# gpt-oss's Harmony (o200k_harmony): a reply is several messages, each closed by <|end|>; only <|return|> (the answer
-# is done) and <|call|> (a tool call is) end it. llama.cpp drops <|end|> from the set where both of those are there,
-# and renders these message markers as text (user-defined), so a reply's channels can be read from its text.
+# Tokens llama.cpp treats as end-of-generation by their text (llama-vocab.cpp), besides eos/eot/eom ids; not its
+# "</s>" (added for one OCR model; Gemma 3 has it as a text token, and llama.cpp then takes it out again for Gemma 4).
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+              "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>")
+# gpt-oss's Harmony (o200k_harmony): a reply is several messages, each closed by <|end|>; only <|return|> (the
+# answer is done) and <|call|> (a tool call is) end it. llama.cpp drops <|end|> from the set where both of those are
+# there, and renders these message markers as text (user-defined), so a reply's channels can be read from its text.
 _HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
               "<\uff5cend\u2581of\u2581sentence\uff5c>")
@@ -307,7 +309,8 @@ def end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None,
     for t in _HARMONY_MARKERS:
         if t in vocab:
             attrs[vocab[t]] = USER_DEFINED
-    if all(t in vocab and vocab[t] in eog for t in ("<|return|>", "<|call|>", "<|end|>")):
+    if all(t in vocab and vocab[t] in eog for t in ("<|return|>", "<|call|>", "<|end|>")) or \
+            all(t in vocab and vocab[t] in eog for t in ("<|calls|>", "<|flush|>", "<|end|>")):
         eog.discard(vocab["<|end|>"])
         attrs[vocab["<|end|>"]] = USER_DEFINED
     return eog
