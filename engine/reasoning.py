@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.templates.harmony import HarmonySplitter
+from engine.templates.markup import partial_suffix
 
 __all__ = ["FORMATS", "ReasoningSplitter", "ThinkingPlan", "ThinkingSettings", "parse_budget", "splitter",
            "thinking_budget"]
@@ -141,7 +142,7 @@ class ReasoningSplitter:
                     reasoning.append(self._reasoning(buf[:at].rstrip()))
                     self._state, self._buf = _AFTER, buf[at + len(self._close):]
                     continue
-                keep = _partial_suffix(buf, self._close)
+                keep = partial_suffix(buf, self._close)
                 out = buf[:len(buf) - keep].rstrip()  # trailing whitespace waits: it may end the reasoning
                 reasoning.append(self._reasoning(out))
                 self._buf = buf[len(out):]
@@ -170,11 +171,3 @@ class ReasoningSplitter:
             text = text.lstrip()
             self._reasoned = bool(text)
         return text
-
-
-def _partial_suffix(text: str, delimiter: str) -> int:
-    """Length of the longest end of `text` that is a start of `delimiter` (it may be completed by what comes)."""
-    for k in range(min(len(delimiter) - 1, len(text)), 0, -1):
-        if text.endswith(delimiter[:k]):
-            return k
-    return 0

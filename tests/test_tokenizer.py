@@ -321,8 +321,9 @@ def test_end_of_generation_by_text_as_llama_cpp_lists_it():
         return {names[i] for i in ids}, {n: int(attrs[i]) for n, i in vocab.items()}
 
     # Gemma 4 (a real GGUF's eos is <eos>): the turn's end and the tool-response opener end a reply too
-    ends, attrs = eog(["<pad>", "<eos>", "<turn|>", "<|tool_response>", "</s>", "hello"], eos=1)
+    ends, attrs = eog(["<pad>", "<eos>", "<turn|>", "<|tool_response>", "</s>", "<|tool_call>", '<|"|>'], eos=1)
     assert ends == {"<eos>", "<turn|>", "<|tool_response>"} and attrs["<turn|>"] == CONTROL
+    assert attrs["<|tool_call>"] == attrs['<|"|>'] == USER_DEFINED  # its calls are read from the reply's text
     # gpt-oss: <|end|> goes on where <|return|> and <|call|> end; the Harmony markers are text
     ends, attrs = eog(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"])
     assert ends == {"<|return|>", "<|call|>"} and attrs["<|end|>"] == attrs["<|channel|>"] == USER_DEFINED

@@ -265,3 +265,41 @@ def test_a_history_call_rendered_by_qwen35s_template_reads_back():
     text = ChatTemplate(source).render(messages, add_generation_prompt=False)
     block = text[text.index("<tool_call>"):text.index("</tool_call>") + len("</tool_call>")]
     assert "<function=get_weather>" in block and json.loads(parsed(block, SCHEMAS)[1][0][1]) == args
+
+
+# ------------------------------------------------------------------------------ Gemma 4's own form
+
+GEMMA4 = ('Checking.<|tool_call>call:get_weather{alerts:true,city:<|"|>São Paulo, SP<|"|>,days:3,hours:[6,12],'
+          'opts:{deep:false,tags:[<|"|>a:b<|"|>]},zip:<|"|>01310<|"|>}<tool_call|>'
+          '<|tool_call>call:get_time{}<tool_call|>')
+
+
+def test_gemma4_calls_read_whole_and_at_every_split_point():
+    want = parsed(GEMMA4)
+    assert want[0] == "Checking." and [n for n, _ in want[1]] == ["get_weather", "get_time"]
+    assert json.loads(want[1][0][1]) == {"alerts": True, "city": "São Paulo, SP", "days": 3, "hours": [6, 12],
+                                         "opts": {"deep": False, "tags": ["a:b"]}, "zip": "01310"}
+    for pieces in splits(GEMMA4):
+        assert read(pieces)[:2] == want, pieces
+
+
+def test_a_broken_or_unknown_gemma4_call_is_text():
+    broken = "<|tool_call>call:get_weather{city:<|\"|>Paris}<tool_call|>"  # an unclosed string
+    assert parsed(broken) == (broken, []) and read([broken[:20], broken[20:]])[:2] == (broken, [])
+    other = '<|tool_call>call:launch{target:<|"|>moon<|"|>}<tool_call|>'
+    assert parsed(other) == (other, [])  # a tool that was not given
+
+
+def test_a_history_call_rendered_by_gemma4s_template_reads_back():
+    from engine.templates import ChatTemplate
+    from engine.templates.tools import render_messages
+    from tests import reference_templates as ref
+
+    args = {"city": "São Paulo", "days": 3, "hours": [6, 12], "opts": {"deep": True}}
+    source = ref.reference_template("google-gemma-4-31B-it")
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}
+    messages, _ = render_messages([{"role": "user", "content": "Weather?"}, call], None, source)
+    text = ChatTemplate(source).render(messages, add_generation_prompt=False)
+    block = text[text.index("<|tool_call>"):text.index("<tool_call|>") + len("<tool_call|>")]
+    assert json.loads(parsed(block)[1][0][1]) == args

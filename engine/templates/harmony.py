@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 
+from engine.templates.markup import partial_suffix
 from engine.templates.tools import with_object_arguments
 
 __all__ = ["EFFORTS", "FINAL", "HarmonySplitter", "harmony_messages", "is_harmony"]
@@ -75,7 +76,7 @@ class HarmonySplitter:
                 continue
             at, marker = _first(self._buf, _TERMINATORS)
             if at < 0:
-                keep = max(_partial(self._buf, m) for m in _TERMINATORS)
+                keep = max(partial_suffix(self._buf, m) for m in _TERMINATORS)
                 self._body(self._buf[:len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
@@ -141,13 +142,6 @@ def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
     hits = [(i, m) for i, m in ((text.find(m), m) for m in markers) if i >= 0]
     return min(hits) if hits else (-1, "")
 
-
-def _partial(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a start of `marker` (it may be completed by what comes)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def harmony_messages(messages: list[dict]) -> list[dict]:

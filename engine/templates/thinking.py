@@ -142,7 +142,10 @@ def render_prompt(template: ChatTemplate, thinking: ThinkingTemplate | None, mes
 
 
 def _forced(region: str, thinking: ThinkingTemplate, mode: str) -> str:
-    """The generation prompt's tail with the block as `mode` wants it, where the template did not do it."""
+    """The generation prompt's tail with the block as `mode` wants it, where the template did not do it. An empty
+    tail is left alone: the template continues a turn still open (Gemma 4 after a tool result), no new reply."""
+    if not region:
+        return region
     shape, open_, close = _shape(region, thinking.open, thinking.close), thinking.open, thinking.close
     header = region[:region.find(open_)] if shape != "free" else region
     if mode == "asis":

@@ -7,6 +7,8 @@ is read and checked, and its arguments follow token by token, re-written as json
 (json_stream), so the pieces join up to exactly the `arguments` that parse_tool_calls reads from the whole
 answer. Markup split across pieces ("<tool" + "_call>") is held back only while it could still be markup.
 
+Gemma 4's own blocks (`<|tool_call>call:NAME{...}<tool_call|>`) are rewritten into Hermes ones as each closes
+(tools.Gemma4Calls), so they stream as a call whole at their close.
 Qwen3.5's XML form inside a block (`<function=NAME><parameter=K>...`) is read whole at the block's close, its
 values typed by the tools' schemas as parse_tool_calls types them.
 
@@ -24,7 +26,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.templates.json_stream import STR_CLOSE, STR_OPEN, STR_PART, JsonLexer, JsonStreamError, dumps
-from engine.templates.tools import ToolCall, new_call_id, parse_tool_calls, read_call
+from engine.templates.markup import partial_suffix
+from engine.templates.tools import Gemma4Calls, ToolCall, new_call_id, parse_tool_calls, read_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
@@ -57,13 +60,6 @@ class CallEnd:
 
 Event = Text | CallStart | CallArguments | CallEnd
 
-
-def _partial(text: str, markup: str) -> int:
-    """How long a tail of `text` is a proper prefix of `markup` (what may still become it)."""
-    for k in range(min(len(markup) - 1, len(text)), 0, -1):
-        if text.endswith(markup[:k]):
-            return k
-    return 0
 
 
 @dataclass
@@ -98,17 +94,19 @@ class ToolCallStream:
         self._gap = ""  # between blocks: a tail that may become the next opener
         self._block: _Block | None = None
         self._out: list[Event] = []
+        self._gemma4 = Gemma4Calls()  # Gemma 4's own call blocks, rewritten as Hermes ones as each closes
         self.started = 0
 
     # ------------------------------------------------------------------ feeding
 
     def push(self, text: str) -> list[Event]:
         """The events this piece of the answer makes certain."""
-        self._feed(text)
+        self._feed(self._gemma4.push(text))
         return self._take()
 
     def finish(self) -> list[Event]:
         """The events still held, at the end of the answer."""
+        self._feed(self._gemma4.finish())
         if self._mode in ("start", "whole"):
             content, calls = parse_tool_calls(self._held, self._names)
             if content:
@@ -156,7 +154,7 @@ class ToolCallStream:
             self._block = _Block()
             self._calls(buf[at + len(OPEN):])
             return
-        hold = _partial(buf, OPEN)
+        hold = partial_suffix(buf, OPEN)
         body = buf[:len(buf) - hold]
         kept = body.rstrip()  # whitespace waits: dropped if an opener comes next
         if kept:
@@ -169,7 +167,7 @@ class ToolCallStream:
                 buf = self._gap + text
                 at = buf.find(OPEN)
                 if at < 0:
-                    self._gap = buf[len(buf) - _partial(buf, OPEN):]
+                    self._gap = buf[len(buf) - partial_suffix(buf, OPEN):]
                     return
                 self._gap, self._block, text = "", _Block(), buf[at + len(OPEN):]
                 continue
@@ -180,7 +178,7 @@ class ToolCallStream:
         b = self._block
         b.raw += text
         at = b.raw.find(CLOSE, b.fed)
-        end = at if at >= 0 else len(b.raw) - _partial(b.raw, CLOSE)
+        end = at if at >= 0 else len(b.raw) - partial_suffix(b.raw, CLOSE)
         if end > b.fed:
             self._lex(b, b.raw[b.fed:end])
             b.fed = end

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from engine.templates.markup import partial_suffix
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
 
 TOOL_PROMPT = """\
@@ -91,9 +93,9 @@ def render_messages(messages: list[dict], tools: list[dict] | None, template_sou
     return out, None
 
 
-# A template that walks a call's arguments as a mapping (Qwen3.5: `arguments|items`) needs them as an object; the
-# OpenAI wire sends a JSON string (llama.cpp converts them the same way for such templates).
-_OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*items|arguments\.items\(\)")
+# A template that walks a call's arguments as a mapping (Qwen3.5: `arguments|items`; Gemma 4: `['arguments'] is
+# mapping`) needs them as an object; the OpenAI wire sends a JSON string (llama.cpp converts them the same way).
+_OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*items|arguments\.items\(\)|arguments'\]\s*is\s+mapping")
 
 
 def with_object_arguments(message: dict) -> dict:
@@ -128,6 +130,14 @@ def _call_json(call: dict) -> dict:
 def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
     """(content before the calls, calls) from an answer. Calls that do not parse, or name a tool that was
     not given, are left in the content."""
+    if GEMMA4_OPEN in text:
+        reader = Gemma4Calls()
+        content, calls = _parse(reader.push(text) + reader.finish(), tool_names)
+        return (content, calls) if calls else (text, [])
+    return _parse(text, tool_names)
+
+
+def _parse(text: str, tool_names: Collection[str] | None) -> tuple[str, list[ToolCall]]:
     calls: list[ToolCall] = []
     if "<tool_call>" in text:
         head = text[: text.index("<tool_call>")]
@@ -217,3 +227,86 @@ def _typed(text: str, schema: dict | None):
     except ValueError:
         return text
     return text if isinstance(value, str) and not kinds else value
+
+
+# Gemma 4's own form: <|tool_call>call:NAME{key:value,...}<tool_call|>; strings between <|"|> marks, keys bare.
+GEMMA4_OPEN, GEMMA4_CLOSE, _QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+_GEMMA4_CALL = re.compile(r"\s*call:([^{\s]+)\s*(\{.*\})\s*", re.S)
+_SCALAR = re.compile(r"[^,}\]]*")
+
+
+class Gemma4Calls:
+    """Gemma 4's call blocks rewritten into the Hermes blocks every reader of calls reads, each as it closes; text
+    around them, and a block that does not parse, pass as they are. push(text) -> text, finish() at the end."""
+
+    def __init__(self):
+        self._buf, self._inside = "", False
+
+    def push(self, text: str) -> str:
+        self._buf += text
+        out = []
+        while True:
+            mark = GEMMA4_CLOSE if self._inside else GEMMA4_OPEN
+            at = self._buf.find(mark)
+            if at < 0:
+                if not self._inside:  # hold only what may still become an opener
+                    keep = partial_suffix(self._buf, GEMMA4_OPEN)
+                    out.append(self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                return "".join(out)
+            out.append(_as_hermes(self._buf[:at]) if self._inside else self._buf[:at])
+            self._buf, self._inside = self._buf[at + len(mark):], not self._inside
+
+    def finish(self) -> str:
+        """A block cut off (max_tokens) still counts when it parses, as a cut-off Hermes call does."""
+        buf, self._buf = self._buf, ""
+        return _as_hermes(buf, closed=False) if self._inside else buf
+
+
+def _as_hermes(block: str, closed: bool = True) -> str:
+    call = read_gemma4_call(block)
+    if call is None:
+        return GEMMA4_OPEN + block + (GEMMA4_CLOSE if closed else "")
+    name, args = call
+    return f'<tool_call>{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ' \
+           f'{json.dumps(args, ensure_ascii=False)}}}</tool_call>'
+
+
+def read_gemma4_call(block: str) -> tuple[str, dict] | None:
+    """(name, arguments) of one Gemma 4 call block's text (`call:NAME{...}`), or None."""
+    m = _GEMMA4_CALL.fullmatch(block)
+    if m is None:
+        return None
+    try:
+        args, end = _gemma4_value(m.group(2), 0)
+    except (ValueError, IndexError):
+        return None
+    return (m.group(1), args) if end == len(m.group(2)) and isinstance(args, dict) else None
+
+
+def _gemma4_value(text: str, i: int):
+    """The value at text[i:] in Gemma 4's notation, and where it ends (ValueError where it is not one)."""
+    if text.startswith(_QUOTE, i):
+        end = text.index(_QUOTE, i + len(_QUOTE))
+        return text[i + len(_QUOTE):end], end + len(_QUOTE)
+    if text[i] in "{[":
+        close, out = ("}", {}) if text[i] == "{" else ("]", [])
+        i += 1
+        while text[i] != close:
+            if isinstance(out, dict):
+                if text.startswith(_QUOTE, i):
+                    key, i = _gemma4_value(text, i)
+                else:
+                    colon = text.index(":", i)
+                    key, i = text[i:colon].strip(), colon
+                if text[i] != ":":
+                    raise ValueError("a key without a value")
+                out[key], i = _gemma4_value(text, i + 1)
+            else:
+                value, i = _gemma4_value(text, i)
+                out.append(value)
+            if text[i] == ",":
+                i += 1
+        return out, i + 1
+    word = _SCALAR.match(text, i).group(0)
+    return json.loads(word.strip()), i + len(word)  # numbers, true, false, null

@@ -30,7 +30,10 @@ _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
 # gpt-oss's Harmony (o200k_harmony): a reply is several messages, each closed by <|end|>; only <|return|> (the
 # answer is done) and <|call|> (a tool call is) end it. llama.cpp drops <|end|> from the set where both of those are
 # there, and renders these message markers as text (user-defined), so a reply's channels can be read from its text.
-_HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+# Gemma 4's thought channel and call markup are rendered too (llama.cpp keeps them as its chat parser's "preserved
+# tokens"): the reply's readers (engine/reasoning.py, engine/templates/tools.py) find them in the text.
+_REPLY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>",
+                  "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>')
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
               "<\uff5cend\u2581of\u2581sentence\uff5c>")
 _FIM_EOG = {  # FIM pad / repo / file-separator tokens also end generation in llama.cpp
@@ -306,7 +309,7 @@ def end_of_generation(vocab: dict[str, int], attrs: np.ndarray, eos: int | None,
     for i in by_text:
         attrs[i] = CONTROL
     eog.update(x for x in (eos, eot, eom) if x is not None)
-    for t in _HARMONY_MARKERS:
+    for t in _REPLY_MARKERS:
         if t in vocab:
             attrs[vocab[t]] = USER_DEFINED
     if all(t in vocab and vocab[t] in eog for t in ("<|return|>", "<|call|>", "<|end|>")) or \
