@@ -21,7 +21,7 @@ from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_
 from engine.models.base import Model
 from engine.prompts import encode_prompt, prompt_ids, render_request, thinking_plan
 from engine.reasoning import ThinkingSettings
-from engine.templates.tools import ToolCall, parse_tool_calls, template_supports_tools
+from engine.templates.tools import ToolCall, asks_hermes_json, parse_tool_calls, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
 
 
@@ -220,8 +220,8 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
         raise ContextOverflow(f"the prompt has {len(ids)} tokens; the context window is {window}")
     grammar = req.grammar
     if grammar is not None and grammar.what == "tool_calls" and req.tool_choice == "auto" and \
-            template_supports_tools(model.template.source):
-        grammar = None  # the template prompts for its own call format: left free, parsed afterwards
+            template_supports_tools(model.template.source) and not asks_hermes_json(model.template.source):
+        grammar = None  # the template prompts for a call format of its own: left free, parsed afterwards
     choices = []
     for i in range(req.n):
         # Choice i samples with seed + i: n choices from one seed differ, and each is reproducible.

@@ -295,3 +295,15 @@ def test_the_responses_api_replays_a_reasoning_item(kit):
         {"type": "message", "role": "user", "content": "And?"}], "reasoning": {"effort": "none"}}, lambda _: None)
     assert rr.request.messages[1]["reasoning_content"] == "Greet." and rr.request.thinking == "off"
     assert render_request(model, rr.request).text.endswith("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("name,constrained", [(QWEN3, True), (QWEN35, False), (GEMMA4, False)])
+def test_auto_tool_calls_are_constrained_where_the_template_asks_for_hermes_json(kit, name, constrained):
+    from engine.constrain.grammar import GrammarProcessor
+    from engine.requests import prepare
+
+    req = chat([{"role": "user", "content": "Weather in Paris?"}], tools=[TOOL])
+    procs = prepare(with_template(kit, name), req).choices[0].processors
+    # Qwen3 asks for <tool_call>{"name": ...}: the grammar takes over at the opener; Qwen3.5 (XML) and Gemma 4 ask
+    # for forms of their own, read afterwards
+    assert any(isinstance(p, GrammarProcessor) for p in procs) == constrained

@@ -57,6 +57,16 @@ def template_supports_tools(source: str) -> bool:
     return re.search(r"\btools\b", source) is not None
 
 
+# The Hermes JSON call as a template's own instructions spell it (Qwen2.5, Qwen3: `<tool_call>\n{"name": ...`).
+_ASKS_HERMES_JSON = re.compile(r'<tool_call>(?:\\n|\n)?\{\\?"name\\?"')
+
+
+def asks_hermes_json(source: str) -> bool:
+    """Whether a template that renders tools asks for Hermes JSON calls (which the tool grammar writes), rather
+    than a form of its own (Qwen3.5's XML, Gemma 4's, gpt-oss's)."""
+    return _ASKS_HERMES_JSON.search(source) is not None
+
+
 def _function(tool: dict) -> dict:
     return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
 
