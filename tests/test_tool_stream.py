@@ -303,3 +303,14 @@ def test_a_history_call_rendered_by_gemma4s_template_reads_back():
     text = ChatTemplate(source).render(messages, add_generation_prompt=False)
     block = text[text.index("<|tool_call>"):text.index("<tool_call|>") + len("<tool_call|>")]
     assert json.loads(parsed(block)[1][0][1]) == args
+
+
+def test_an_unwrapped_call_with_text_after_it_is_that_one_call():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}\nI have asked for the weather.'
+    assert parsed(text) == ("", [("get_weather", '{"city": "Paris"}')])
+    for pieces in splits(text)[::7]:
+        assert read(pieces)[:2] == parsed(text)
+    assert parsed(text, None)[1] == []  # with no tools to check against, never a call
+    other = '{"name": "launch", "arguments": {}} and more'
+    assert parsed(other) == (other, [])  # a name not given stays prose
+    assert parsed('{"name": "get_weather", "arguments": "Paris"} ok')[1] == []  # arguments not an object

@@ -172,7 +172,25 @@ def _parse(text: str, tool_names: Collection[str] | None) -> tuple[str, list[Too
         call = read_call(stripped, tool_names)
         if call is not None:
             return "", [call]
+    if stripped.startswith("{") and tool_names is not None:  # a call without its wrapper, more text after it
+        call = _unwrapped_call(stripped, tool_names)
+        if call is not None:
+            return "", [call]
     return text, []
+
+
+def _unwrapped_call(text: str, tool_names: Collection[str]) -> ToolCall | None:
+    """The call an answer's first JSON object makes, when it names a given tool and its arguments are an object
+    (Qwen2.5-Coder often leaves the <tool_call> wrapper out and goes on writing): that one call, the rest dropped as
+    text after a Hermes block is."""
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+    args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+    if not isinstance(args, dict) or obj.get("name") not in tool_names:
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def read_call(block: str, tool_names: Collection[str] | None) -> ToolCall | None:
