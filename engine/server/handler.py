@@ -26,11 +26,13 @@ from engine.api.decisions import DECISIONS_URL
 from engine.api.embeddings import EMBEDDINGS_URL, embeddings_object, parse_embeddings_request, token_lists
 from engine.api.openai_objects import error_body, error_object, error_status, model_list
 from engine.api.responses import RESPONSES_URL
+from engine.api.tokens import TOKEN_ROUTES, apply_template, detokenize, tokenize
 from engine.errors import Cancelled, GoinferError
 from engine.prompts import prompt_ids
 from engine.requests import Collector, Delta, prepare
 from engine.server import intake
 from engine.server.intake import ClientGone, HTTPError
+from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
 from engine.server.state import ServerState
 from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
 
@@ -207,6 +209,12 @@ class Handler(BaseHTTPRequestHandler):
             self._model_name, answer, tokens = self.state.decisions.answer(self._json_body())
             self._usage = (tokens, 0)
             self._send_json(200, answer)
+        elif path == "/metrics":
+            self._only("GET")
+            self._send_body(200, prometheus_text(self.state.health()).encode(), METRICS_TYPE)
+        elif path in TOKEN_ROUTES:
+            self._only("POST")
+            self._tokens(path)
         elif path.startswith(RESPONSES_URL + "/"):
             self._only("GET")
             found = self.state.response_store.get(path[len(RESPONSES_URL) + 1:])
@@ -215,8 +223,9 @@ class Handler(BaseHTTPRequestHandler):
                                                   "invalid_request_error", None, "not_found"))
             self._send_json(200, found[0])
         else:
-            routes = ", ".join(["GET /health", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
-                               + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID"])
+            routes = ", ".join(["GET /health", "GET /metrics", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
+                               + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID"]
+                               + [f"POST {r}" for r in TOKEN_ROUTES])
             raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
                                               "invalid_request_error", None, "not_found"))
 
@@ -286,6 +295,25 @@ class Handler(BaseHTTPRequestHandler):
         tokens = sum(len(ids) for ids in lists)
         self._usage = (tokens, 0)
         self._send_json(200, embeddings_object(model, req, vectors, tokens))
+
+    def _tokens(self, path: str) -> None:
+        """POST /tokenize, /detokenize, /apply-template (engine/api/tokens.py) on the model the body names."""
+        body = self._json_body()
+        try:
+            name = body.get("model") if isinstance(body, dict) else None
+            served = self.state.route(name if isinstance(name, str) else None)
+            if served is None:
+                raise self._unknown_model(name)
+            self._model_name = served.name
+            if path == "/tokenize":
+                answer = tokenize(served.model, body)
+            elif path == "/detokenize":
+                answer = detokenize(served.model, body)
+            else:
+                answer = apply_template(served.model, body, self.state.thinking)
+        except GoinferError as e:
+            raise HTTPError(error_status(e), error_body(e)) from None
+        self._send_json(200, answer)
 
     def _generate(self) -> None:
         body = self._json_body()
@@ -426,11 +454,13 @@ class Handler(BaseHTTPRequestHandler):
             self._write_chunk(data)
 
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode()
+        self._send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
+
+    def _send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
         if getattr(self, "_body_read", True) is False and intake.has_body(self.headers):
             self.close_connection = True  # the body was never read: the connection cannot be reused
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
