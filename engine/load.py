@@ -10,13 +10,13 @@ import os
 import sys
 from pathlib import Path
 
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, ModelLoadError
 from engine.formats.gguf import open_gguf
 from engine.kernels.registry import load_backend
 from engine.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
 from engine.models.config import with_context
-from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint, read_metadata
+from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint, loaded_bytes, read_metadata
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
 from engine.placement import BACKEND_CHOICES, choose, place_on_webgpu
@@ -55,11 +55,13 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
         meta = read_metadata(path)[2]
         vocab = int(meta[f"{meta['general.architecture']}.vocab_size"])
         tokenizer = from_hf_directory(path, vocab)  # before the conversion: a missing tokenizer costs nothing
+        check_memory(path, loaded_bytes(path, quantize=QUANT_MODES[quant] == "fast"))
         source = HFCheckpoint(path, quantize=QUANT_MODES[quant] == "fast")
         meta = source.metadata
         meta["tokenizer.chat_template"] = chat_template(path)
     else:
         source = open_gguf(path)  # one file, or every shard of a split model read as one
+        check_memory(path, sum(e.nbytes or 0 for e in source.entries.values()))
         meta = source.metadata
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if tokens is not None else int(meta.get(f"{source.architecture}.vocab_size", 0))
@@ -94,6 +96,22 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
                   tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
     model.placement = placement
     return model
+
+
+def check_memory(path: Path, weights_bytes: int) -> None:
+    """Refuse a model whose weights alone are more than the memory available (cgroup limits included): loading it
+    would end in swapping or the OOM killer, after minutes, with no word of why. GOINFER_NO_MEMORY_CHECK=1 loads it
+    anyway (e.g. where the weights are already in the page cache and /proc/meminfo cannot tell)."""
+    if os.environ.get("GOINFER_NO_MEMORY_CHECK", "").strip() not in ("", "0"):
+        return
+    from engine.hardware import memory_info
+
+    available = memory_info()["available_bytes"]
+    if available is not None and weights_bytes > available:
+        gib = 1 << 30
+        raise ModelLoadError(f"{Path(path).name} needs {weights_bytes / gib:.1f} GiB for its weights and "
+                             f"{available / gib:.1f} GiB of memory is available: it cannot run here (a smaller "
+                             "quant would; GOINFER_NO_MEMORY_CHECK=1 loads it anyway)")
 
 
 def _matrices(weights: Weights, config, fam) -> list[str]:

@@ -16,6 +16,7 @@ from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.gguf import GGUFFile
 from engine.kernels.quant_types import GGMLType
 from testdata import make_fixtures
+from tests.conftest import SHARED
 
 
 def _assert_same_as_gguf_reader(path):
@@ -174,3 +175,21 @@ def test_a_cold_kernel_cache_is_announced_once_warm_is_silent(tmp_path, smollm2_
     assert cold.stderr.count("compiling the CPU kernels") == 1, cold.stderr
     warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert warm.returncode == 0 and "compiling" not in warm.stderr, warm.stderr
+
+
+def test_a_model_larger_than_the_available_memory_is_refused_in_one_sentence(monkeypatch, smollm2_gguf):
+    import engine.hardware
+
+    def pretend(available: int) -> None:
+        monkeypatch.setattr(engine.hardware, "memory_info", lambda: {
+            "total_bytes": 1 << 40, "available_bytes": available, "cgroup_limit_bytes": None})
+
+    pretend(smollm2_gguf.stat().st_size // 2)
+    with pytest.raises(ModelLoadError, match=r"needs 0\.\d GiB for its weights .* GOINFER_NO_MEMORY_CHECK=1") as e:
+        engine.load_model(str(smollm2_gguf), selftest=False)
+    assert "\n" not in str(e.value)
+    pretend(1 << 10)  # a checkpoint directory is sized as it will be converted, before any conversion
+    with pytest.raises(ModelLoadError, match="for its weights"):
+        engine.load_model(str(SHARED / "families" / "qwen3" / "hf"), selftest=False)
+    monkeypatch.setenv("GOINFER_NO_MEMORY_CHECK", "1")
+    assert engine.load_model(str(smollm2_gguf), selftest=False).config.n_layer == 30  # the override loads it
