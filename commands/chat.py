@@ -72,6 +72,7 @@ class ChatState:
     thinking: ThinkingSettings = ThinkingSettings()  # --thinking / --reasoning-budget, /think
     show_thinking: bool = True
     effort: str | None = None  # --reasoning-effort, /effort: gpt-oss's Reasoning line
+    penalties: dict = field(default_factory=dict)  # --min-p, --repeat-penalty, --presence/--frequency-penalty
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -84,6 +85,14 @@ def chat(
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.7,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens less likely than this fraction of the most "
+                                                         "likely one (0 = off).")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option(
+        "--repeat-penalty", help="Divide the logits of tokens already in the conversation by this (1 = off).")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(
+        "--presence-penalty", help="Subtract this from tokens already generated (0 = off).")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(
+        "--frequency-penalty", help="Subtract this times each token's count so far (0 = off).")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
     max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.")] = 512,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
@@ -115,9 +124,18 @@ def chat(
     backend_choice(backend)
     if reasoning_effort is not None and reasoning_effort.lower() not in EFFORTS:
         raise fail(f"--reasoning-effort must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
+    if not 0 <= min_p <= 1:
+        raise fail(f"--min-p must be in [0, 1], got {min_p}")
+    if repeat_penalty <= 0:
+        raise fail(f"--repeat-penalty must be > 0, got {repeat_penalty}")
+    for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
+        if not -2 <= value <= 2:
+            raise fail(f"{flag} must be in [-2, 2], got {value}")
     session = ChatState(system, temp, top_k, top_p, seed, max_tokens,
                         thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking,
-                        effort=reasoning_effort)
+                        effort=reasoning_effort,
+                        penalties={"min_p": min_p, "repetition_penalty": repeat_penalty,
+                                   "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty})
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
@@ -171,7 +189,7 @@ def _reply(llm, session: ChatState) -> str:
     try:
         procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
         for ev in session.warm.reply(ids, max_tokens=session.max_tokens, temperature=session.temperature,
-                                     top_k=session.top_k, top_p=session.top_p, seed=session.seed,
+                                     top_k=session.top_k, top_p=session.top_p, seed=session.seed, **session.penalties,
                                      processors=procs, logprobs=False, thinking=plan):
             if ev.reasoning and not (shown and not session.show_thinking):
                 thought(ev.reasoning if session.show_thinking else "(thinking…)")

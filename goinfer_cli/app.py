@@ -18,7 +18,20 @@ COMMANDS = {"chat": ("commands.chat", False), "batch": ("commands.batch", True),
             "decisions-calibrate": ("commands.decisions_calibrate", True)}
 
 
-def _root() -> None:
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("goinfer")
+        except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+            version = "unknown (not installed)"
+        typer.echo(f"goinfer {version} (Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print goinfer's version and exit.")) -> None:
     """goinfer: a local LLM runtime."""
 
 

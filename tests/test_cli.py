@@ -135,3 +135,29 @@ def test_tiny_fixtures_generate_text(tmp_path, writer):
     getattr(make_fixtures, writer)(path)
     r = goinfer("chat", "--model", str(path), "--prompt", "hello", "--temp", "0", "--max", "8")
     assert r.returncode == 0, r.stderr
+
+
+def test_version_prints_the_installed_version():
+    from importlib import metadata
+
+    r = goinfer("--version")
+    assert r.returncode == 0 and r.stdout.startswith(f"goinfer {metadata.version('goinfer')} (Python ")
+
+
+def test_chat_sampling_penalties_reach_the_sampler(smollm2_gguf):
+    from engine import load_model
+    from engine.api.openai import parse_chat_request
+    from engine.requests import execute
+
+    ask = "List three colours, then list them again."
+    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", ask, "--temp", "0", "--max", "24",
+                "--repeat-penalty", "1.5", "--frequency-penalty", "0.5", "--no-selftest")
+    assert r.returncode == 0, r.stderr
+    model = load_model(str(smollm2_gguf), selftest=False)
+    body = {"messages": [{"role": "user", "content": ask}], "temperature": 0, "max_tokens": 24}
+    penalised = execute(model, parse_chat_request({**body, "repetition_penalty": 1.5, "frequency_penalty": 0.5}))
+    plain = execute(model, parse_chat_request(body))
+    assert r.stdout == penalised.choices[0].text + "\n" and r.stdout != plain.choices[0].text + "\n"
+    for flag, value in (("--min-p", "1.5"), ("--repeat-penalty", "0"), ("--presence-penalty", "3")):
+        bad = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "hi", flag, value)
+        assert bad.returncode == 2 and flag in bad.stderr and bad.stderr.strip().count("\n") == 0
