@@ -23,12 +23,13 @@ from commands.options import (BackendOption, EmbedQuantOption, NoSelftestOption,
                              ThinkingOption, backend_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
+from engine.load import QUANT_MODES
 from engine.decisions.calibration import calibration_for
 from engine.decisions.prompts import TEMPLATES as DECISION_TEMPLATES
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
-                           ServerConfig, parse_addr, parse_model_spec)
+                           ServerConfig, parse_addr, parse_model_spec, split_model_options)
 from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
 from engine.sessions import DEFAULT_SESSIONS
@@ -64,9 +65,9 @@ Ctrl-C (or SIGTERM) stops the server: requests in flight are cancelled. See docs
 
 def serve(
     model: Annotated[Optional[List[str]], typer.Option(
-        "--model", "-m", metavar="[NAME=]REF",
-        help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME; "
-             "repeatable.")] = None,
+        "--model", "-m", metavar="[NAME=]REF[,ctx=N][,quant=Q][,backend=B]",
+        help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME, "
+             "with its own --ctx / --quant / --backend after commas; repeatable.")] = None,
     embed_model: Annotated[Optional[List[str]], typer.Option(
         "--embed-model", metavar="[NAME=]REF",
         help="An embedding model for /v1/embeddings (minilm-l6, or a sentence-transformers directory), optionally "
@@ -138,6 +139,8 @@ def serve(
         raise fail(f"--decisions-template must be one of {', '.join(DECISION_TEMPLATES)}, got {decisions_template!r}")
     settings = thinking_settings(thinking, reasoning_budget)
     specs = [parse_model_spec(s) for s in model] if model else [] if embed_model else [(None, None)]
+    # each model's own ctx / quant / backend, checked before any model is loaded
+    specs = [(name, *_model_options(ref, ctx, quant, backend)) for name, ref in specs]
     embed_specs = [parse_model_spec(s) for s in embed_model or ()]
     with user_errors():
         host, port = parse_addr(addr)
@@ -149,14 +152,14 @@ def serve(
                               decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()))
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
-        names = [name or _default_name(ref) for name, ref in specs]
+        names = [name or _default_name(ref) for name, ref, _ in specs]
         dupes = sorted({n for n in names if n is not None and names.count(n) > 1})
         if dupes:
             raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
         served = []
-        for (name, ref), default in zip(specs, names):
-            llm = _load(ref, quant, not no_selftest, ctx, backend)
-            served.append(ServedModel.of(default or llm.name, llm, ctx))
+        for (name, ref, own), default in zip(specs, names):
+            llm = _load(ref, own["quant"], not no_selftest, own["ctx"], own["backend"])
+            served.append(ServedModel.of(default or llm.name, llm, own["ctx"]))
         embedders = [_load_embedder(ref, name, embed_quant) for name, ref in embed_specs]
         names = [s.name for s in served] + [e.name for e in embedders]
         if len(set(names)) < len(names):
@@ -172,6 +175,24 @@ def serve(
         _note(f"embedding model {e.name}: {e.path.name} ({e.dimension} dimensions, {e.pooling} pooling"
               f"{', normalised' if e.normalize else ''}), context {e.context}")
     _run_until_signal(server)
+
+
+def _model_options(ref: str | None, ctx: int, quant: str, backend: str) -> tuple[str | None, dict]:
+    """A --model's REF and its own ctx / quant / backend (`REF,ctx=N,quant=Q,backend=B`), else the flags'."""
+    with user_errors():
+        ref, options = split_model_options(ref)
+    own = {"ctx": ctx, "quant": quant, "backend": backend}
+    if "ctx" in options:
+        if not options["ctx"].isdigit() or int(options["ctx"]) < 16:
+            raise fail(f"--model {ref}: ctx must be a whole number >= 16, got {options['ctx']!r}")
+        own["ctx"] = int(options["ctx"])
+    if "quant" in options:
+        if options["quant"] not in QUANT_MODES:
+            raise fail(f"--model {ref}: quant must be one of {', '.join(QUANT_MODES)}, got {options['quant']!r}")
+        own["quant"] = options["quant"]
+    if "backend" in options:
+        own["backend"] = backend_choice(options["backend"])
+    return ref, own
 
 
 def _default_name(ref: str | None) -> str | None:

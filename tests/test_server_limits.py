@@ -122,3 +122,26 @@ def test_a_request_refused_for_a_full_queue_is_not_tokenised(monkeypatch, smollm
         long.join(120)
     finally:
         server.stop()
+
+
+def test_each_model_takes_its_own_ctx_and_a_bad_option_is_one_line(tmp_path, smollm2_gguf):
+    import httpx
+
+    from engine.server.config import ServerConfigError, split_model_options
+    from tests.test_cli import goinfer
+    from tests.test_server import start_server, stop
+
+    assert split_model_options("a,b.gguf,ctx=512,quant=f32") == ("a,b.gguf", {"ctx": "512", "quant": "f32"})
+    assert split_model_options("m.gguf,colour=red") == ("m.gguf,colour=red", {})  # not an option: part of REF
+    with pytest.raises(ServerConfigError):
+        split_model_options("m.gguf,ctx=1,ctx=2")
+    s = start_server(tmp_path / "serve.log", "--model", f"small={smollm2_gguf},ctx=256", "--model",
+                     f"big={smollm2_gguf}", "--ctx", "2048", "--no-selftest")
+    try:
+        windows = {m["id"]: m["context_window"] for m in httpx.get(s.url + "/v1/models", timeout=30).json()["data"]}
+        assert windows == {"small": 256, "big": 2048}
+    finally:
+        stop(s)
+    for option in ("ctx=8", "quant=q2", "backend=tpu"):
+        r = goinfer("serve", "--model", f"{smollm2_gguf},{option}")
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and option.split("=")[0] in r.stderr

@@ -11,8 +11,9 @@ hold comes from engine.api (the same code `goinfer batch` runs); this package mo
 
 from engine.server.config import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel,
                                   ServerConfig, ServerConfigError, body_cap, is_loopback, parse_addr,
-                                  parse_model_spec)
+                                  parse_model_spec, split_model_options)
 from engine.server.server import Server
 
 __all__ = ["DEFAULT_ADDR", "DEFAULT_CTX", "DEFAULT_KEEPALIVE_S", "DEFAULT_MAX_QUEUE", "ServedModel", "Server",
-           "ServerConfig", "ServerConfigError", "body_cap", "is_loopback", "parse_addr", "parse_model_spec"]
+           "ServerConfig", "ServerConfigError", "body_cap", "is_loopback", "parse_addr", "parse_model_spec",
+           "split_model_options"]

@@ -185,3 +185,25 @@ def parse_model_spec(spec: str) -> tuple[str | None, str]:
     if sep and name and ref and "/" not in name and "\\" not in name:
         return name, ref
     return None, spec
+
+
+MODEL_OPTIONS = ("ctx", "quant", "backend")  # what `--model REF,KEY=VALUE` may set for that model alone
+
+
+def split_model_options(ref: str | None) -> tuple[str | None, dict[str, str]]:
+    """`REF[,ctx=N][,quant=Q][,backend=B]` -> (REF, {key: value}): the serve flags of the same names, for this model
+    only. Only trailing `,key=value` parts with those keys are options; a path with a comma keeps it. A key given
+    twice, or an empty value, is a ServerConfigError."""
+    if ref is None:
+        return None, {}
+    parts, options = ref.split(","), {}
+    while len(parts) > 1:
+        key, sep, value = parts[-1].partition("=")
+        if not sep or key.strip() not in MODEL_OPTIONS:
+            break
+        key = key.strip()
+        if key in options or not value.strip():
+            raise ServerConfigError(f"--model {ref}: {key}= is given twice or empty")
+        options[key] = value.strip()
+        parts.pop()
+    return ",".join(parts), options
