@@ -275,3 +275,21 @@ def test_embed_quant_q8_runs_batch_lines_and_a_bad_one_is_refused_in_one_line(tm
         bad = goinfer(*command, "--embed-quant", "q4")
         assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
         assert "--embed-quant must be one of f32, q8, got 'q4'" in bad.stderr
+
+
+def test_embeddings_have_their_own_64_mib_body_limit(embed_server):
+    auth = {"Authorization": f"Bearer {SERVER_KEY}", "Content-Type": "application/json"}
+    health = httpx.get(embed_server.url + "/health", headers=auth, timeout=30).json()["limits"]
+    assert health["max_embeddings_body_bytes"] == 64 << 20 and health["max_body_bytes"] == 4 << 20
+
+    def body(size: int) -> bytes:  # a small request padded with JSON whitespace to `size` bytes
+        data = json.dumps({"model": "minilm-l6", "input": ["hello"],
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        return data[:-1] + b" " * (size - len(data)) + b"}"
+
+    r = httpx.post(embed_server.url + "/v1/embeddings", content=body(6 << 20), headers=auth, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # read and parsed: past the 4 MiB
+    chat = httpx.post(embed_server.url + "/v1/chat/completions", content=body(6 << 20), headers=auth, timeout=60)
+    assert chat.status_code == 413  # the decoders' routes keep theirs
+    huge = httpx.post(embed_server.url + "/v1/embeddings", content=body(65 << 20), headers=auth, timeout=120)
+    assert huge.status_code == 413

@@ -25,6 +25,7 @@ DEFAULT_CTX = 4096
 DEFAULT_MAX_QUEUE = 8
 DEFAULT_KEEPALIVE_S = 15.0
 MIN_BODY_CAP = 4 << 20  # 4 MiB
+EMBEDDINGS_BODY_CAP = 64 << 20  # 64 MiB
 # A prompt token costs at most a few bytes of text; JSON escapes (\uXXXX) and message overhead stay well
 # under this. A body bigger than this many bytes per token of the window could never fit it.
 BODY_BYTES_PER_TOKEN = 32
@@ -141,6 +142,12 @@ def body_cap(config: ServerConfig, models: list[ServedModel]) -> int:
     if config.max_body_bytes:
         return config.max_body_bytes
     return max(MIN_BODY_CAP, BODY_BYTES_PER_TOKEN * max((m.window for m in models), default=0))
+
+
+def embeddings_body_cap(config: ServerConfig) -> int:
+    """/v1/embeddings' limit: --max-body-bytes, else its own 64 MiB, whatever the decoders' windows (2,048 inputs
+    of a few KiB each, a RAG ingestion's batch, are past the 4 MiB a small decoder's window derives)."""
+    return config.max_body_bytes or EMBEDDINGS_BODY_CAP
 
 
 def parse_addr(text: str) -> tuple[str, int]:

@@ -119,7 +119,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             intake.check_host(self.headers, self.state.allowed_hosts)
             intake.check_auth(self.headers, self.state.api_key)
-            intake.declared_length(self.headers, self.state.body_cap)
+            intake.declared_length(self.headers, self._body_cap())
         except HTTPError as e:
             self._body_read = False
             self.close_connection = True
@@ -260,10 +260,16 @@ class Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ auth and bodies
 
     def _read_body(self) -> bytes:
-        data = intake.read_body(self.headers, self.rfile, self.state.body_cap)
+        data = intake.read_body(self.headers, self.rfile, self._body_cap())
         self._body_read = True
         self._request_read()
-        return intake.decoded_body(self.headers, data, self.state.body_cap)
+        return intake.decoded_body(self.headers, data, self._body_cap())
+
+    def _body_cap(self) -> int:
+        """This route's body limit: /v1/embeddings has its own (config.embeddings_body_cap)."""
+        if urlsplit(self.path).path == EMBEDDINGS_URL:
+            return self.state.embeddings_body_cap
+        return self.state.body_cap
 
     # ------------------------------------------------------------------ generation
 

@@ -12,7 +12,7 @@ from engine.api.openai_objects import model_object
 from engine.api.responses import ResponseStore
 from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
-from engine.server.config import ServedModel, ServerConfig, body_cap
+from engine.server.config import ServedModel, ServerConfig, body_cap, embeddings_body_cap
 from engine.server.cors import CorsPolicy
 from engine.server.deciding import DecisionDesk
 from engine.scheduler import Scheduler
@@ -34,6 +34,7 @@ class ServerState:
         self.cors = CorsPolicy(config.cors_origins)
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
         self.body_cap = body_cap(config, models)
+        self.embeddings_body_cap = embeddings_body_cap(config)
         self.keepalive_s = config.keepalive_s
         self.max_queue = config.max_queue
         self.max_concurrent = config.max_concurrent
@@ -139,7 +140,8 @@ class ServerState:
     def health(self) -> dict:
         return {"status": "shutting_down" if self.closing else "ok",
                 "uptime_s": round(time.time() - self.started, 1),
-                "limits": {"max_body_bytes": self.body_cap, "max_queue": self.max_queue,
+                "limits": {"max_body_bytes": self.body_cap, "max_embeddings_body_bytes": self.embeddings_body_cap,
+                           "max_queue": self.max_queue,
                            "max_concurrent": self.max_concurrent, "prefill_chunk": self.prefill_chunk,
                            "kv_sessions": self.kv_sessions,
                            "max_connections": self.guard.max_connections if self.guard else None,
