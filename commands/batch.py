@@ -149,8 +149,12 @@ class _StopOnCtrlC:
         signal.signal(signal.SIGINT, self._previous)
 
 
+STILL_RUNNING_S = 60  # off a terminal: a line at least this often while a slow request runs
+
+
 class _ProgressView:
-    """A Rich bar on a terminal (done/total, tokens/s, ETA); one plain line per finished request otherwise."""
+    """A Rich bar on a terminal (done/total, tokens/s, ETA); one plain line per finished request otherwise, and a
+    `still running` line each minute inside a slow one (a log that goes quiet looks like a hang)."""
 
     def __init__(self):
         self._tty = err.is_terminal
@@ -160,11 +164,11 @@ class _ProgressView:
         self._finished = 0  # lines finished this run
         self._tokens = 0  # completion tokens of finished lines
         self._line_tokens = 0  # tokens of the line in flight
-        self._start = time.monotonic()
+        self._start = self._said = time.monotonic()
 
     def plan(self, plan: BatchPlan) -> None:
         self._plan = plan
-        self._start = time.monotonic()
+        self._start = self._said = time.monotonic()
         if plan.to_run == 0:
             return
         if plan.done:
@@ -186,6 +190,13 @@ class _ProgressView:
         if self._tty:
             self._bar()
             self._progress.update(self._task, tps=self._rate())
+            return
+        now = time.monotonic()
+        if now - self._said >= STILL_RUNNING_S and self._plan is not None:
+            self._said = now
+            done = self._plan.done + self._finished
+            _note(f"[{done}/{self._plan.total}] still running: {n} tok into the current request, {self._rate()} "
+                  f"elapsed {_duration(now - self._start)}")
 
     def _rate(self) -> str:
         seconds = time.monotonic() - self._start
@@ -207,6 +218,7 @@ class _ProgressView:
         left = self._plan.to_run - self._finished
         eta = f" eta ~{_duration(elapsed / self._finished * left)}" if left else ""
         who = r.custom_id if r.custom_id is not None else f"(line {r.lineno})"
+        self._said = time.monotonic()
         _note(f"[{done}/{self._plan.total}] {who} {what} elapsed {_duration(elapsed)}{eta}")
 
     def close(self) -> None:

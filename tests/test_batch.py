@@ -322,3 +322,22 @@ def test_output_that_is_not_a_batch_file_is_refused(tmp_path):
 def test_bad_flag_value(tmp_path):
     inp = write_input(tmp_path / "in.jsonl", LINES[:1])
     one_error_line(goinfer_batch(str(inp), "-o", str(tmp_path / "o.jsonl"), "--temp", "-1"), "--temp")
+
+
+def test_a_slow_request_off_a_terminal_says_it_is_still_running(monkeypatch, capsys, tmp_path):
+    from commands import batch
+    from engine.batch.runner import BatchPlan, LineResult
+
+    clock = [1000.0]
+    monkeypatch.setattr(batch.time, "monotonic", lambda: clock[0])
+    view = batch._ProgressView()
+    view._tty = False
+    view.plan(BatchPlan(total=3, done=1, to_run=2, output=tmp_path / "o.jsonl", errors=tmp_path / "e.jsonl"))
+    for second in range(1, 150):  # a request generating a token a second for two and a half minutes
+        clock[0] = 1000.0 + second
+        view.token(second)
+    view.line(LineResult("q2", 2, True, 149, 149.0))
+    lines = capsys.readouterr().err.strip().splitlines()
+    still = [x for x in lines if "still running" in x]
+    assert len(still) == 2 and still[0].startswith("goinfer: [1/3] still running: 60 tok into the current request")
+    assert "elapsed 1m" in still[0] and lines[-1].startswith("goinfer: [2/3] q2 ok 149 tok")
