@@ -121,3 +121,42 @@ def test_tool_results_round_trip(client, name):
                                            max_tokens=1, temperature=0)
     # the call and its result are in the prompt: as many tokens as the call's JSON and the result at least
     assert r.usage.prompt_tokens >= alone.usage.prompt_tokens + len(call.function.arguments) // 4 + 8
+
+
+# ------------------------------------------------------------------ a request's own grammar (llama.cpp, vLLM)
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def test_gbnf_regex_and_choice_constrain_every_answer(client, name):
+    import re
+
+    ask = [{"role": "user", "content": "Is the sky blue? Then give a phone number. Write freely."}]
+    gbnf = 'root ::= answer " because " reason "."\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{3,30}'
+    for body, check in (
+            ({"grammar": gbnf}, lambda t: re.fullmatch(r"(yes|no) because [a-z ]{3,30}\.", t)),
+            ({"guided_regex": PHONE}, lambda t: re.fullmatch(PHONE, t)),
+            ({"guided_choice": ["red", "green", "blue (dark)"]}, lambda t: t in ("red", "green", "blue (dark)")),
+            ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}},
+                              "required": ["n"], "additionalProperties": False}},
+             lambda t: isinstance(json.loads(t)["n"], int))):
+        for seed in (1, 2):
+            r = client.chat.completions.create(model=name, messages=ask, max_tokens=60, temperature=1, seed=seed,
+                                               extra_body=body)
+            assert check(r.choices[0].message.content), (body, r.choices[0].message.content)
+    done = client.completions.create(model=name, prompt="My number is ", max_tokens=40, temperature=0,
+                                     extra_body={"guided_regex": PHONE})
+    assert re.fullmatch(PHONE, done.choices[0].text)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"grammar": "root ::= ((("}, "grammar"), ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"), ({"guided_choice": "red"}, "guided_choice"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"guided_regex": "a+", "grammar": 'root ::= "a"'}, "guided_regex"),
+    ({"guided_regex": "a+", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools")])
+def test_a_bad_or_conflicting_grammar_is_400_naming_it(client, name, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body=body)
+    assert e.value.body["param"] == param, e.value.body

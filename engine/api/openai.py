@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.api import thinking as thinking_fields
 from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
-from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar
+from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar, text_grammar
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests import GenerationRequest, SamplingOptions
@@ -37,11 +37,14 @@ MAX_N = 16  # choices per request; they run one after another, so each one costs
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
-_CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | {
+# A grammar of the request's own (llama.cpp's `grammar`; vLLM's guided decoding fields): one at most.
+_GRAMMAR_FIELDS = {"grammar": "grammar", "guided_grammar": "grammar", "guided_regex": "regex",
+                   "guided_choice": "choice", "guided_json": "json"}
+_CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | set(_GRAMMAR_FIELDS) | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "goinfer_confidence"}
 # A plain completion has no template to think with: reasoning_effort is accepted there and does nothing.
-_COMPLETION_FIELDS = _IGNORED | _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format",
+_COMPLETION_FIELDS = _IGNORED | _SAMPLING | set(_GRAMMAR_FIELDS) | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format",
                                              "reasoning_effort", "goinfer_confidence"}
 # Asked for by name, and not done yet: refused with a message that says so.
 _UNSUPPORTED_CHAT = {"functions": "functions (legacy function calling; use tools)",
@@ -73,10 +76,13 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             continue
         raise RequestError(f"{name}: {what} is not supported", name, "unsupported_parameter")
     _known(body, _CHAT_FIELDS | set(_UNSUPPORTED_CHAT))
-    grammar = response_format_grammar(body.get("response_format"))
+    grammar = answer_grammar(body)
     tools = parse_tools(body.get("tools"))
     choice, tools = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = bool_field(body, "parallel_tool_calls", True)
+    if tools and choice != "none" and grammar is not None and grammar.what not in ("json_schema", "json_object"):
+        raise RequestError("tools: a request's own grammar and tool calls do not go together (send one)", "tools",
+                           "invalid_value")
     if tools and choice != "none":
         # The tool grammar replaces a response_format one: a call's arguments follow their own schema.
         grammar = tool_call_grammar(list(tools), forced=choice != "auto", parallel=parallel)
@@ -114,11 +120,29 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     if best_of is not None and best_of < n:
         raise RequestError(f"best_of: must be >= n (got best_of {best_of}, n {n})", "best_of", "invalid_value")
     stream, include_usage = _stream(body)
-    grammar = response_format_grammar(body.get("response_format"))
+    grammar = answer_grammar(body)
     return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, int_field(body, "max_tokens", 1)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=bool_field(body, "echo", False),
                              n=n, stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=grammar, confidence=_confidence(body, grammar, False))
+
+
+def answer_grammar(body: dict) -> Grammar | None:
+    """The grammar every answer follows: response_format's, or one of the request's own (grammar, guided_regex,
+    guided_choice, guided_json, guided_grammar); two of them are a 400."""
+    given = [name for name in _GRAMMAR_FIELDS if body.get(name) is not None]
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise RequestError(f"{given[1]}: only one of {' and '.join(given)} may constrain the answer", given[1],
+                           "invalid_value")
+    if not given or given[0] == "response_format":
+        return response_format_grammar(fmt)
+    name = given[0]
+    if _GRAMMAR_FIELDS[name] == "json":
+        return json_schema_grammar(body[name], name)
+    return text_grammar(_GRAMMAR_FIELDS[name], body[name], name)
 
 
 def _confidence(body: dict, grammar: Grammar | None, calls_tools: bool) -> bool:

@@ -44,7 +44,9 @@ def _check(spec: str, param: str, what: str) -> Grammar:
     if is_error:
         lines = [ln.strip() for ln in (messages[0] if messages else "invalid").splitlines()]
         msg = " ".join(ln for ln in lines if ln.strip("^ "))[:300]  # llguidance's caret lines dropped
-        raise RequestError(f"{param}: the schema is invalid or unsupported: {msg}", param, "invalid_schema")
+        kind = "schema" if what in ("json_schema", "json_object", "tool_calls") else what
+        raise RequestError(f"{param}: the {kind} is invalid or unsupported: {msg}", param,
+                           "invalid_schema" if kind == "schema" else "invalid_grammar")
     return Grammar(spec, what)
 
 
@@ -66,6 +68,30 @@ def json_schema_grammar(schema: Any, param: str = "response_format.json_schema.s
 def json_object_grammar() -> Grammar:
     """Any JSON object (response_format json_object)."""
     return Grammar(json_schema_grammar({"type": "object"}, "response_format").spec, "json_object")
+
+
+def text_grammar(kind: str, text: Any, param: str) -> Grammar:
+    """A request's own grammar: `grammar` (llama.cpp's GBNF, or Lark), `regex` (the whole answer matches it) or
+    `choice` (the answer is one of these strings). RequestError, naming `param`, if it cannot be enforced."""
+    if llguidance is None:
+        raise RequestError(_NO_LLG, param, "unsupported_parameter")
+    what = kind
+    if kind == "choice":
+        if not isinstance(text, list) or not text or not all(isinstance(c, str) and c for c in text):
+            raise RequestError(f"{param}: must be a non-empty array of non-empty strings", param, "invalid_value")
+        text = "|".join(_regex_literal(c) for c in text)
+        kind = "regex"
+    elif not isinstance(text, str) or not text.strip():
+        raise RequestError(f"{param}: must be a non-empty string", param, "invalid_type")
+    try:
+        spec = llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
+    except (ValueError, TypeError) as e:
+        raise RequestError(f"{param}: the {kind} is invalid: {str(e)[:300]}", param, "invalid_grammar") from None
+    return _check(spec, param, what)
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
 
 
 def lark_grammar(source: str, param: str, what: str) -> Grammar:
