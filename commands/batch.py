@@ -16,7 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
 from commands.options import (BackendOption, EmbedQuantOption, ModelOption, NoSelftestOption, QuantOption,
-                             ReasoningBudgetOption, ThinkingOption, ThreadsOption, backend_choice, thinking_settings)
+                              ReasoningBudgetOption, ReasoningFormatOption, ThinkingOption, ThreadsOption,
+                              backend_choice, thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
@@ -68,6 +69,7 @@ def batch(
     no_selftest: NoSelftestOption = False,
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
+    reasoning_format: ReasoningFormatOption = "auto",
     embed_model: Annotated[str, typer.Option(
         "--embed-model", help="The embedding model of /v1/embeddings lines (loaded only when there are some).")]
     = "minilm-l6",
@@ -88,7 +90,7 @@ def batch(
         raise fail(f"--top-k must be >= 0, got {top_k}")
     if max_tokens is not None and max_tokens < 1:
         raise fail(f"--max must be >= 1, got {max_tokens}")
-    settings = thinking_settings(thinking, reasoning_budget)
+    settings = thinking_settings(thinking, reasoning_budget, reasoning_format)
     defaults = SamplingOptions(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                                seed=None if seed is None else seed % (1 << 64))
     view = _ProgressView()

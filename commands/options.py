@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 __all__ = ["BackendOption", "ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption",
+           "ReasoningFormatOption",
            "ThinkingOption", "ThreadsOption", "backend_choice", "thinking_settings"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
@@ -38,6 +39,11 @@ ThinkingOption = Annotated[str, typer.Option(
     "--thinking", help="Thinking models: template (what the model's chat template does unasked), asis (no block "
                        "after the assistant header; the model decides), on or off. A request's own choice wins.")]
 
+ReasoningFormatOption = Annotated[str, typer.Option(
+    "--reasoning-format", help="How a thinking reply comes back where a request does not say: auto / deepseek "
+                               "(reasoning apart from the answer), none (the raw text, markup included) or "
+                               "deepseek-legacy (both).")]
+
 ReasoningBudgetOption = Annotated[str, typer.Option(
     "--reasoning-budget", help="Tokens a reply may think before its answer is forced: N, auto (at most 3/4 of the "
                                "reply's max tokens) or unlimited. A request's own budget comes first.")]
@@ -52,14 +58,17 @@ def backend_choice(value: str) -> str:
     return value
 
 
-def thinking_settings(mode: str, budget: str):
-    """--thinking and --reasoning-budget as engine settings; a bad value is a one-line usage error."""
+def thinking_settings(mode: str, budget: str, fmt: str = "auto"):
+    """--thinking, --reasoning-budget and --reasoning-format as engine settings; a bad value is a one-line usage
+    error."""
     from commands.errors import fail
-    from engine.reasoning import ThinkingSettings, parse_budget
+    from engine.reasoning import FORMATS, ThinkingSettings, parse_budget
     from engine.templates.thinking import MODES
     if mode not in MODES:
         raise fail(f"--thinking must be one of {', '.join(MODES)}, got {mode!r}")
+    if fmt not in FORMATS:
+        raise fail(f"--reasoning-format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     try:
-        return ThinkingSettings(mode, parse_budget(budget))
+        return ThinkingSettings(mode, parse_budget(budget), fmt)
     except ValueError:
         raise fail(f"--reasoning-budget must be a number of tokens, auto or unlimited, got {budget!r}") from None

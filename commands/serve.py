@@ -20,7 +20,7 @@ import typer
 
 from commands.errors import fail, user_errors
 from commands.options import (BackendOption, EmbedQuantOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
-                             ThinkingOption, backend_choice, thinking_settings)
+                              ReasoningFormatOption, ThinkingOption, backend_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
 from engine.load import QUANT_MODES
@@ -121,6 +121,7 @@ def serve(
     = None,
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
+    reasoning_format: ReasoningFormatOption = "auto",
     decisions_template: Annotated[str, typer.Option(
         "--decisions-template", help="How POST /v1/systemone shows a question to the model: chat-v1 (its chat "
                                      "template; instruct models) or bare-v1 (plain text; base models).")]
@@ -137,7 +138,7 @@ def serve(
     backend_choice(backend)
     if decisions_template not in DECISION_TEMPLATES:
         raise fail(f"--decisions-template must be one of {', '.join(DECISION_TEMPLATES)}, got {decisions_template!r}")
-    settings = thinking_settings(thinking, reasoning_budget)
+    settings = thinking_settings(thinking, reasoning_budget, reasoning_format)
     specs = [parse_model_spec(s) for s in model] if model else [] if embed_model else [(None, None)]
     # each model's own ctx / quant / backend, checked before any model is loaded
     specs = [(name, *_model_options(ref, ctx, quant, backend)) for name, ref in specs]

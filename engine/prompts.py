@@ -83,7 +83,7 @@ def thinking_plan(model: Model, req, prompt: PromptText,
     if req.messages is None:
         return None
     return reply_plan(model, prompt, requested=req.thinking_budget, server=settings.budget,
-                      fmt=req.reasoning_format, constrained=req.constrained)
+                      fmt=req.reasoning_format or settings.format, constrained=req.constrained)
 
 
 def reply_plan(model: Model, prompt: PromptText, *, requested: int | None = None, server: int | str = "auto",

@@ -29,10 +29,11 @@ MIN_TURN = 4  # a reply allowed fewer tokens than this has no budget: there is n
 
 @dataclass(frozen=True)
 class ThinkingSettings:
-    """What a runner does for a request that says nothing: the thinking mode and the reasoning budget."""
+    """What a runner does for a request that says nothing: the thinking mode, the reasoning budget, the format."""
 
     mode: str = "template"  # template | asis | on | off (engine/templates/thinking.py)
     budget: int | str = "auto"  # N tokens | "auto" (only the room rule) | "unlimited" (no rule of ours)
+    format: str = "auto"  # reasoning_format where a request sets none (FORMATS)
 
 
 def parse_budget(text: str) -> int | str:

@@ -77,7 +77,7 @@ class GenerationRequest:
     # is split ("auto", "deepseek", "none", "deepseek-legacy"), the request's own reasoning budget, and more
     # variables for the chat template (chat_template_kwargs).
     thinking: str | None = None
-    reasoning_format: str = "auto"
+    reasoning_format: str | None = None  # None: the runner's (serve --reasoning-format), else auto
     # goinfer_confidence: per-field confidence of a json_schema answer (engine/constrain/confidence.py)
     confidence: bool = False
     thinking_budget: int | None = None

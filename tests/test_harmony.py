@@ -278,3 +278,16 @@ def test_decisions_score_gpt_oss_labels_on_its_final_channel(kit):
     text = kit.tokenizer.decode(prompt.ids, skip_special=True)
     assert text.endswith("<|start|>assistant<|channel|>final<|message|>") and "Reasoning: medium" in text
     assert [kit.tokenizer.decode([i]) for i in prompt.label_ids] == ["Y", "N"]  # the kit vocabulary: first tokens
+
+
+def test_the_runners_reasoning_format_applies_where_a_request_sets_none(kit):
+    from tests.test_cli import goinfer
+
+    body = {"messages": HELLO, "temperature": 0, "max_tokens": 24}
+    raw = execute(kit, parse_chat_request(body), thinking=ThinkingSettings(format="none")).choices[0].text
+    assert FINAL in raw  # serve --reasoning-format none: the raw text, markers included
+    asked = execute(kit, parse_chat_request({**body, "reasoning_format": "auto"}),
+                    thinking=ThinkingSettings(format="none")).choices[0].text
+    assert "<|" not in asked and asked.endswith(raw.split(FINAL)[1])  # the request's own format wins
+    bad = goinfer("serve", "--reasoning-format", "raw")
+    assert bad.returncode == 2 and "--reasoning-format" in bad.stderr and bad.stderr.strip().count("\n") == 0

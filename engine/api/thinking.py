@@ -39,10 +39,8 @@ def thinking_controls(body: dict, effort: Any = None) -> dict:
         thinking = "on" if enable else "off"
     elif isinstance(effort, str) and effort.strip().lower() == "none":
         thinking = "off"
-    fmt = body.get("reasoning_format", "auto")
-    if fmt is None:
-        fmt = "auto"
-    if fmt not in FORMATS:
+    fmt = body.get("reasoning_format")  # None: the runner's (serve --reasoning-format)
+    if fmt is not None and fmt not in FORMATS:
         raise RequestError(f"reasoning_format: must be one of {', '.join(FORMATS)} (got {fmt!r})",
                            "reasoning_format", "invalid_value")
     return {"thinking": thinking, "reasoning_format": fmt,
