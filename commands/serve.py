@@ -116,6 +116,9 @@ def serve(
     read_deadline: Annotated[float, typer.Option(
         "--read-deadline", help="Seconds a client has to send a request's headers and body (from connecting, or "
                                 "from its last answer); a slower one is cut off.")] = DEFAULT_READ_DEADLINE_S,
+    batch_dir: Annotated[Optional[Path], typer.Option(
+        "--batch-dir", help="Keep uploaded files and /v1/batches here, and resume unfinished batches at start "
+                            "(default: a temporary directory, removed at shutdown).")] = None,
     session_dir: Annotated[Optional[Path], typer.Option(
         "--session-dir", help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")]
     = None,
@@ -150,7 +153,8 @@ def serve(
                               max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
                               kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
                               max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings,
-                              decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()))
+                              decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()),
+                              batch_dir=batch_dir)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref, _ in specs]

@@ -1,6 +1,6 @@
 """The resumable batch run: input lines -> output records, one fsynced line at a time.
 
-Run by `goinfer batch` (the `/v1/batches` route would run the same). A rerun of the same input and output skips the
+Run by `goinfer batch`, and by `goinfer serve`'s `/v1/batches` (engine/server/batches.py) on its schedulers. A rerun of the same input and output skips the
 custom_ids already in the output, redoes a line a crash cut in half, and retries earlier failures; when
 nothing needs the model, the model is never loaded.
 """
@@ -23,7 +23,7 @@ from engine.errors import BatchFileError, Cancelled, GoinferError
 from engine.kernels.cpu.threads import get_threads
 from engine.reasoning import ThinkingSettings
 from engine.requests import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
-from engine.scheduler import Finished, Job, Scheduler
+from engine.scheduler import Finished, Job, QueueFull, Scheduler
 from engine.sessions import SessionPool
 
 
@@ -75,7 +75,8 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
               on_line: Callable[[LineResult], None] | None = None,
               on_token: Callable[[int], None] | None = None, parallel: int = 1,
               thinking: ThinkingSettings = ThinkingSettings(),
-              load_embedder: Callable[[], object] | None = None) -> BatchSummary:
+              load_embedder: Callable[[], object] | None = None,
+              scheduler: Scheduler | None = None) -> BatchSummary:
     """Run every line of `input_path` not yet in `output_path`; with `parallel` > 1, that many lines at once
     through a scheduler (decoded together; each line's answer is the one it gets alone), recorded as they end.
 
@@ -85,7 +86,9 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
     is called only when some line needs the model, `load_embedder()` only when some /v1/embeddings line does
     (those lines run first, one after another: an encoder's pass is short; /v1/systemone lines next, on the model). `should_stop()` is polled between tokens and lines: True
     abandons the current line (nothing of it is written) and ends the run with `interrupted` set. File-level
-    problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work."""
+    problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work.
+    `scheduler`: the model's running scheduler (a server's), to take the lines beside its other work; without
+    one, a run of `parallel` > 1 makes its own."""
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     input_path, output_path = Path(input_path), Path(output_path)
@@ -122,8 +125,8 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
             if stopped() or not ctx.record(_embed_line(line, ctx) if line.embeds else _decide_line(line, ctx)):
                 summary.interrupted = True
                 return summary
-        if parallel > 1 and model is not None:
-            _run_parallel(pending, ctx, parallel)
+        if (parallel > 1 or scheduler is not None) and model is not None:
+            _run_parallel(pending, ctx, parallel, scheduler)
         else:
             for line in pending:
                 if stopped() or not ctx.record(_run_line(line, ctx)):
@@ -233,26 +236,33 @@ def _decide_line(line: BatchLine, ctx: _Run) -> LineResult:
     return ctx.answered(line, body, start)
 
 
-def _run_parallel(pending: list[BatchLine], ctx: _Run, parallel: int) -> None:
-    """Up to `parallel` lines in flight on a scheduler; each recorded when it ends (so in the order they end)."""
+def _run_parallel(pending: list[BatchLine], ctx: _Run, parallel: int, shared: Scheduler | None = None) -> None:
+    """Up to `parallel` lines in flight on a scheduler (`shared`, or one of the run's own); each recorded when it
+    ends (so in the order they end). A shared scheduler whose queue is full takes the next line a little later."""
     model = ctx.model
     ended: queue.SimpleQueue[Job] = queue.SimpleQueue()
     # Warm sessions: lines that share a system prompt evaluate it once (the lines are not conversations: no
     # idle-time warming of their replies).
-    sched = Scheduler(model, ctx.model_name or model.name, max_queue=parallel, max_concurrent=parallel,
-                      threads=get_threads(),  # numba's count is per thread: the scheduler's takes the caller's
-                      sessions=SessionPool(model), warm_replies=False,
-                      log=lambda line: None)  # failures reach the errors file, not the log
+    sched = shared or Scheduler(model, ctx.model_name or model.name, max_queue=parallel, max_concurrent=parallel,
+                                threads=get_threads(),  # numba's count is per thread: the scheduler's is the caller's
+                                sessions=SessionPool(model), warm_replies=False,
+                                log=lambda line: None)  # failures reach the errors file, not the log
     flying: dict[Job, tuple[BatchLine, GenerationRequest, float]] = {}
     lines = iter(pending)
+    held = None  # a line the shared scheduler had no room for yet
     try:
         while True:
             while len(flying) < parallel and not ctx.stopped():
-                line = next(lines, None)
+                line, held = held or next(lines, None), None
                 if line is None:
                     break
-                _launch(line, ctx, sched, flying, ended)
+                if not _launch(line, ctx, sched, flying, ended):
+                    held = line
+                    break
             if not flying:
+                if held is not None and not ctx.stopped():
+                    time.sleep(0.25)
+                    continue
                 break
             if ctx.stopped():
                 ctx.summary.interrupted = True  # what is in flight is abandoned: nothing of it is written
@@ -266,25 +276,33 @@ def _run_parallel(pending: list[BatchLine], ctx: _Run, parallel: int) -> None:
             line, req, start = flying.pop(job)
             ctx.record(_finished(job, line, req, start, ctx))
     finally:
-        sched.close("the batch run ended")
+        for job in flying:  # abandoned (should_stop): nothing of them is written
+            sched.withdraw(job, "the batch run stopped")
+        if sched is not shared:
+            sched.close("the batch run ended")
 
 
-def _launch(line: BatchLine, ctx: _Run, sched: Scheduler, flying: dict, ended: queue.SimpleQueue) -> None:
-    """Submit one line, or record it at once when it cannot run (malformed, or refused by prepare)."""
+def _launch(line: BatchLine, ctx: _Run, sched: Scheduler, flying: dict, ended: queue.SimpleQueue) -> bool:
+    """Submit one line, or record it at once when it cannot run (malformed, or refused by prepare); False when
+    the scheduler's queue is full (nothing done: the line is for later)."""
     start = time.monotonic()
     if line.error is not None:
         ctx.record(ctx.malformed(line, start))
-        return
+        return True
     req = ctx.request(line)
     try:
         prep = prepare(ctx.model, req, thinking=ctx.thinking)
     except Exception as e:  # noqa: BLE001 - recorded as the line's failure
         ctx.record(ctx.refused(line, e, start))
-        return
+        return True
     job = Job(prep, request_id=line.custom_id or f"line {line.lineno}",
               on_event=lambda j, item: ended.put(j) if isinstance(item, Finished) else None)
+    try:
+        sched.submit(job)
+    except QueueFull:
+        return False
     flying[job] = (line, req, start)
-    sched.submit(job)
+    return True
 
 
 def _finished(job: Job, line: BatchLine, req: GenerationRequest, start: float, ctx: _Run) -> LineResult:
@@ -295,6 +313,8 @@ def _finished(job: Job, line: BatchLine, req: GenerationRequest, start: float, c
             break
         collect.add(item)
     if item.error is not None:
+        if isinstance(item.error, Cancelled) and ctx.stopped():
+            return None  # abandoned with the run: nothing of it is written
         return ctx.refused(line, item.error, start)
     body = response_object(req, collect.result(), model_name=ctx.model_name or ctx.model.name)
     return ctx.answered(line, body, start)

@@ -59,6 +59,7 @@ class ServerConfig:
     # per served model, per kind: fitted temperatures (--decisions-calibration; engine/decisions/calibration.py)
     decisions_temperatures: dict = field(default_factory=dict)
     cors_origins: tuple[str, ...] = ()  # --cors-origin: web pages besides this machine's that may read answers
+    batch_dir: Path | None = None  # --batch-dir: uploaded files and batches kept (None: a temporary directory)
 
     @property
     def tls(self) -> bool:
@@ -107,6 +108,8 @@ class ServerConfig:
             raise ServerConfigError(f"--session-memory must be >= 0, got {self.session_memory_mib}")
         if self.session_dir is not None and Path(self.session_dir).exists() and not Path(self.session_dir).is_dir():
             raise ServerConfigError(f"--session-dir {self.session_dir}: not a directory")
+        if self.batch_dir is not None and Path(self.batch_dir).exists() and not Path(self.batch_dir).is_dir():
+            raise ServerConfigError(f"--batch-dir {self.batch_dir}: not a directory")
         if self.max_body_bytes < 0:
             raise ServerConfigError(f"--max-body-bytes must be >= 0, got {self.max_body_bytes}")
         if self.keepalive_s <= 0:

@@ -31,6 +31,8 @@ from engine.errors import Cancelled, GoinferError
 from engine.prompts import prompt_ids
 from engine.requests import Collector, Delta, prepare
 from engine.server import intake
+from engine.server.batches import BATCHES_URL
+from engine.server.files import FILES_URL, UPLOAD_CAP, parse_upload
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
 from engine.server.state import ServerState
@@ -209,6 +211,10 @@ class Handler(BaseHTTPRequestHandler):
             self._model_name, answer, tokens = self.state.decisions.answer(self._json_body())
             self._usage = (tokens, 0)
             self._send_json(200, answer)
+        elif path == FILES_URL or path.startswith(FILES_URL + "/"):
+            self._files(path[len(FILES_URL) + 1:])
+        elif path == BATCHES_URL or path.startswith(BATCHES_URL + "/"):
+            self._batches(path[len(BATCHES_URL) + 1:])
         elif path == "/metrics":
             self._only("GET")
             self._send_body(200, prometheus_text(self.state.health()).encode(), METRICS_TYPE)
@@ -224,7 +230,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(200, found[0])
         else:
             routes = ", ".join(["GET /health", "GET /metrics", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
-                               + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID"]
+                               + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID",
+                                  f"{FILES_URL}[/ID[/content]]", f"{BATCHES_URL}[/ID[/cancel]]"]
                                + [f"POST {r}" for r in TOKEN_ROUTES])
             raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
                                               "invalid_request_error", None, "not_found"))
@@ -246,11 +253,11 @@ class Handler(BaseHTTPRequestHandler):
         format's shape (_send_error)."""
         return dialect_for(urlsplit(self.path).path, self.state.response_store) or _DEFAULT_DIALECT
 
-    def _only(self, method: str) -> None:
-        if self.command != method:
-            raise HTTPError(405, error_object(f"{self.command} is not allowed here; use {method}",
+    def _only(self, *methods: str) -> None:
+        if self.command not in methods:
+            raise HTTPError(405, error_object(f"{self.command} is not allowed here; use {' or '.join(methods)}",
                                               "invalid_request_error", None, "method_not_allowed"),
-                            {"Allow": method})
+                            {"Allow": ", ".join(methods)})
 
     def _unknown_model(self, name: str) -> HTTPError:
         served = ", ".join(self.state.models)
@@ -266,9 +273,12 @@ class Handler(BaseHTTPRequestHandler):
         return intake.decoded_body(self.headers, data, self._body_cap())
 
     def _body_cap(self) -> int:
-        """This route's body limit: /v1/embeddings has its own (config.embeddings_body_cap)."""
-        if urlsplit(self.path).path == EMBEDDINGS_URL:
+        """This route's body limit: /v1/embeddings (config.embeddings_body_cap) and uploads have their own."""
+        path = urlsplit(self.path).path
+        if path == EMBEDDINGS_URL:
             return self.state.embeddings_body_cap
+        if path == FILES_URL:
+            return max(self.state.body_cap, UPLOAD_CAP)
         return self.state.body_cap
 
     # ------------------------------------------------------------------ generation
@@ -301,6 +311,60 @@ class Handler(BaseHTTPRequestHandler):
         tokens = sum(len(ids) for ids in lists)
         self._usage = (tokens, 0)
         self._send_json(200, embeddings_object(model, req, vectors, tokens))
+
+    def _files(self, rest: str) -> None:
+        """OpenAI's Files API (engine/server/files.py): upload, list, read, delete."""
+        store = self.state.files
+        if not rest:
+            self._only("GET", "POST")
+            if self.command == "GET":
+                self._send_json(200, {"object": "list", "data": store.list(), "has_more": False})
+                return
+            try:
+                filename, data, purpose = parse_upload(self.headers.get("Content-Type", ""), self._read_body())
+            except GoinferError as e:
+                raise HTTPError(error_status(e), error_body(e)) from None
+            self._send_json(200, store.add(filename, data, purpose))
+            return
+        file_id, _, tail = rest.partition("/")
+        if tail not in ("", "content"):
+            raise self._no_such("file route", rest)
+        self._only(*(("GET",) if tail else ("GET", "DELETE")))
+        found = store.get(file_id)
+        if found is None:
+            raise self._no_such("file", file_id)
+        if tail:
+            self._send_body(200, store.data_path(file_id).read_bytes(), "application/octet-stream")
+        elif self.command == "DELETE":
+            store.delete(file_id)
+            self._send_json(200, {"id": file_id, "object": "file", "deleted": True})
+        else:
+            self._send_json(200, found)
+
+    def _batches(self, rest: str) -> None:
+        """OpenAI's Batch API (engine/server/batches.py): create, list, read, cancel."""
+        runner = self.state.batches
+        if not rest:
+            self._only("GET", "POST")
+            if self.command == "GET":
+                self._send_json(200, {"object": "list", "data": runner.list(), "has_more": False})
+                return
+            try:
+                self._send_json(200, runner.create(self._json_body()))
+            except GoinferError as e:
+                raise HTTPError(error_status(e), error_body(e)) from None
+            return
+        batch_id, _, tail = rest.partition("/")
+        if tail not in ("", "cancel"):
+            raise self._no_such("batch route", rest)
+        self._only("POST" if tail else "GET")
+        found = runner.cancel(batch_id) if tail else runner.get(batch_id)
+        if found is None:
+            raise self._no_such("batch", batch_id)
+        self._send_json(200, found)
+
+    def _no_such(self, what: str, name: str) -> HTTPError:
+        return HTTPError(404, error_object(f"no {what} {name!r}", "invalid_request_error", None, "not_found"))
 
     def _tokens(self, path: str) -> None:
         """POST /tokenize, /detokenize, /apply-template (engine/api/tokens.py) on the model the body names."""

@@ -110,6 +110,7 @@ class Server:
         self.httpd.shutdown()
         in_flight = sum(h["queued"] + h["running_requests"]
                         for h in (s.health() for s in self.state.schedulers.values()))
+        self.state.close_batches()  # first: its lines stop as lines, not as the schedulers' failures
         self._close_schedulers(reason)
         self.state.save_sessions()
         deadline = time.monotonic() + grace_s

@@ -4,17 +4,24 @@ Responses API's store, the counters of requests in flight, and the health report
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 from engine.api.openai_objects import model_object
 from engine.api.responses import ResponseStore
 from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
-from engine.server.config import ServedModel, ServerConfig, body_cap, embeddings_body_cap
+from engine.files import lock_exclusive
+from engine.server.batches import BatchRunner
+from engine.server.config import ServedModel, ServerConfig, ServerConfigError, body_cap, embeddings_body_cap
 from engine.server.cors import CorsPolicy
 from engine.server.deciding import DecisionDesk
+from engine.server.files import FileStore
 from engine.scheduler import Scheduler
 from engine.session_store import SessionDir
 from engine.sessions import SessionPool, default_budget_bytes
@@ -54,6 +61,13 @@ class ServerState:
                                       config.decisions_temperatures)
         self._active = 0
         self._lock = threading.Lock()
+        # OpenAI's Files and Batch APIs: kept in --batch-dir (resumed after a restart), else in a temporary
+        # directory removed at shutdown
+        self._batch_tmp = None if config.batch_dir is not None else tempfile.mkdtemp(prefix="goinfer-batches-")
+        root = Path(config.batch_dir or self._batch_tmp)
+        self._batch_lock = _lock_dir(root)
+        self.files = FileStore(root / "files")
+        self.batches = BatchRunner(self, root / "batches", self.files)
 
     def _sessions(self, served: ServedModel, config: ServerConfig) -> SessionPool | None:
         """A model's warm sessions, those its --session-dir holds restored."""
@@ -75,6 +89,14 @@ class ServerState:
             if restored:
                 self.log(f"{served.name}: restored {len(restored)} warm sessions from {config.session_dir}")
         return pool
+
+    def close_batches(self) -> None:
+        """Shutdown, before the schedulers close: the running batch stops where it is (resumed at the next start
+        on the same --batch-dir); a temporary batch directory is removed."""
+        self.batches.close()
+        os.close(self._batch_lock)
+        if self._batch_tmp is not None:
+            shutil.rmtree(self._batch_tmp, ignore_errors=True)
 
     def save_sessions(self) -> None:
         """Shutdown: every warm session to its model's --session-dir (after the schedulers have stopped)."""
@@ -168,3 +190,14 @@ def _selftest_report() -> dict:
     from engine.kernels.cpu.selftest import report  # the kernel self-test run at the first model load
 
     return report()
+
+
+def _lock_dir(root: Path) -> int:
+    """An exclusive lock on a batch directory, held while the server runs: two servers on one would run its
+    batches twice."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    if not lock_exclusive(fd, blocking=False):
+        os.close(fd)
+        raise ServerConfigError(f"--batch-dir {root}: another goinfer serve is using it")
+    return fd
