@@ -252,18 +252,23 @@ def test_a_broken_xml_block_is_text():
     assert read([broken[:30], broken[30:]], SCHEMAS)[:2] == (broken, [])
 
 
-def test_a_history_call_rendered_by_qwen35s_template_reads_back():
+def history_block(template: str, args: dict, opener: str, closer: str) -> str:
+    """The call block a real template writes for an earlier assistant call with `args` (sent as a JSON string)."""
     from engine.templates import ChatTemplate
     from engine.templates.tools import render_messages
     from tests import reference_templates as ref
 
-    args = {"city": "São Paulo", "zip": "01310", "days": 3, "hours": [6, 12]}
-    source = ref.reference_template("Qwen3.5-4B")
+    source = ref.reference_template(template)
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}
     messages, _ = render_messages([{"role": "user", "content": "Weather?"}, call], None, source)
     text = ChatTemplate(source).render(messages, add_generation_prompt=False)
-    block = text[text.index("<tool_call>"):text.index("</tool_call>") + len("</tool_call>")]
+    return text[text.index(opener):text.index(closer) + len(closer)]
+
+
+def test_a_history_call_rendered_by_qwen35s_template_reads_back():
+    args = {"city": "São Paulo", "zip": "01310", "days": 3, "hours": [6, 12]}
+    block = history_block("Qwen3.5-4B", args, "<tool_call>", "</tool_call>")
     assert "<function=get_weather>" in block and json.loads(parsed(block, SCHEMAS)[1][0][1]) == args
 
 
@@ -291,17 +296,8 @@ def test_a_broken_or_unknown_gemma4_call_is_text():
 
 
 def test_a_history_call_rendered_by_gemma4s_template_reads_back():
-    from engine.templates import ChatTemplate
-    from engine.templates.tools import render_messages
-    from tests import reference_templates as ref
-
     args = {"city": "São Paulo", "days": 3, "hours": [6, 12], "opts": {"deep": True}}
-    source = ref.reference_template("google-gemma-4-31B-it")
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}
-    messages, _ = render_messages([{"role": "user", "content": "Weather?"}, call], None, source)
-    text = ChatTemplate(source).render(messages, add_generation_prompt=False)
-    block = text[text.index("<|tool_call>"):text.index("<tool_call|>") + len("<tool_call|>")]
+    block = history_block("google-gemma-4-31B-it", args, "<|tool_call>", "<tool_call|>")
     assert json.loads(parsed(block)[1][0][1]) == args
 
 

@@ -26,15 +26,16 @@ from engine.api.decisions import DECISIONS_URL
 from engine.api.embeddings import EMBEDDINGS_URL, embeddings_object, parse_embeddings_request, token_lists
 from engine.api.openai_objects import error_body, error_object, error_status, model_list
 from engine.api.responses import RESPONSES_URL
-from engine.api.tokens import TOKEN_ROUTES, apply_template, detokenize, tokenize
+from engine.api.tokens import TOKEN_ROUTES
 from engine.errors import Cancelled, GoinferError
 from engine.prompts import prompt_ids
 from engine.requests import Collector, Delta, prepare
 from engine.server import intake
 from engine.server.batches import BATCHES_URL
-from engine.server.files import FILES_URL, UPLOAD_CAP, parse_upload
+from engine.server.files import FILES_URL, UPLOAD_CAP
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
+from engine.server.resources import ResourceRoutes
 from engine.server.state import ServerState
 from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
 
@@ -52,7 +53,7 @@ def _stream_error(e: GoinferError | HTTPError) -> tuple[int, dict]:
     return error_status(e), error_body(e)
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(ResourceRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # persistent connections; every answer has a length or is chunked
     timeout = IDLE_TIMEOUT_S
 
@@ -311,79 +312,6 @@ class Handler(BaseHTTPRequestHandler):
         tokens = sum(len(ids) for ids in lists)
         self._usage = (tokens, 0)
         self._send_json(200, embeddings_object(model, req, vectors, tokens))
-
-    def _files(self, rest: str) -> None:
-        """OpenAI's Files API (engine/server/files.py): upload, list, read, delete."""
-        store = self.state.files
-        if not rest:
-            self._only("GET", "POST")
-            if self.command == "GET":
-                self._send_json(200, {"object": "list", "data": store.list(), "has_more": False})
-                return
-            try:
-                filename, data, purpose = parse_upload(self.headers.get("Content-Type", ""), self._read_body())
-            except GoinferError as e:
-                raise HTTPError(error_status(e), error_body(e)) from None
-            self._send_json(200, store.add(filename, data, purpose))
-            return
-        file_id, _, tail = rest.partition("/")
-        if tail not in ("", "content"):
-            raise self._no_such("file route", rest)
-        self._only(*(("GET",) if tail else ("GET", "DELETE")))
-        found = store.get(file_id)
-        if found is None:
-            raise self._no_such("file", file_id)
-        if tail:
-            self._send_body(200, store.data_path(file_id).read_bytes(), "application/octet-stream")
-        elif self.command == "DELETE":
-            store.delete(file_id)
-            self._send_json(200, {"id": file_id, "object": "file", "deleted": True})
-        else:
-            self._send_json(200, found)
-
-    def _batches(self, rest: str) -> None:
-        """OpenAI's Batch API (engine/server/batches.py): create, list, read, cancel."""
-        runner = self.state.batches
-        if not rest:
-            self._only("GET", "POST")
-            if self.command == "GET":
-                self._send_json(200, {"object": "list", "data": runner.list(), "has_more": False})
-                return
-            try:
-                self._send_json(200, runner.create(self._json_body()))
-            except GoinferError as e:
-                raise HTTPError(error_status(e), error_body(e)) from None
-            return
-        batch_id, _, tail = rest.partition("/")
-        if tail not in ("", "cancel"):
-            raise self._no_such("batch route", rest)
-        self._only("POST" if tail else "GET")
-        found = runner.cancel(batch_id) if tail else runner.get(batch_id)
-        if found is None:
-            raise self._no_such("batch", batch_id)
-        self._send_json(200, found)
-
-    def _no_such(self, what: str, name: str) -> HTTPError:
-        return HTTPError(404, error_object(f"no {what} {name!r}", "invalid_request_error", None, "not_found"))
-
-    def _tokens(self, path: str) -> None:
-        """POST /tokenize, /detokenize, /apply-template (engine/api/tokens.py) on the model the body names."""
-        body = self._json_body()
-        try:
-            name = body.get("model") if isinstance(body, dict) else None
-            served = self.state.route(name if isinstance(name, str) else None)
-            if served is None:
-                raise self._unknown_model(name)
-            self._model_name = served.name
-            if path == "/tokenize":
-                answer = tokenize(served.model, body)
-            elif path == "/detokenize":
-                answer = detokenize(served.model, body)
-            else:
-                answer = apply_template(served.model, body, self.state.thinking)
-        except GoinferError as e:
-            raise HTTPError(error_status(e), error_body(e)) from None
-        self._send_json(200, answer)
 
     def _generate(self) -> None:
         body = self._json_body()
