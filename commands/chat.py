@@ -22,7 +22,7 @@ from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.reasoning import ThinkingSettings
-from engine.prompts import encode_prompt, reply_plan, thinking_of
+from engine.prompts import answer_at_once, encode_prompt, reply_plan, thinking_of
 from engine.templates.harmony import EFFORTS
 from engine.templates.thinking import MODES, render_prompt
 from engine.store.paths import goinfer_home
@@ -182,6 +182,8 @@ def _reply(llm, session: ChatState) -> str:
     thinking = thinking_of(llm)
     mode = "off" if session.grammar is not None else session.thinking.mode  # a grammar wants JSON from token 1
     prompt = render_prompt(llm.template, thinking, session.conversation(), mode=mode, effort=session.effort)
+    if thinking is not None and thinking.harmony and session.grammar is not None:
+        prompt = answer_at_once(prompt)
     ids = encode_prompt(llm, prompt.text)  # no second BOS when the template writes one
     plan = reply_plan(llm, prompt, server=session.thinking.budget, constrained=session.grammar is not None)
     parts: list[str] = []

@@ -15,14 +15,14 @@ import weakref
 from engine.errors import RequestError
 from engine.models.base import Model
 from engine.reasoning import ThinkingPlan, ThinkingSettings
-from engine.templates.harmony import FINAL, START, harmony_messages
+from engine.templates.harmony import ANSWER_NOW, FINAL, START, harmony_messages
 from engine.templates.thinking import PromptText, ThinkingTemplate, read_thinking, render_prompt
 from engine.templates.tools import render_messages
 
 # `req` below is an engine.requests.GenerationRequest (not imported: engine.requests builds on this module).
 
-__all__ = ["continuation_ids", "encode_prompt", "prompt_ids", "render_request", "reply_plan", "thinking_mode",
-           "thinking_of", "thinking_plan"]
+__all__ = ["answer_at_once", "continuation_ids", "encode_prompt", "prompt_ids", "render_request", "reply_plan",
+           "thinking_mode", "thinking_of", "thinking_plan"]
 
 
 def encode_prompt(model: Model, text: str) -> list[int]:
@@ -60,9 +60,20 @@ def render_request(model: Model, req, settings: ThinkingSettings = ThinkingSetti
     thinking = thinking_of(model)
     if thinking is not None and thinking.harmony:
         messages = harmony_messages(messages)
-    return render_prompt(model.template, thinking, messages, tools=template_tools,
-                         mode=thinking_mode(req, settings), variables=req.template_variables,
-                         effort=req.reasoning_effort)
+    prompt = render_prompt(model.template, thinking, messages, tools=template_tools,
+                           mode=thinking_mode(req, settings), variables=req.template_variables,
+                           effort=req.reasoning_effort)
+    if thinking is not None and thinking.harmony and req.constrained:
+        return answer_at_once(prompt)
+    return prompt
+
+
+def answer_at_once(prompt: PromptText) -> PromptText:
+    """A Harmony prompt whose reply must be the grammar's from its first token: its final channel opened after
+    the generation prompt (no analysis first), as llama.cpp constrains gpt-oss's final message."""
+    if prompt.text.endswith(f"{START}assistant"):
+        return PromptText(prompt.text + ANSWER_NOW, False)
+    return prompt
 
 
 def prompt_ids(model: Model, req, settings: ThinkingSettings = ThinkingSettings()) -> list[int]:

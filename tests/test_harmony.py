@@ -291,3 +291,13 @@ def test_the_runners_reasoning_format_applies_where_a_request_sets_none(kit):
     assert "<|" not in asked and asked.endswith(raw.split(FINAL)[1])  # the request's own format wins
     bad = goinfer("serve", "--reasoning-format", "raw")
     assert bad.returncode == 2 and "--reasoning-format" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+def test_a_json_schema_reply_is_written_on_the_final_channel(kit):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    req = parse_chat_request({"messages": HELLO, "temperature": 0, "max_tokens": 30, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+    assert render_request(kit, req).text.endswith("<|start|>assistant<|channel|>final<|message|>")
+    c = execute(kit, req).choices[0]
+    assert json.loads(c.text) in ({"ok": True}, {"ok": False}) and not c.reasoning

@@ -23,13 +23,12 @@ from engine.api.decisions import Question
 from engine.errors import UnsupportedModel
 from engine.models.base import Model
 from engine.prompts import encode_prompt, thinking_of
-from engine.templates.harmony import CHANNEL, MESSAGE
+from engine.templates.harmony import ANSWER_NOW
 from engine.templates.thinking import render_prompt
 
 __all__ = ["TEMPLATES", "Prompt", "labels_of", "question_prompt"]
 
 TEMPLATES = ("chat-v1", "bare-v1")
-HARMONY_ANSWER = f"{CHANNEL}final{MESSAGE}"  # chat-v1 on gpt-oss: the assistant turn opened on its final channel
 _LETTERS = "ABCDEFGHIJKLMNOP"
 
 
@@ -90,7 +89,7 @@ def question_prompt(model: Model, template: str, state, question: Question) -> P
         thinking = thinking_of(model)
         prompt = render_prompt(model.template, thinking, [{"role": "user", "content": text}], mode="off").text
         if thinking is not None and thinking.harmony:  # gpt-oss has no off form: the label opens its final channel
-            prompt += HARMONY_ANSWER
+            prompt += ANSWER_NOW
         sep = ""
     else:
         prompt, sep = text + "\nAnswer:", " "

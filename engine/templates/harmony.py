@@ -14,6 +14,8 @@ is the answer, as it is: nothing is dropped. Several messages of one kind are jo
     is_harmony(source)          a chat template that writes Harmony
     HarmonySplitter(lead)       text in, (reasoning, answer) out, piece by piece (as engine/reasoning.py's splitter)
     FINAL                       what the reasoning budget forces: the analysis closed and the final channel opened
+    ANSWER_NOW                  what a prompt that must be answered at once (a grammar from the first token, a
+                                decision's label) ends with: the final channel opened, no analysis
     harmony_messages(messages)  a request's messages as the template reads them (reasoning as `thinking`, a
                                 call's arguments as an object)
 """
@@ -26,11 +28,12 @@ import re
 from engine.templates.markup import partial_suffix
 from engine.templates.tools import with_object_arguments
 
-__all__ = ["EFFORTS", "FINAL", "HarmonySplitter", "harmony_messages", "is_harmony"]
+__all__ = ["ANSWER_NOW", "EFFORTS", "FINAL", "HarmonySplitter", "harmony_messages", "is_harmony"]
 
 START, CHANNEL, MESSAGE, END, CALL, RETURN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", \
     "<|return|>"
 FINAL = f"{END}{START}assistant{CHANNEL}final{MESSAGE}"
+ANSWER_NOW = f"{CHANNEL}final{MESSAGE}"  # after the generation prompt: the reply opens on the final channel
 EFFORTS = ("low", "medium", "high")  # the template's `Reasoning:` line
 _TERMINATORS = (END, CALL, RETURN, START)  # a message ends at these (<|start|>: a model that skipped its <|end|>)
 _HEADER = re.compile(r"<\|channel\|>\s*([\w-]+)")
