@@ -81,6 +81,8 @@ def serve(
         "--cors-origin", metavar="ORIGIN",
         help="A web page origin (http://host:port) whose scripts may read the answers, besides this machine's "
              "(localhost, 127.0.0.1, [::1]); * for any; repeatable.")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(
+        "--api-key-file", help="A file of API keys, one a line (each accepted, beside --api-key).")] = None,
     tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="PEM certificate: serve HTTPS.")] = None,
     tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key for --tls-cert.")] = None,
     ctx: Annotated[int, typer.Option(help="Context window per request, in tokens (capped at the model's own; "
@@ -148,7 +150,8 @@ def serve(
     embed_specs = [parse_model_spec(s) for s in embed_model or ()]
     with user_errors():
         host, port = parse_addr(addr)
-        config = ServerConfig(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
+        config = ServerConfig(host=host, port=port, api_key=api_key or None, api_key_file=api_key_file,
+                              tls_cert=tls_cert, tls_key=tls_key,
                               max_queue=max_queue, max_concurrent=max_concurrent, prefill_chunk=prefill_chunk,
                               max_body_bytes=max_body_bytes, keepalive_s=sse_keepalive, threads=threads,
                               kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
@@ -250,7 +253,7 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
               f"{_size(pools[0].budget_bytes)} of KV{kept}")
     else:
         _note("prompt-prefix reuse: off (--kv-sessions 0)")
-    if config.api_key:
+    if config.api_keys:
         _note("auth: API key required on every route (Authorization: Bearer KEY or x-api-key: KEY)")
     else:
         _note("warning: no API key set: any program on this machine (a web page in a browser included) "

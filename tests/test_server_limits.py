@@ -145,3 +145,30 @@ def test_each_model_takes_its_own_ctx_and_a_bad_option_is_one_line(tmp_path, smo
     for option in ("ctx=8", "quant=q2", "backend=tpu"):
         r = goinfer("serve", "--model", f"{smollm2_gguf},{option}")
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and option.split("=")[0] in r.stderr
+
+
+def test_an_api_key_file_holds_several_keys(tmp_path, smollm2_gguf):
+    from engine.server import ServerConfigError
+    from tests.test_cli import goinfer
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nalpha-key\n\n  beta-key  \n")
+    model = engine.load_model(smollm2_gguf, selftest=False)
+    server = Server([ServedModel.of("m", model, 512)], ServerConfig(port=0, api_key="cli-key", api_key_file=keys),
+                    log=lambda line: None)
+    server.start()
+    try:
+        for key, status in (("alpha-key", 200), ("beta-key", 200), ("cli-key", 200), ("# team keys", 401),
+                            ("gamma", 401)):
+            r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            assert r.status_code == status, key
+    finally:
+        server.stop()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing yet\n")
+    for path in (empty, tmp_path / "absent.txt"):
+        with pytest.raises(ServerConfigError, match="--api-key-file"):
+            ServerConfig(port=0, api_key_file=path).check()
+    r = goinfer("serve", "--api-key-file", str(empty), "--addr", "0.0.0.0:0")
+    assert r.returncode == 2 and "--api-key-file" in r.stderr and r.stderr.strip().count("\n") == 0
+    assert ServerConfig(host="0.0.0.0", api_key_file=keys).check() is None  # a key file makes a public address ok

@@ -40,6 +40,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    api_key_file: Path | None = None  # --api-key-file: more keys, one a line (read by check())
     tls_cert: Path | None = None
     tls_key: Path | None = None
     max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait per model behind those running
@@ -70,21 +71,38 @@ class ServerConfig:
         return is_loopback(self.host)
 
     @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key a request may carry: --api-key's and --api-key-file's (one a line; blank and # lines skipped)."""
+        keys = [self.api_key] if self.api_key else []
+        if self.api_key_file is not None:
+            text = Path(self.api_key_file).read_text(encoding="utf-8")
+            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        return tuple(keys)
+
+    @property
     def allowed_hosts(self) -> frozenset[str] | None:
         """The Host names a request may carry: loopback names when bound to loopback without a key (intake.
         check_host says why); None (any) otherwise."""
-        if not self.loopback or self.api_key:
+        if not self.loopback or self.api_keys:
             return None
         return LOOPBACK_NAMES | {self.host.lower().strip("[]")}
 
     def check(self) -> None:
         """Refuse settings that cannot work or are unsafe, before anything heavy happens."""
-        if not self.loopback and not self.api_key:
-            raise ServerConfigError(f"--addr {self.host}: a non-loopback address needs an API key "
-                                    "(--api-key KEY or GOINFER_API_KEY); without one any machine that can "
-                                    "reach this port could use the server")
         if self.api_key is not None and not self.api_key.strip():
             raise ServerConfigError("the API key is empty")
+        if self.api_key_file is not None:
+            try:
+                keys = self.api_keys
+            except (OSError, UnicodeDecodeError) as e:
+                raise ServerConfigError(f"--api-key-file {self.api_key_file}: cannot read it: "
+                                        f"{getattr(e, 'strerror', None) or e}") from None
+            if len(keys) == (1 if self.api_key else 0):
+                raise ServerConfigError(f"--api-key-file {self.api_key_file}: no key in it (one a line)")
+        if not self.loopback and not self.api_keys:
+            raise ServerConfigError(f"--addr {self.host}: a non-loopback address needs an API key "
+                                    "(--api-key KEY, GOINFER_API_KEY or --api-key-file); without one any machine "
+                                    "that can reach this port could use the server")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ServerConfigError("--tls-cert and --tls-key go together: give both or neither")
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):

@@ -121,7 +121,7 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
         # Refuse an over-limit or unauthenticated body before the client sends it.
         try:
             intake.check_host(self.headers, self.state.allowed_hosts)
-            intake.check_auth(self.headers, self.state.api_key)
+            intake.check_auth(self.headers, self.state.api_keys)
             intake.declared_length(self.headers, self._body_cap())
         except HTTPError as e:
             self._body_read = False
@@ -158,7 +158,7 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
             if self.command == "OPTIONS" and "Access-Control-Request-Method" in self.headers:
                 self._preflight()  # a browser's, before its request: it never carries the key
             else:
-                intake.check_auth(self.headers, self.state.api_key)
+                intake.check_auth(self.headers, self.state.api_keys)
                 self._route(path)
         except HTTPError as e:
             self._send_error(e)

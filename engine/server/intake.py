@@ -21,19 +21,20 @@ class ClientGone(Exception):
     """The client closed its connection mid-request or mid-answer."""
 
 
-def check_auth(headers, key: str | None) -> None:
-    """Refuse (401) a request without the server's API key, when it has one."""
-    if key is None:
+def check_auth(headers, keys: tuple[str, ...] | str | None) -> None:
+    """Refuse (401) a request without one of the server's API keys, when it has any."""
+    if not keys:
         return
+    keys = (keys,) if isinstance(keys, str) else keys
     given = []
     auth = headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         given.append(auth[7:].strip())
     if headers.get("x-api-key") is not None:
         given.append(headers["x-api-key"].strip())
-    want = key.encode()
-    # compare_digest: the time taken does not depend on how much of the key a guess got right
-    if not any([hmac.compare_digest(g.encode("utf-8", "replace"), want) for g in given]):
+    wanted = [k.encode() for k in keys]
+    # compare_digest, every pair compared: the time taken does not depend on how much of a key a guess got right
+    if not any([hmac.compare_digest(g.encode("utf-8", "replace"), w) for g in given for w in wanted]):
         what = "invalid API key" if given else "missing API key"
         raise HTTPError(401, error_object(f"{what}: send Authorization: Bearer KEY or x-api-key: KEY",
                                           "invalid_request_error", None, "invalid_api_key"),

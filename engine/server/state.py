@@ -36,7 +36,7 @@ class ServerState:
         self.embedders = {m.name: m for m in embedders}  # /v1/embeddings' models (engine/embeddings)
         # concurrent requests to one embedding model share its forward passes
         self.embed_queues = {m.name: EmbeddingQueue(m) for m in embedders}
-        self.api_key = config.api_key
+        self.api_keys = config.api_keys or None  # read once: a changed file takes a restart
         self.allowed_hosts = config.allowed_hosts
         self.cors = CorsPolicy(config.cors_origins)
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
