@@ -255,6 +255,21 @@ def test_served_replies_carry_no_markup_streamed_or_not(served, kit, kit_dir):
     assert same.choices[0].text == message.content
 
 
+def test_the_anthropic_and_responses_routes_carry_no_markup(served, kit_dir):
+    import anthropic
+
+    name = kit_dir.name
+    claude = anthropic.Anthropic(base_url=str(served.base_url).removesuffix("/v1/"), api_key="none", max_retries=0)
+    m = claude.messages.create(model=name, max_tokens=24, messages=HELLO, extra_body={"temperature": 0})
+    text = "".join(b.text for b in m.content if b.type == "text")
+    with claude.messages.stream(model=name, max_tokens=24, messages=HELLO, extra_body={"temperature": 0}) as s:
+        events = list(s)
+    streamed = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert text and streamed == text and "<|" not in text
+    r = served.responses.create(model=name, input=HELLO, temperature=0, max_output_tokens=24)
+    assert r.output_text and "<|" not in r.output_text
+
+
 def test_chat_answers_without_markup_and_checks_the_effort(kit, kit_dir):
     from tests.test_cli import goinfer
 
