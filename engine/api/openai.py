@@ -44,8 +44,8 @@ _CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | set(_GRAMMAR_FIEL
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "goinfer_confidence"}
 # A plain completion has no template to think with: reasoning_effort is accepted there and does nothing.
-_COMPLETION_FIELDS = _IGNORED | _SAMPLING | set(_GRAMMAR_FIELDS) | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format",
-                                             "reasoning_effort", "goinfer_confidence"}
+_COMPLETION_FIELDS = _IGNORED | _SAMPLING | set(_GRAMMAR_FIELDS) | {
+    "prompt", "logprobs", "echo", "best_of", "suffix", "response_format", "reasoning_effort", "goinfer_confidence"}
 # Asked for by name, and not done yet: refused with a message that says so.
 _UNSUPPORTED_CHAT = {"functions": "functions (legacy function calling; use tools)",
                      "function_call": "function_call (legacy function calling; use tool_choice)", "audio": "audio output",

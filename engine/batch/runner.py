@@ -1,8 +1,8 @@
 """The resumable batch run: input lines -> output records, one fsynced line at a time.
 
-Run by `goinfer batch`, and by `goinfer serve`'s `/v1/batches` (engine/server/batches.py) on its schedulers. A rerun of the same input and output skips the
-custom_ids already in the output, redoes a line a crash cut in half, and retries earlier failures; when
-nothing needs the model, the model is never loaded.
+Run by `goinfer batch`, and by `goinfer serve`'s `/v1/batches` (engine/server/batches.py) on its schedulers. A
+rerun of the same input and output skips the custom_ids already in the output, redoes a line a crash cut in half,
+and retries earlier failures; when nothing needs the model, the model is never loaded.
 """
 
 from __future__ import annotations
