@@ -136,3 +136,49 @@ def test_a_server_killed_mid_batch_resumes_it_with_nothing_lost_or_done_twice(tm
             assert got[r["custom_id"]] == alone
     finally:
         stop(s)
+
+
+# ---------------------------------------------------------------------------------------- Anthropic's Message Batches
+
+def test_anthropic_message_batches_answer_as_messages_sent_one_by_one(served, name):
+    import anthropic
+
+    server, _ = served
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    params = [{"model": name, "max_tokens": 10, "temperature": 0,
+               "messages": [{"role": "user", "content": f"Name a colour, number {i}."}]} for i in range(3)]
+    requests = [{"custom_id": f"m{i}", "params": p} for i, p in enumerate(params)]
+    batch = claude.messages.batches.create(requests=requests + [{"custom_id": "bad", "params": {"messages": []}}])
+    assert batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
+    deadline = time.monotonic() + 300
+    while (batch := claude.messages.batches.retrieve(batch.id)).processing_status != "ended":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    counts = batch.request_counts
+    assert (counts.succeeded, counts.errored, counts.processing, counts.canceled) == (3, 1, 0, 0)
+    results = list(claude.messages.batches.results(batch.id))
+    assert [r.custom_id for r in results] == ["m0", "m1", "m2", "bad"]  # the order they came in
+    for r, p in zip(results, params):
+        alone = claude.messages.create(**{k: v for k, v in p.items() if k != "temperature"},
+                                       extra_body={"temperature": 0})  # the SDK no longer takes it by name
+        assert r.result.type == "succeeded" and r.result.message.content[0].text == alone.content[0].text
+    assert results[3].result.type == "errored" and "max_tokens" in results[3].result.error.error.message
+    assert batch.id in [b.id for b in claude.messages.batches.list()]
+    assert claude.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve(batch.id)
+
+
+def test_anthropic_message_batches_refuse_bad_requests_in_anthropic_shape(served):
+    import anthropic
+
+    server, _ = served
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    one = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for requests in ([], [{"custom_id": "a b", "params": one}],
+                     [{"custom_id": "a", "params": one}, {"custom_id": "a", "params": one}]):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.batches.create(requests=requests)
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve("msgbatch_" + "0" * 24)

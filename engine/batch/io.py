@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.api.anthropic import MESSAGES_URL, parse_messages_request
 from engine.api.decisions import DECISIONS_URL, DecisionInvalid, DecisionRequest, parse_decision_request
 from engine.api.embeddings import EMBEDDINGS_URL, EmbeddingRequest, parse_embeddings_request
 from engine.api.openai import URLS, parse_request
@@ -97,14 +98,15 @@ def _parse_line(lineno: int, raw: bytes) -> BatchLine:
         return bad("invalid_method", f"method {method!r} is not supported (only POST)", custom_id)
     if url is None:
         return bad("missing_required_parameter", "url is missing", custom_id)
-    if url not in URLS and url not in (EMBEDDINGS_URL, DECISIONS_URL):
+    if url not in URLS and url not in (EMBEDDINGS_URL, DECISIONS_URL, MESSAGES_URL):
         return bad("invalid_url", f"url {url!r} is not supported (supported: {', '.join(URLS)}, {EMBEDDINGS_URL}, "
-                                  f"{DECISIONS_URL})", custom_id)
+                                  f"{DECISIONS_URL}, {MESSAGES_URL})", custom_id)
     if body is None:
         return bad("missing_required_parameter", "body is missing", custom_id, url)
     try:
         request = parse_embeddings_request(body) if url == EMBEDDINGS_URL else parse_decision_request(body) \
-            if url == DECISIONS_URL else parse_request(url, body)
+            if url == DECISIONS_URL else parse_messages_request(body) if url == MESSAGES_URL \
+            else parse_request(url, body)
         if getattr(request, "confidence", False):
             return bad("unsupported_parameter", "goinfer_confidence: not available in batches (the server's "
                                                 "chat/completions and completions answer it)", custom_id, url)

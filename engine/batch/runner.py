@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.api.anthropic import MESSAGES_URL, message_object
 from engine.api.decisions import decision_object
 from engine.api.embeddings import embeddings_object, token_lists
 from engine.decisions.scoring import score_request
@@ -160,10 +161,18 @@ class _Run:
     def request(self, line: BatchLine) -> GenerationRequest:
         return apply_defaults(line.request, self.defaults, self.system)
 
+    def body(self, line: BatchLine, req: GenerationRequest, result) -> dict:
+        """The answer a line's endpoint gives: an Anthropic message (/v1/messages), else OpenAI's object."""
+        name = self.model_name or self.model.name
+        if line.url == MESSAGES_URL:
+            return message_object(result, model_name=name)
+        return response_object(req, result, model_name=name)
+
     def answered(self, line: BatchLine, body: dict, start: float) -> LineResult:
         self.out.append(success_record(line.custom_id, body))
-        return LineResult(line.custom_id, line.lineno, True, body["usage"].get("completion_tokens", 0),
-                          time.monotonic() - start)
+        used = body["usage"]
+        tokens = used.get("completion_tokens", used.get("output_tokens", 0))
+        return LineResult(line.custom_id, line.lineno, True, tokens, time.monotonic() - start)
 
     def failed(self, line: BatchLine, code: str, message: str, start: float) -> LineResult:
         message = f"line {line.lineno}: {message}"
@@ -201,8 +210,8 @@ def _run_line(line: BatchLine, ctx: _Run) -> LineResult | None:
         return ctx.malformed(line, start)
     req = ctx.request(line)
     try:
-        body = run_request(ctx.model, req, model_name=ctx.model_name, should_stop=ctx.stopped,
-                           on_token=ctx.on_token, thinking=ctx.thinking)
+        result = execute(ctx.model, req, should_stop=ctx.stopped, on_token=ctx.on_token, thinking=ctx.thinking)
+        body = ctx.body(line, req, result)
     except Cancelled:
         return None
     except Exception as e:  # noqa: BLE001 - recorded as the line's failure
@@ -316,8 +325,7 @@ def _finished(job: Job, line: BatchLine, req: GenerationRequest, start: float, c
         if isinstance(item.error, Cancelled) and ctx.stopped():
             return None  # abandoned with the run: nothing of it is written
         return ctx.refused(line, item.error, start)
-    body = response_object(req, collect.result(), model_name=ctx.model_name or ctx.model.name)
-    return ctx.answered(line, body, start)
+    return ctx.answered(line, ctx.body(line, req, collect.result()), start)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ __all__ = ["BATCHES_URL", "BatchRunner", "ENDPOINTS"]
 BATCHES_URL = "/v1/batches"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 _UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+_ID = re.compile(r"^(msg)?batch_[0-9a-f]{24}$")
 
 
 class BatchRunner:
@@ -75,9 +77,13 @@ class BatchRunner:
         path = self.files.data_path(file_id)
         if path is None or self.files.get(file_id)["purpose"] != "batch":
             raise RequestError(f"input_file_id: no uploaded batch file {file_id!r}", "input_file_id", "not_found")
-        model, total = self._check_lines(path, endpoint)
+        return self.start(file_id, endpoint, metadata)
+
+    def start(self, file_id: str, endpoint: str, metadata: dict | None = None, prefix: str = "batch_") -> dict:
+        """Check an uploaded file's lines and queue them as a batch (`prefix`: msgbatch_ for Anthropic's)."""
+        model, total = self._check_lines(self.files.data_path(file_id), endpoint)
         now = int(time.time())
-        batch = {"id": "batch_" + uuid.uuid4().hex[:24], "object": "batch", "endpoint": endpoint, "errors": None,
+        batch = {"id": prefix + uuid.uuid4().hex[:24], "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": file_id, "completion_window": "24h", "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
@@ -90,15 +96,18 @@ class BatchRunner:
         return batch
 
     def get(self, batch_id: str) -> dict | None:
+        if not _ID.match(batch_id):
+            return None
         try:
-            return json.loads((self.dir / f"{batch_id}.json").read_text()) if batch_id.startswith("batch_") \
-                else None
+            return json.loads((self.dir / f"{batch_id}.json").read_text())
         except (OSError, ValueError):
             return None
 
-    def list(self) -> list[dict]:
-        batches = [self.get(p.stem) for p in self.dir.glob("batch_*.json")]
-        return sorted((b for b in batches if b is not None), key=lambda b: b["created_at"], reverse=True)
+    def list(self, prefix: str | None = None) -> list[dict]:
+        """The batches (only those whose ids start with `prefix`, when given), newest first."""
+        batches = [self.get(p.stem) for p in self.dir.glob("*batch_*.json")]
+        return sorted((b for b in batches if b is not None and (prefix is None or b["id"].startswith(prefix))),
+                      key=lambda b: b["created_at"], reverse=True)
 
     def cancel(self, batch_id: str) -> dict | None:
         with self._lock:
@@ -110,6 +119,20 @@ class BatchRunner:
             self._cancel.add(batch_id)
             self._wake.notify_all()
             return batch
+
+    def delete(self, batch_id: str) -> bool | None:
+        """Forget an ended batch and its files: True; None if there is no such batch, False if it has not ended."""
+        with self._lock:
+            batch = self.get(batch_id)
+            if batch is None:
+                return None
+            if batch["status"] in _UNFINISHED:
+                return False
+            for key in ("input_file_id", "output_file_id", "error_file_id"):
+                if batch.get(key):
+                    self.files.delete(batch[key])
+            (self.dir / f"{batch_id}.json").unlink(missing_ok=True)
+            return True
 
     def close(self, wait_s: float = 10.0) -> None:
         """Stop: the batch running stays in_progress on disk (its finished lines are in its output)."""
@@ -139,7 +162,7 @@ class BatchRunner:
             raise RequestError(f"input_file_id: the lines name several models ({', '.join(sorted(map(str, names)))})"
                                "; a batch runs on one", "input_file_id", "invalid_file")
         name = next(iter(names), None)
-        served = self.state.embedders if endpoint == EMBEDDINGS_URL else self.state.models
+        served = self.state.embedders if endpoint == EMBEDDINGS_URL else self.state.models  # /v1/messages too
         if name is None and len(served) == 1:
             name = next(iter(served))
         if name not in served:

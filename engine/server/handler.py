@@ -32,6 +32,7 @@ from engine.prompts import prompt_ids
 from engine.requests import Collector, Delta, prepare
 from engine.server import intake
 from engine.server.batches import BATCHES_URL
+from engine.server.message_batches import MESSAGE_BATCHES_URL
 from engine.server.files import FILES_URL, UPLOAD_CAP
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
@@ -214,6 +215,8 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
             self._send_json(200, answer)
         elif path == FILES_URL or path.startswith(FILES_URL + "/"):
             self._files(path[len(FILES_URL) + 1:])
+        elif path == MESSAGE_BATCHES_URL or path.startswith(MESSAGE_BATCHES_URL + "/"):
+            self._message_batches(path[len(MESSAGE_BATCHES_URL) + 1:])
         elif path == BATCHES_URL or path.startswith(BATCHES_URL + "/"):
             self._batches(path[len(BATCHES_URL) + 1:])
         elif path == "/metrics":
@@ -232,7 +235,8 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
         else:
             routes = ", ".join(["GET /health", "GET /metrics", "GET /v1/models"] + [f"POST {r}" for r in ROUTES]
                                + [f"POST {EMBEDDINGS_URL}", f"POST {DECISIONS_URL}", f"GET {RESPONSES_URL}/ID",
-                                  f"{FILES_URL}[/ID[/content]]", f"{BATCHES_URL}[/ID[/cancel]]"]
+                                  f"{FILES_URL}[/ID[/content]]", f"{BATCHES_URL}[/ID[/cancel]]",
+                                  f"{MESSAGE_BATCHES_URL}[/ID[/cancel|/results]]"]
                                + [f"POST {r}" for r in TOKEN_ROUTES])
             raise HTTPError(404, error_object(f"no route {self.command} {path} (routes: {routes})",
                                               "invalid_request_error", None, "not_found"))

@@ -1,12 +1,16 @@
-"""The handler's routes over stored things and utilities: OpenAI's Files and Batch APIs (files.py, batches.py)
-and llama.cpp's /tokenize, /detokenize, /apply-template (engine/api/tokens.py). A mixin of Handler (handler.py),
+"""The handler's routes over stored things and utilities: OpenAI's Files and Batch APIs (files.py, batches.py),
+Anthropic's Message Batches (message_batches.py) and llama.cpp's /tokenize, /detokenize, /apply-template (engine/api/tokens.py). A mixin of Handler (handler.py),
 whose plumbing (_only, _read_body, _json_body, _send_json, _send_body) they answer with."""
 
 from __future__ import annotations
 
+import ssl
+
+from engine.api import anthropic
 from engine.api.openai_objects import error_body, error_object, error_status
 from engine.api.tokens import apply_template, detokenize, tokenize
 from engine.errors import GoinferError
+from engine.server import message_batches
 from engine.server.files import parse_upload
 from engine.server.intake import HTTPError
 
@@ -49,7 +53,7 @@ class ResourceRoutes:
         if not rest:
             self._only("GET", "POST")
             if self.command == "GET":
-                self._send_json(200, {"object": "list", "data": runner.list(), "has_more": False})
+                self._send_json(200, {"object": "list", "data": runner.list("batch_"), "has_more": False})
                 return
             try:
                 self._send_json(200, runner.create(self._json_body()))
@@ -60,10 +64,56 @@ class ResourceRoutes:
         if tail not in ("", "cancel"):
             raise self._no_such("batch route", rest)
         self._only("POST" if tail else "GET")
-        found = runner.cancel(batch_id) if tail else runner.get(batch_id)
+        found = None if not batch_id.startswith("batch_") else runner.cancel(batch_id) if tail else \
+            runner.get(batch_id)
         if found is None:
             raise self._no_such("batch", batch_id)
         self._send_json(200, found)
+
+    def _message_batches(self, rest: str) -> None:
+        """Anthropic's Message Batches API (message_batches.py), its errors in Anthropic's shape."""
+        runner, root = self.state.batches, self._root_url()
+
+        def refuse(status: int, message: str) -> HTTPError:
+            return HTTPError(status, anthropic.error_body(status, message))
+
+        if not rest:
+            self._only("GET", "POST")
+            if self.command == "POST":
+                try:
+                    batch = message_batches.create(runner, self._json_body())
+                except GoinferError as e:
+                    raise refuse(error_status(e), str(e)) from None
+                self._send_json(200, message_batches.message_batch(batch, root))
+                return
+            data = [message_batches.message_batch(b, root) for b in runner.list(message_batches.PREFIX)]
+            self._send_json(200, {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+            return
+        batch_id, _, tail = rest.partition("/")
+        if tail not in ("", "cancel", "results") or not batch_id.startswith(message_batches.PREFIX):
+            raise refuse(404, f"no message batch route {rest!r}")
+        self._only(*{"": ("GET", "DELETE"), "cancel": ("POST",), "results": ("GET",)}[tail])
+        batch = runner.get(batch_id)
+        if batch is None:
+            raise refuse(404, f"no message batch {batch_id!r}")
+        if tail == "cancel":
+            self._send_json(200, message_batches.message_batch(runner.cancel(batch_id), root))
+        elif tail == "results":
+            if message_batches.message_batch(batch, root)["processing_status"] != "ended":
+                raise refuse(400, f"message batch {batch_id} has not ended yet: its results come once it has")
+            self._send_body(200, message_batches.results(batch, runner.files), "application/x-jsonl")
+        elif self.command == "DELETE":
+            if not runner.delete(batch_id):
+                raise refuse(400, f"message batch {batch_id} is still running: cancel it first")
+            self._send_json(200, {"id": batch_id, "type": "message_batch_deleted"})
+        else:
+            self._send_json(200, message_batches.message_batch(batch, root))
+
+    def _root_url(self) -> str:
+        """This server's base URL as the client reached it (results_url points back here)."""
+        scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
+        return f"{scheme}://{self.headers.get('Host') or self.server.server_address[0]}"
 
     def _no_such(self, what: str, name: str) -> HTTPError:
         return HTTPError(404, error_object(f"no {what} {name!r}", "invalid_request_error", None, "not_found"))

@@ -1,0 +1,99 @@
+"""Anthropic's Message Batches API, as its SDK calls it, over the server's batches (batches.py): the requests
+arrive inline, are kept as a batch input file, and run like an OpenAI batch of `/v1/messages` lines.
+
+    POST   /v1/messages/batches               {"requests": [{"custom_id", "params": {...a Messages body}}]}
+    GET    /v1/messages/batches               {"data": [...], "has_more", "first_id", "last_id"}
+    GET    /v1/messages/batches/{id}          processing_status, request_counts, results_url once ended
+    GET    /v1/messages/batches/{id}/results  JSONL, one per request: succeeded (the message), errored or canceled
+    POST   /v1/messages/batches/{id}/cancel
+    DELETE /v1/messages/batches/{id}          an ended batch and its results
+
+A batch runs on one served model (every request names it, or none with one model served), as goinfer runs a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+
+from engine.api.anthropic import MESSAGES_URL
+from engine.errors import RequestError
+
+__all__ = ["MESSAGE_BATCHES_URL", "PREFIX", "create", "message_batch", "results"]
+
+MESSAGE_BATCHES_URL = "/v1/messages/batches"
+PREFIX = "msgbatch_"
+MAX_REQUESTS = 100_000  # Anthropic's limit
+_CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def create(runner, body) -> dict:
+    """Queue the inline requests as a batch (RequestError names what is wrong); the batch's record."""
+    if not isinstance(body, dict) or not isinstance(body.get("requests"), list) or not body["requests"]:
+        raise RequestError("requests: required, a non-empty array of {custom_id, params}", "requests",
+                           "invalid_request")
+    unknown = sorted(set(body) - {"requests"})
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown field", unknown[0], "invalid_request")
+    requests = body["requests"]
+    if len(requests) > MAX_REQUESTS:
+        raise RequestError(f"requests: at most {MAX_REQUESTS} (got {len(requests)})", "requests", "invalid_request")
+    seen, lines = set(), []
+    for i, item in enumerate(requests):
+        at = f"requests[{i}]"
+        if not isinstance(item, dict) or not isinstance(item.get("params"), dict):
+            raise RequestError(f"{at}: must be {{\"custom_id\", \"params\": {{...}}}}", at, "invalid_request")
+        cid = item.get("custom_id")
+        if not isinstance(cid, str) or not _CUSTOM_ID.match(cid):
+            raise RequestError(f"{at}.custom_id: 1 to 64 letters, digits, _ or -", f"{at}.custom_id",
+                               "invalid_request")
+        if cid in seen:
+            raise RequestError(f"{at}.custom_id: {cid!r} is used twice", f"{at}.custom_id", "invalid_request")
+        seen.add(cid)
+        lines.append(json.dumps({"custom_id": cid, "method": "POST", "url": MESSAGES_URL, "body": item["params"]}))
+    data = ("\n".join(lines) + "\n").encode()
+    file_id = runner.files.add("message_batch_requests.jsonl", data, "batch")["id"]
+    return runner.start(file_id, MESSAGES_URL, prefix=PREFIX)
+
+
+def _time(seconds: int | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def message_batch(batch: dict, root: str) -> dict:
+    """Anthropic's MessageBatch for a batch record; `root` is the server's base URL (for results_url)."""
+    status = batch["status"]
+    ended = status in ("completed", "cancelled", "failed", "expired")
+    counts = batch["request_counts"]
+    left = counts["total"] - counts["completed"] - counts["failed"]
+    ended_at = next((batch.get(f"{s}_at") for s in ("completed", "cancelled", "failed") if batch.get(f"{s}_at")),
+                    None)
+    return {"id": batch["id"], "type": "message_batch",
+            "processing_status": "ended" if ended else "canceling" if status == "cancelling" else "in_progress",
+            "request_counts": {"processing": 0 if ended else left, "succeeded": counts["completed"],
+                               "errored": counts["failed"], "canceled": left if ended else 0, "expired": 0},
+            "created_at": _time(batch["created_at"]), "expires_at": _time(batch["expires_at"]),
+            "ended_at": _time(ended_at) if ended else None, "archived_at": None,
+            "cancel_initiated_at": _time(batch.get("cancelling_at")),
+            "results_url": f"{root}{MESSAGE_BATCHES_URL}/{batch['id']}/results" if ended else None}
+
+
+def results(batch: dict, files) -> bytes:
+    """The results JSONL of an ended batch: one line per request, in the order they came."""
+    outcome: dict[str, dict] = {}
+    for key in ("output_file_id", "error_file_id"):
+        path = files.data_path(batch[key]) if batch.get(key) else None
+        for raw in path.read_bytes().splitlines() if path is not None else ():
+            record = json.loads(raw)
+            if record.get("response") is not None:
+                outcome[record["custom_id"]] = {"type": "succeeded", "message": record["response"]["body"]}
+            else:
+                outcome[record["custom_id"]] = {"type": "errored", "error": {"type": "error", "error": {
+                    "type": "invalid_request_error", "message": record["error"]["message"]}}}
+    order = [json.loads(x)["custom_id"] for x in files.data_path(batch["input_file_id"]).read_bytes().splitlines()
+             if x.strip()]
+    return b"".join(json.dumps({"custom_id": cid, "result": outcome.get(cid, {"type": "canceled"})}).encode() + b"\n"
+                    for cid in order)
