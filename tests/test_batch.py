@@ -341,3 +341,18 @@ def test_a_slow_request_off_a_terminal_says_it_is_still_running(monkeypatch, cap
     still = [x for x in lines if "still running" in x]
     assert len(still) == 2 and still[0].startswith("goinfer: [1/3] still running: 60 tok into the current request")
     assert "elapsed 1m" in still[0] and lines[-1].startswith("goinfer: [2/3] q2 ok 149 tok")
+
+
+def test_a_messages_line_is_answered_with_an_anthropic_message(tmp_path, smollm2_gguf):
+    import engine
+    from engine.batch.runner import run_batch
+
+    src = tmp_path / "in.jsonl"
+    body = {"max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/messages", "body": body}) + "\n")
+    model = engine.load_model(str(smollm2_gguf), selftest=False)
+    summary = run_batch(src, tmp_path / "out.jsonl", lambda: model)
+    record = json.loads((tmp_path / "out.jsonl").read_text())
+    message = record["response"]["body"]
+    assert summary.succeeded == 1 and message["type"] == "message" and message["role"] == "assistant"
+    assert message["content"][0]["type"] == "text" and message["usage"]["output_tokens"] >= 1
