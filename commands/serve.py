@@ -118,6 +118,12 @@ def serve(
     read_deadline: Annotated[float, typer.Option(
         "--read-deadline", help="Seconds a client has to send a request's headers and body (from connecting, or "
                                 "from its last answer); a slower one is cut off.")] = DEFAULT_READ_DEADLINE_S,
+    allow_admin: Annotated[bool, typer.Option(
+        "--allow-admin", help="Serve /admin/models: load and unload models while running (needs an API key).")]
+    = False,
+    unload_drain_wait: Annotated[float, typer.Option(
+        "--unload-drain-wait", metavar="SECONDS",
+        help="How long an admin unload lets running requests finish before cancelling them.")] = 5.0,
     batch_dir: Annotated[Optional[Path], typer.Option(
         "--batch-dir", help="Keep uploaded files and /v1/batches here, and resume unfinished batches at start "
                             "(default: a temporary directory, removed at shutdown).")] = None,
@@ -157,7 +163,8 @@ def serve(
                               kv_sessions=kv_sessions, session_memory_mib=session_memory, session_dir=session_dir,
                               max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings,
                               decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()),
-                              batch_dir=batch_dir)
+                              batch_dir=batch_dir, ctx=ctx, allow_admin=allow_admin,
+                              unload_drain_s=unload_drain_wait)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref, _ in specs]

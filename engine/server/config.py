@@ -61,6 +61,9 @@ class ServerConfig:
     decisions_temperatures: dict = field(default_factory=dict)
     cors_origins: tuple[str, ...] = ()  # --cors-origin: web pages besides this machine's that may read answers
     batch_dir: Path | None = None  # --batch-dir: uploaded files and batches kept (None: a temporary directory)
+    ctx: int = DEFAULT_CTX  # --ctx: the window of a model loaded at runtime without its own
+    allow_admin: bool = False  # --allow-admin: /admin/models load and unload models at runtime (needs a key)
+    unload_drain_s: float = 5.0  # --unload-drain-wait: how long an unload lets running requests finish
 
     @property
     def tls(self) -> bool:
@@ -99,6 +102,11 @@ class ServerConfig:
                                         f"{getattr(e, 'strerror', None) or e}") from None
             if len(keys) == (1 if self.api_key else 0):
                 raise ServerConfigError(f"--api-key-file {self.api_key_file}: no key in it (one a line)")
+        if self.allow_admin and not self.api_keys:
+            raise ServerConfigError("--allow-admin needs an API key (--api-key or --api-key-file): a request that "
+                                    "loads a model reads the disk and takes the memory")
+        if self.unload_drain_s < 0:
+            raise ServerConfigError(f"--unload-drain-wait must be >= 0, got {self.unload_drain_s}")
         if not self.loopback and not self.api_keys:
             raise ServerConfigError(f"--addr {self.host}: a non-loopback address needs an API key "
                                     "(--api-key KEY, GOINFER_API_KEY or --api-key-file); without one any machine "

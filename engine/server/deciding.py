@@ -28,6 +28,13 @@ class DecisionDesk:
         self._waiting = {name: 0 for name in state.models}
         self._lock = threading.Lock()
 
+    def add_model(self, name: str) -> None:
+        """A model loaded at runtime answers decisions too (uncalibrated)."""
+        with self._lock:
+            self.temperatures.setdefault(name, {})
+            self._turns.setdefault(name, threading.Lock())
+            self._waiting.setdefault(name, 0)
+
     def answer(self, body) -> tuple[str, dict, int]:
         """(model name, response body, input tokens) for a parsed JSON body; HTTPError for every refusal."""
         try:

@@ -31,6 +31,7 @@ from engine.errors import Cancelled, GoinferError
 from engine.prompts import prompt_ids
 from engine.requests import Collector, Delta, prepare
 from engine.server import intake
+from engine.server.admin import ADMIN_URL
 from engine.server.batches import BATCHES_URL
 from engine.server.message_batches import MESSAGE_BATCHES_URL
 from engine.server.files import FILES_URL, UPLOAD_CAP
@@ -215,6 +216,8 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
             self._send_json(200, answer)
         elif path == FILES_URL or path.startswith(FILES_URL + "/"):
             self._files(path[len(FILES_URL) + 1:])
+        elif self.state.admin is not None and (path == ADMIN_URL or path.startswith(ADMIN_URL + "/")):
+            self._admin(path[len(ADMIN_URL) + 1:])
         elif path == MESSAGE_BATCHES_URL or path.startswith(MESSAGE_BATCHES_URL + "/"):
             self._message_batches(path[len(MESSAGE_BATCHES_URL) + 1:])
         elif path == BATCHES_URL or path.startswith(BATCHES_URL + "/"):

@@ -110,6 +110,27 @@ class ResourceRoutes:
         else:
             self._send_json(200, message_batches.message_batch(batch, root))
 
+    def _admin(self, rest: str) -> None:
+        """Runtime model loading (admin.py), where `serve --allow-admin` turned it on."""
+        admin = self.state.admin
+        if rest not in ("", "load", "unload"):
+            raise self._no_such("admin route", rest)
+        self._only("POST" if rest else "GET")
+        if not rest:
+            self._send_json(200, admin.list())
+            return
+        try:
+            if rest == "load":
+                body = self._json_body()
+                self._model_name = body.get("name") if isinstance(body, dict) else None
+                self._send_json(200, admin.load(body))
+            else:
+                status, answer = admin.unload(self._json_body())
+                self._send_json(status, answer)
+        except GoinferError as e:
+            status = {"conflict": 409, "model_not_found": 404}.get(getattr(e, "code", None), error_status(e))
+            raise HTTPError(status, error_body(e)) from None
+
     def _root_url(self) -> str:
         """This server's base URL as the client reached it (results_url points back here)."""
         scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"

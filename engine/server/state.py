@@ -17,6 +17,7 @@ from engine.api.responses import ResponseStore
 from engine.embeddings.batcher import EmbeddingQueue
 from engine.errors import RequestError
 from engine.files import lock_exclusive
+from engine.server.admin import ModelAdmin
 from engine.server.batches import BatchRunner
 from engine.server.config import ServedModel, ServerConfig, ServerConfigError, body_cap, embeddings_body_cap
 from engine.server.cors import CorsPolicy
@@ -52,10 +53,9 @@ class ServerState:
         self.started = time.time()
         self.closing = False
         self.session_dirs: dict[str, SessionDir] = {}
-        self.schedulers = {m.name: Scheduler(m.model, m.name, max_queue=config.max_queue,
-                                             max_concurrent=config.max_concurrent, prefill_chunk=config.prefill_chunk,
-                                             threads=config.threads, sessions=self._sessions(m, config), log=log)
-                           for m in models}
+        self._config = config
+        self.default_ctx = config.ctx
+        self.schedulers = {m.name: self._scheduler(m) for m in models}
         self.response_store = ResponseStore()  # the Responses API's stored answers (store, previous_response_id)
         self.decisions = DecisionDesk(self, config.decisions_template, config.max_queue,  # POST /v1/systemone
                                       config.decisions_temperatures)
@@ -68,6 +68,30 @@ class ServerState:
         self._batch_lock = _lock_dir(root)
         self.files = FileStore(root / "files")
         self.batches = BatchRunner(self, root / "batches", self.files)
+        self.admin = ModelAdmin(self, drain_s=config.unload_drain_s) if config.allow_admin else None
+
+    def _scheduler(self, served: ServedModel) -> Scheduler:
+        config = self._config
+        return Scheduler(served.model, served.name, max_queue=config.max_queue, max_concurrent=config.max_concurrent,
+                         prefill_chunk=config.prefill_chunk, threads=config.threads,
+                         sessions=self._sessions(served, config), log=self.log)
+
+    def add_model(self, served: ServedModel) -> None:
+        """A model loaded at runtime (admin.py): its scheduler first, so a request that finds it can run."""
+        self.schedulers = {**self.schedulers, served.name: self._scheduler(served)}
+        self.decisions.add_model(served.name)
+        self.models = {**self.models, served.name: served}  # one assignment: readers see before or after
+
+    def remove_model(self, name: str) -> Scheduler | None:
+        """Stop routing to a model (admin.py unloads it); its scheduler, still running what it holds."""
+        if name not in self.models:
+            return None
+        self.models = {k: v for k, v in self.models.items() if k != name}
+        return self.schedulers[name]
+
+    def forget_scheduler(self, name: str) -> None:
+        self.schedulers = {k: v for k, v in self.schedulers.items() if k != name}
+        self.session_dirs.pop(name, None)
 
     def _sessions(self, served: ServedModel, config: ServerConfig) -> SessionPool | None:
         """A model's warm sessions, those its --session-dir holds restored."""

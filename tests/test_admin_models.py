@@ -1,0 +1,87 @@
+"""Models loaded and unloaded while the server runs (`serve --allow-admin`, engine/server/admin.py), over real
+HTTP: a loaded model answers as the same model loaded at start would; an unloaded one is a 404 at once; a running
+request finishes within the drain wait; refusals are clear."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import SHARED
+from tests.test_cli import goinfer
+from tests.test_server import start_server, stop
+
+KEY = "admin-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+KIT = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
+ASK = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def admin(tmp_path_factory, smollm2_gguf):
+    s = start_server(tmp_path_factory.mktemp("serve-admin") / "serve.log", "--model", f"smol={smollm2_gguf}",
+                     "--api-key", KEY, "--allow-admin", "--unload-drain-wait", "30", "--no-selftest")
+    yield s
+    stop(s)
+
+
+def post(server, path: str, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=timeout)
+
+
+def test_a_model_loaded_at_runtime_answers_and_an_unloaded_one_is_gone(admin):
+    import engine
+    from engine.api.openai import parse_chat_request
+    from engine.requests import execute
+
+    r = post(admin, "/admin/models/load", {"model": str(KIT), "name": "kit", "ctx": 512})
+    assert r.status_code == 200 and r.json()["id"] == "kit" and r.json()["context_window"] == 512
+    names = [m["id"] for m in httpx.get(admin.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]]
+    assert names == ["smol", "kit"]
+    answer = post(admin, "/v1/chat/completions", {"model": "kit", **ASK})
+    want = execute(engine.load_model(str(KIT), selftest=False), parse_chat_request(ASK)).choices[0].text
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == want
+    listed = httpx.get(admin.url + "/admin/models", headers=AUTH, timeout=30).json()["data"]
+    assert [m["name"] for m in listed] == ["smol", "kit"] and listed[1]["path"] == str(KIT)
+
+    long = {"model": "kit", "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 120,
+            "temperature": 0, "logit_bias": {str(i): -100 for i in range(8)}}
+    running = {}
+    t = threading.Thread(target=lambda: running.setdefault("r", post(admin, "/v1/chat/completions", long)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not httpx.get(admin.url + "/health", headers=AUTH, timeout=10).json()["models"][1]["running_requests"]:
+        assert time.monotonic() < deadline and t.is_alive(), "the long request never ran"
+        time.sleep(0.02)
+    r = post(admin, "/admin/models/unload", {"name": "kit"})
+    t.join(120)
+    assert r.status_code == 200 and r.json() == {"name": "kit", "unloaded": True, "drained": True}
+    assert running["r"].status_code == 200  # the running request finished within the drain wait
+    gone = post(admin, "/v1/chat/completions", {"model": "kit", **ASK})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    assert post(admin, "/v1/chat/completions", {"model": "smol", **ASK}).status_code == 200  # the other stays
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/admin/models/load", {"model": str(KIT), "name": "smol"}, 409, "name"),
+    ("/admin/models/load", {"name": "x"}, 400, "model"),
+    ("/admin/models/load", {"model": "/no/such/model.gguf"}, 400, "model"),
+    ("/admin/models/unload", {"name": "nope"}, 404, "name")])
+def test_admin_refusals(admin, path, body, status, param):
+    r = post(admin, path, body)
+    assert r.status_code == status, r.text
+    assert param is None or r.json()["error"]["param"] == param
+
+
+def test_admin_needs_the_flag_and_a_key(admin, smollm2_gguf, tmp_path):
+    assert httpx.get(admin.url + "/admin/models", timeout=10).status_code == 401  # the key guards it
+    r = goinfer("serve", "--model", str(smollm2_gguf), "--allow-admin")
+    assert r.returncode == 2 and "--allow-admin needs an API key" in r.stderr
+    s = start_server(tmp_path / "plain.log", "--model", str(smollm2_gguf), "--api-key", KEY, "--no-selftest")
+    try:
+        assert httpx.get(s.url + "/admin/models", headers=AUTH, timeout=10).status_code == 404  # no flag: no route
+    finally:
+        stop(s)
