@@ -146,7 +146,6 @@ def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
     return min(hits) if hits else (-1, "")
 
 
-
 def harmony_messages(messages: list[dict]) -> list[dict]:
     """Messages as a Harmony template reads them: an assistant call's arguments as an object (the template writes
     them with tojson; the wire sends a JSON string) and its replayed reasoning as `thinking` in place of content
