@@ -61,7 +61,6 @@ class CallEnd:
 Event = Text | CallStart | CallArguments | CallEnd
 
 
-
 @dataclass
 class _Block:
     """One `<tool_call>` block being read: its raw text, and where the reader stands in its JSON object."""
