@@ -69,3 +69,11 @@ def str_field(body: dict, name: str) -> str | None:
     if v is not None and not isinstance(v, str):
         raise RequestError(f"{name}: must be a string, not {kind_of(v)}", name, "invalid_type")
     return v
+
+
+def known_fields(body: dict, fields: set[str] | frozenset[str]) -> None:
+    """Refuse a field the route does not take, naming it and what it does take."""
+    unknown = sorted(k for k in body if k not in fields)
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown field (accepted: {', '.join(sorted(fields))})", unknown[0],
+                           "unknown_parameter")

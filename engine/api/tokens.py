@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.api.fields import bool_field, is_int, kind_of, object_body, str_field
+from engine.api.fields import bool_field, is_int, kind_of, known_fields, object_body, str_field
 from engine.api.openai import parse_chat_request
 from engine.errors import RequestError
 from engine.models.base import Model
@@ -28,16 +28,9 @@ TOKEN_ROUTES = ("/tokenize", "/detokenize", "/apply-template")
 _TOKENIZE_FIELDS = {"model", "content", "add_special", "parse_special", "with_pieces"}
 
 
-def _known(body: dict, fields: set[str]) -> None:
-    unknown = sorted(k for k in body if k not in fields)
-    if unknown:
-        raise RequestError(f"{unknown[0]}: unknown field (accepted: {', '.join(sorted(fields))})", unknown[0],
-                           "unknown_parameter")
-
-
 def tokenize(model: Model, body: Any) -> dict:
     body = object_body(body)
-    _known(body, _TOKENIZE_FIELDS)
+    known_fields(body, _TOKENIZE_FIELDS)
     content = str_field(body, "content")
     if content is None:
         raise RequestError("content: required (the text to tokenize)", "content", "missing_required_parameter")
@@ -62,7 +55,7 @@ def _piece(data: bytes) -> str | list[int]:
 
 def detokenize(model: Model, body: Any) -> dict:
     body = object_body(body)
-    _known(body, {"model", "tokens"})
+    known_fields(body, {"model", "tokens"})
     ids = body.get("tokens")
     if not isinstance(ids, list):
         raise RequestError(f"tokens: must be an array of token ids, not {kind_of(ids)}", "tokens",

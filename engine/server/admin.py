@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.api.fields import int_field, object_body, str_field
+from engine.api.fields import int_field, known_fields, object_body, str_field
 from engine.errors import GoinferError, RequestError
 from engine.server.config import ServedModel
 
@@ -45,9 +45,7 @@ class ModelAdmin:
 
     def load(self, body) -> dict:
         body = object_body(body)
-        unknown = sorted(set(body) - {"model", "name", "ctx", "quant"})
-        if unknown:
-            raise RequestError(f"{unknown[0]}: unknown field", unknown[0], "unknown_parameter")
+        known_fields(body, {"model", "name", "ctx", "quant"})
         ref = str_field(body, "model")
         if not ref:
             raise RequestError("model: required (a .gguf path, a directory, a built-in name or hf:...)", "model",

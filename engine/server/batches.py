@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from engine.api.embeddings import EMBEDDINGS_URL
-from engine.api.fields import object_body, str_field
+from engine.api.fields import known_fields, object_body, str_field
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.batch.io import errors_path, read_input
 from engine.batch.runner import run_batch
@@ -58,9 +58,7 @@ class BatchRunner:
 
     def create(self, body) -> dict:
         body = object_body(body)
-        unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
-        if unknown:
-            raise RequestError(f"{unknown[0]}: unknown field", unknown[0], "unknown_parameter")
+        known_fields(body, {"input_file_id", "endpoint", "completion_window", "metadata"})
         file_id = str_field(body, "input_file_id")
         if not file_id:
             raise RequestError("input_file_id: required", "input_file_id", "missing_required_parameter")

@@ -18,6 +18,7 @@ import re
 from datetime import datetime, timezone
 
 from engine.api.anthropic import MESSAGES_URL
+from engine.api.fields import known_fields
 from engine.errors import RequestError
 
 __all__ = ["MESSAGE_BATCHES_URL", "PREFIX", "create", "message_batch", "results"]
@@ -33,9 +34,7 @@ def create(runner, body) -> dict:
     if not isinstance(body, dict) or not isinstance(body.get("requests"), list) or not body["requests"]:
         raise RequestError("requests: required, a non-empty array of {custom_id, params}", "requests",
                            "invalid_request")
-    unknown = sorted(set(body) - {"requests"})
-    if unknown:
-        raise RequestError(f"{unknown[0]}: unknown field", unknown[0], "invalid_request")
+    known_fields(body, {"requests"})
     requests = body["requests"]
     if len(requests) > MAX_REQUESTS:
         raise RequestError(f"requests: at most {MAX_REQUESTS} (got {len(requests)})", "requests", "invalid_request")
