@@ -47,22 +47,28 @@ def test_a_model_loaded_at_runtime_answers_and_an_unloaded_one_is_gone(admin):
     listed = httpx.get(admin.url + "/admin/models", headers=AUTH, timeout=30).json()["data"]
     assert [m["name"] for m in listed] == ["smol", "kit"] and listed[1]["path"] == str(KIT)
 
-    long = {"model": "kit", "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 120,
-            "temperature": 0, "logit_bias": {str(i): -100 for i in range(8)}}
+    r = post(admin, "/admin/models/unload", {"name": "kit"})
+    assert r.status_code == 200 and r.json() == {"name": "kit", "unloaded": True, "drained": True}
+    gone = post(admin, "/v1/chat/completions", {"model": "kit", **ASK})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    assert post(admin, "/v1/chat/completions", {"model": "smol", **ASK}).status_code == 200  # the other stays
+
+
+def test_an_unload_lets_a_running_request_finish(admin, smollm2_gguf):
+    assert post(admin, "/admin/models/load", {"model": str(smollm2_gguf), "name": "second"}).status_code == 200
+    long = {"model": "second", "messages": [{"role": "user", "content": "Count on and on"}], "max_tokens": 300,
+            "temperature": 0, "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: all 300 tokens
     running = {}
     t = threading.Thread(target=lambda: running.setdefault("r", post(admin, "/v1/chat/completions", long)))
     t.start()
     deadline = time.monotonic() + 60
-    while not httpx.get(admin.url + "/health", headers=AUTH, timeout=10).json()["models"][1]["running_requests"]:
+    while not httpx.get(admin.url + "/health", headers=AUTH, timeout=10).json()["models"][-1]["running_requests"]:
         assert time.monotonic() < deadline and t.is_alive(), "the long request never ran"
         time.sleep(0.02)
-    r = post(admin, "/admin/models/unload", {"name": "kit"})
+    r = post(admin, "/admin/models/unload", {"name": "second"})
     t.join(120)
-    assert r.status_code == 200 and r.json() == {"name": "kit", "unloaded": True, "drained": True}
-    assert running["r"].status_code == 200  # the running request finished within the drain wait
-    gone = post(admin, "/v1/chat/completions", {"model": "kit", **ASK})
-    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
-    assert post(admin, "/v1/chat/completions", {"model": "smol", **ASK}).status_code == 200  # the other stays
+    assert r.status_code == 200 and r.json()["drained"] is True
+    assert running["r"].status_code == 200 and running["r"].json()["usage"]["completion_tokens"] == 300
 
 
 @pytest.mark.parametrize("path,body,status,param", [
