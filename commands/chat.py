@@ -99,6 +99,8 @@ def chat(
     quant: QuantOption = "auto",
     backend: BackendOption = "cpu",
     threads: ThreadsOption = None,
+    ctx: Annotated[Optional[int], typer.Option(
+        "--ctx", help="Context window of the conversation, in tokens (default and cap: the model's own).")] = None,
     no_selftest: NoSelftestOption = False,
     schema: Annotated[Optional[Path], typer.Option("--schema", help="A JSON schema file: every reply is JSON valid under it.")] = None,
     session_file: Annotated[Optional[Path], typer.Option(
@@ -119,6 +121,8 @@ def chat(
         raise fail(f"--max must be >= 1, got {max_tokens}")
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
+    if ctx is not None and ctx < 16:
+        raise fail(f"--ctx must be >= 16, got {ctx}")
     if session_file is not None and prompt is not None:
         raise fail("--session resumes a REPL conversation; it does not go with --prompt")
     backend_choice(backend)
@@ -142,10 +146,10 @@ def chat(
         progress = FetchProgress()
         try:
             llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest, background_compile=True,
-                             backend=backend)
+                             backend=backend, context=ctx)
         finally:
             progress.close()
-        session.warm = WarmConversation(llm, path=session_file, threads=threads,
+        session.warm = WarmConversation(llm, path=session_file, threads=threads, window=ctx,
                                         warn=lambda line: say(line, lead="warning:", lead_style="yellow"))
         saved = session.warm.load()
         if saved:

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.errors import ContextOverflow
 from engine.generate import TokenEvent, generate
 from engine.kernels.cpu.threads import set_threads
 from engine.models.base import Model
@@ -29,8 +30,10 @@ from engine.sessions import Session, SessionPool, snapshot_point
 
 class WarmConversation:
     def __init__(self, model: Model, *, path: Path | None = None, threads: int | None = None,
-                 warn: Callable[[str], None] = print):
+                 warn: Callable[[str], None] = print, window: int | None = None):
         self.model = model
+        # the most tokens the conversation may hold, prompt and reply (`chat --ctx`; the model's own at most)
+        self.window = model.context_length if window is None else max(1, min(window, model.context_length))
         self.path = Path(path) if path is not None else None
         self.threads = threads
         self.warn = warn
@@ -59,7 +62,10 @@ class WarmConversation:
         """generate()'s events for the prompt ids, continuing the warm session; `options` are generate()'s."""
         self.wait()
         max_new = options.get("max_tokens", 256)
-        cache, reused = self.pool.take(ids, min(self.model.context_length, len(ids) + max_new))
+        if len(ids) >= self.window:
+            raise ContextOverflow(f"the conversation has {len(ids)} tokens; the context window is {self.window} "
+                                  "(/reset starts a new one)")
+        cache, reused = self.pool.take(ids, min(self.window, len(ids) + max_new))
         self.prompt_tokens, self.cached_tokens = len(ids), reused
         # a recurrent state moves on with the reply: the snapshot it was restored at stays the reusable point
         snapshot = cache.snapshot() if cache.state and reused else None

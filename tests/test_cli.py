@@ -161,3 +161,17 @@ def test_chat_sampling_penalties_reach_the_sampler(smollm2_gguf):
     for flag, value in (("--min-p", "1.5"), ("--repeat-penalty", "0"), ("--presence-penalty", "3")):
         bad = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "hi", flag, value)
         assert bad.returncode == 2 and flag in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+def test_chat_ctx_bounds_the_conversation(smollm2_gguf):
+    long = "Tell me about the sea. " * 20
+    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", long, "--ctx", "32", "--no-selftest")
+    assert r.returncode != 0 and "context window is 32" in r.stderr and r.stderr.strip().count("\n") == 0
+    r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", "Hi", "--ctx", "48", "--max", "200", "--temp", "0",
+                "--no-selftest")
+    assert r.returncode == 0 and r.stdout.strip()
+    from engine import load_model
+
+    tok = load_model(str(smollm2_gguf), selftest=False).tokenizer
+    assert len(tok.encode(r.stdout.strip(), add_bos=False)) < 48  # the reply stopped where the window ends
+    assert goinfer("chat", "--model", str(smollm2_gguf), "--ctx", "8", "--prompt", "x").returncode == 2
