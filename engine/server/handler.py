@@ -174,6 +174,7 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
                                                   None, "internal_error"))
             self.close_connection = True
         self._access(path)
+        self._cors = {}  # not the next request's (http.server answers a malformed one before _dispatch)
         self._expect_request()  # the connection's next request, if it sends one
 
     def _preflight(self) -> None:
