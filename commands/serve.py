@@ -118,6 +118,8 @@ def serve(
     read_deadline: Annotated[float, typer.Option(
         "--read-deadline", help="Seconds a client has to send a request's headers and body (from connecting, or "
                                 "from its last answer); a slower one is cut off.")] = DEFAULT_READ_DEADLINE_S,
+    web: Annotated[bool, typer.Option(
+        "--web/--no-web", help="Serve the built-in chat page at / (static; it asks for the API key).")] = True,
     allow_admin: Annotated[bool, typer.Option(
         "--allow-admin", help="Serve /admin/models: load and unload models while running (needs an API key).")]
     = False,
@@ -164,7 +166,7 @@ def serve(
                               max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings,
                               decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()),
                               batch_dir=batch_dir, ctx=ctx, allow_admin=allow_admin,
-                              unload_drain_s=unload_drain_wait)
+                              unload_drain_s=unload_drain_wait, web=web)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref, _ in specs]

@@ -64,6 +64,7 @@ class ServerConfig:
     ctx: int = DEFAULT_CTX  # --ctx: the window of a model loaded at runtime without its own
     allow_admin: bool = False  # --allow-admin: /admin/models load and unload models at runtime (needs a key)
     unload_drain_s: float = 5.0  # --unload-drain-wait: how long an unload lets running requests finish
+    web: bool = True  # the built-in chat page at / (--no-web: off)
 
     @property
     def tls(self) -> bool:

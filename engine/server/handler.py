@@ -37,7 +37,7 @@ from engine.server.message_batches import MESSAGE_BATCHES_URL
 from engine.server.files import FILES_URL, UPLOAD_CAP
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
-from engine.server.resources import ResourceRoutes
+from engine.server.resources import WEB_FILES, ResourceRoutes
 from engine.server.state import ServerState
 from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
 
@@ -159,6 +159,8 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
             intake.check_host(self.headers, self.state.allowed_hosts)
             if self.command == "OPTIONS" and "Access-Control-Request-Method" in self.headers:
                 self._preflight()  # a browser's, before its request: it never carries the key
+            elif self.state.web and path in WEB_FILES and self.command in ("GET", "HEAD"):
+                self._web(path)  # the chat page: static, no key (resources.py)
             else:
                 intake.check_auth(self.headers, self.state.api_keys)
                 self._route(path)

@@ -1,10 +1,12 @@
 """The handler's routes over stored things and utilities: OpenAI's Files and Batch APIs (files.py, batches.py),
-Anthropic's Message Batches (message_batches.py) and llama.cpp's /tokenize, /detokenize, /apply-template (engine/api/tokens.py). A mixin of Handler (handler.py),
-whose plumbing (_only, _read_body, _json_body, _send_json, _send_body) they answer with."""
+Anthropic's Message Batches (message_batches.py), llama.cpp's /tokenize, /detokenize, /apply-template
+(engine/api/tokens.py), the admin routes (admin.py) and the built-in chat page (web/). A mixin of Handler
+(handler.py), whose plumbing (_only, _read_body, _json_body, _send_json, _send_body) they answer with."""
 
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
 from engine.api import anthropic
 from engine.api.openai_objects import error_body, error_object, error_status
@@ -14,7 +16,15 @@ from engine.server import message_batches
 from engine.server.files import parse_upload
 from engine.server.intake import HTTPError
 
-__all__ = ["ResourceRoutes"]
+__all__ = ["WEB_FILES", "ResourceRoutes"]
+
+# The built-in chat page (GET /): path -> (file in engine/server/web/, content type). Static and free of secrets, so
+# served without the API key (a browser cannot send one when it opens a page); the page asks for the key.
+WEB_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+             "/ui/chat.js": ("chat.js", "text/javascript; charset=utf-8")}
+_WEB_DIR = Path(__file__).with_name("web")
+_WEB_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
 class ResourceRoutes:
@@ -109,6 +119,10 @@ class ResourceRoutes:
             self._send_json(200, {"id": batch_id, "type": "message_batch_deleted"})
         else:
             self._send_json(200, message_batches.message_batch(batch, root))
+
+    def _web(self, path: str) -> None:
+        name, content_type = WEB_FILES[path]
+        self._send_body(200, (_WEB_DIR / name).read_bytes(), content_type, _WEB_HEADERS)
 
     def _admin(self, rest: str) -> None:
         """Runtime model loading (admin.py), where `serve --allow-admin` turned it on."""

@@ -40,6 +40,7 @@ class ServerState:
         self.api_keys = config.api_keys or None  # read once: a changed file takes a restart
         self.allowed_hosts = config.allowed_hosts
         self.cors = CorsPolicy(config.cors_origins)
+        self.web = config.web  # the built-in chat page at / (serve --no-web turns it off)
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
         self.body_cap = body_cap(config, models)
         self.embeddings_body_cap = embeddings_body_cap(config)

@@ -1,0 +1,93 @@
+"""The built-in chat page (GET /, engine/server/web/): served without the key, with a strict CSP; its stream reader
+(parseSSE, applyChunk in chat.js) run under node on the real server's SSE bytes, cut at random places, builds the
+same reply the non-streamed request returns."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import SERVER_KEY
+from tests.test_server import start_server, stop
+
+WEB = Path(__file__).resolve().parents[1] / "engine" / "server" / "web"
+AUTH = {"Authorization": f"Bearer {SERVER_KEY}"}
+NODE = shutil.which("node")
+
+
+def test_the_page_is_served_without_the_key(server):
+    page = httpx.get(server.url + "/", timeout=30)
+    assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    assert '<script type="module" src="/ui/chat.js">' in page.text
+    script = httpx.get(server.url + "/ui/chat.js", timeout=30)
+    assert script.status_code == 200 and script.headers["Content-Type"].startswith("text/javascript")
+    assert script.text == (WEB / "chat.js").read_text()
+    assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API still needs the key
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node to run the page's script")
+def test_the_pages_stream_reader_builds_the_reply_the_server_returns(server, name, tmp_path):
+    body = {"model": name, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 40,
+            "temperature": 0}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120).json()
+    raw = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}).text
+    rng = random.Random(5)
+    cuts = sorted(rng.sample(range(1, len(raw)), 40))
+    pieces = [raw[a:b] for a, b in zip([0] + cuts, cuts + [len(raw)])]
+    module = tmp_path / "chat.mjs"
+    shutil.copy(WEB / "chat.js", module)
+    script = f"""
+import {{ parseSSE, applyChunk, newReply }} from {json.dumps(module.as_uri())};
+const pieces = {json.dumps(pieces)};
+const reply = newReply(); let buffer = "";
+for (const piece of pieces) {{
+  const parsed = parseSSE(buffer + piece); buffer = parsed.rest;
+  for (const data of parsed.data) if (data !== "[DONE]") applyChunk(reply, JSON.parse(data));
+}}
+console.log(JSON.stringify(reply));
+"""
+    out = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["content"] == whole["choices"][0]["message"]["content"] and reply["content"]
+    assert reply["finish"] == whole["choices"][0]["finish_reason"]
+    assert reply["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node to run the page's script")
+def test_reasoning_and_tool_call_pieces_are_joined(tmp_path):
+    module = tmp_path / "chat.mjs"
+    shutil.copy(WEB / "chat.js", module)
+    chunks = [{"choices": [{"index": 0, "delta": {"reasoning_content": "Let me "}}]},
+              {"choices": [{"index": 0, "delta": {"reasoning_content": "think."}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                                                  "function": {"name": "f", "arguments": ""}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\":"}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
+    script = f"""
+import {{ applyChunk, newReply }} from {json.dumps(module.as_uri())};
+const reply = newReply();
+for (const c of {json.dumps(chunks)}) applyChunk(reply, c);
+console.log(JSON.stringify(reply));
+"""
+    out = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
+    reply = json.loads(out.stdout)
+    assert reply["reasoning"] == "Let me think." and reply["toolCalls"] == [{"name": "f", "arguments": "{\"a\":1}"}]
+    assert reply["finish"] == "tool_calls" and reply["content"] == ""
+
+
+def test_no_web_turns_the_page_off(tmp_path, smollm2_gguf):
+    s = start_server(tmp_path / "serve.log", "--model", str(smollm2_gguf), "--no-web", "--no-selftest")
+    try:
+        assert httpx.get(s.url + "/", timeout=30).status_code == 404
+    finally:
+        stop(s)
