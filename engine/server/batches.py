@@ -203,13 +203,15 @@ class BatchRunner:
         return lambda: self._stopping or batch_id in self._cancel
 
     def _run(self, batch: dict) -> None:
+        out = self.dir / f"{batch['id']}.output.jsonl"
         if batch["status"] == "cancelling":
-            return self._finish(batch, "cancelled")
+            return self._finish(batch, "cancelled", out)
+        if batch["status"] == "finalizing":  # stopped while its results were being filed: file the rest
+            return self._finish(batch, batch.get("finalizing_as", "completed"), out)
         if batch["status"] == "validating":
             batch.update(status="in_progress", in_progress_at=int(time.time()))
             with self._lock:
                 self._save(batch)
-        out = self.dir / f"{batch['id']}.output.jsonl"
         name, counts = batch["model"], batch["request_counts"]
         embeds = batch["endpoint"] == EMBEDDINGS_URL
 
@@ -237,14 +239,17 @@ class BatchRunner:
     def _finish(self, batch: dict, status: str, out: Path | None = None, errors: dict | None = None) -> None:
         now = int(time.time())
         if out is not None:
-            batch["status"], batch["finalizing_at"] = "finalizing", now
+            batch["status"], batch["finalizing_at"], batch["finalizing_as"] = "finalizing", now, status
             with self._lock:
                 self._save(batch)
             for path, key in ((out, "output_file_id"), (errors_path(out), "error_file_id")):
                 if path.exists() and path.stat().st_size:
                     batch[key] = self.files.add_path(path, f"{batch['id']}_{key[:-8]}.jsonl", "batch_output")["id"]
+                    with self._lock:
+                        self._save(batch)  # filed: a stop from here on does not file it again
                 else:
                     path.unlink(missing_ok=True)
+            batch.pop("finalizing_as")
         batch["status"], batch[f"{status}_at"], batch["errors"] = status, now, errors
         with self._lock:
             self._save(batch)
