@@ -110,6 +110,14 @@ class Generation:
         self._forcing: list[int] = []  # the rest of a close of several tokens being forced
         self.thought_tokens = 0  # tokens generated inside the thinking block (what the budget counts)
 
+    def end_reasoning(self) -> bool:
+        """Close the thinking at the next token, as a spent budget would (a client's request, from any thread:
+        the next `next` reads it). False where there is nothing to close (not a thinking reply, or past it)."""
+        if self._plan is None or not self._plan.close_tokens or not self._split.thinking or self.finished:
+            return False
+        self._budget = 0
+        return True
+
     @property
     def processors(self) -> list[Processor]:
         """The logits processors of this sequence (sampling ones, then a grammar's)."""

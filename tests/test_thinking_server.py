@@ -119,3 +119,33 @@ def test_responses_put_the_reasoning_in_its_own_item(kit_openai):
     assert deltas == r.output[0].content[0].text
     done = events[-1].response
     assert [item.type for item in done.output] == kinds and done.output_text == r.output_text
+
+
+def test_a_running_reply_told_to_end_its_thinking_answers_at_once(kit_server):
+    import json as _json
+
+    import httpx
+
+    body = {"model": KIT, "messages": THINK, "temperature": 0, "max_tokens": 1500, "thinking_token_budget": 1400,
+            "stream": True, "stream_options": {"include_usage": True}}
+    reasoning, content, told, usage = "", "", None, None
+    with httpx.stream("POST", kit_server.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = _json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+            if reasoning and told is None:  # thinking has begun: tell it to stop
+                told = httpx.post(kit_server.url + "/v1/chat/completions/control", timeout=30,
+                                  json={"id": chunk["id"], "action": "reasoning_end"})
+    assert told.status_code == 200 and told.json()["applied"] is True
+    thought = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert thought < 1000 and content  # it stopped thinking long before its budget, and answered
+    gone = httpx.post(kit_server.url + "/v1/chat/completions/control", json={"id": chunk["id"],
+                                                                               "action": "reasoning_end"}, timeout=30)
+    assert gone.status_code == 404  # the reply has ended
+    bad = httpx.post(kit_server.url + "/v1/chat/completions/control", json={"id": "x", "action": "pause"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "action"

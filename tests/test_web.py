@@ -58,7 +58,7 @@ console.log(JSON.stringify(reply));
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert reply["content"] == whole["choices"][0]["message"]["content"] and reply["content"]
-    assert reply["finish"] == whole["choices"][0]["finish_reason"]
+    assert reply["finish"] == whole["choices"][0]["finish_reason"] and reply["id"].startswith("chatcmpl-")
     assert reply["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
 
 

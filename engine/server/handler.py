@@ -37,7 +37,7 @@ from engine.server.message_batches import MESSAGE_BATCHES_URL
 from engine.server.files import FILES_URL, UPLOAD_CAP
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
-from engine.server.resources import WEB_FILES, ResourceRoutes
+from engine.server.resources import CONTROL_URL, WEB_FILES, ResourceRoutes
 from engine.server.state import ServerState
 from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
 
@@ -228,6 +228,9 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._only("GET")
             self._send_body(200, prometheus_text(self.state.health()).encode(), METRICS_TYPE)
+        elif path == CONTROL_URL:
+            self._only("POST")
+            self._control()
         elif path in TOKEN_ROUTES:
             self._only("POST")
             self._tokens(path)
@@ -343,6 +346,7 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
             raise HTTPError(error_status(e), error_body(e)) from None
         job = Job(prep, cancel, dialect.new_id(req))
         self._admissible(scheduler, served.name, lambda: scheduler.submit(job))
+        self.state.running[job.id] = job  # for POST /v1/chat/completions/control
         try:
             if req.stream:
                 self._stream(job, req, served.name)
@@ -353,6 +357,7 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
             self._note = f"client disconnected after {job.generated} tokens; generation stopped"
             raise
         finally:
+            self.state.running.pop(job.id, None)
             if not job.done:
                 scheduler.withdraw(job, "request ended")
 

@@ -9,14 +9,17 @@ import ssl
 from pathlib import Path
 
 from engine.api import anthropic
+from engine.api.fields import known_fields, object_body, str_field
 from engine.api.openai_objects import error_body, error_object, error_status
 from engine.api.tokens import apply_template, detokenize, tokenize
-from engine.errors import GoinferError
+from engine.errors import GoinferError, RequestError
 from engine.server import message_batches
 from engine.server.files import parse_upload
 from engine.server.intake import HTTPError
 
-__all__ = ["WEB_FILES", "ResourceRoutes"]
+__all__ = ["CONTROL_URL", "WEB_FILES", "ResourceRoutes"]
+
+CONTROL_URL = "/v1/chat/completions/control"  # llama.cpp's: a running reply told to end its thinking now
 
 # The built-in chat page (GET /): path -> (file in engine/server/web/, content type). Static and free of secrets, so
 # served without the API key (a browser cannot send one when it opens a page); the page asks for the key.
@@ -119,6 +122,26 @@ class ResourceRoutes:
             self._send_json(200, {"id": batch_id, "type": "message_batch_deleted"})
         else:
             self._send_json(200, message_batches.message_batch(batch, root))
+
+    def _control(self) -> None:
+        """`{"id": REQUEST_ID, "action": "reasoning_end"}`: the running reply with that id (the chunks' `id`,
+        X-Request-Id) closes its thinking at its next token and answers, as a spent budget does. `applied` is false
+        where the reply is not thinking (any more)."""
+        body = self._json_body()
+        try:
+            body = object_body(body)
+            known_fields(body, {"id", "action"})
+            request_id, action = str_field(body, "id"), str_field(body, "action")
+            if action != "reasoning_end":
+                raise RequestError(f"action: only reasoning_end is supported (got {action!r})", "action",
+                                   "invalid_value")
+        except GoinferError as e:
+            raise HTTPError(error_status(e), error_body(e)) from None
+        job = self.state.running.get(request_id or "")
+        if job is None:
+            raise self._no_such("running request", request_id)
+        applied = [gen.end_reasoning() for gen in job.prep.choices]
+        self._send_json(200, {"id": request_id, "action": action, "applied": any(applied)})
 
     def _web(self, path: str) -> None:
         name, content_type = WEB_FILES[path]

@@ -62,6 +62,7 @@ class ServerState:
                                       config.decisions_temperatures)
         self._active = 0
         self._lock = threading.Lock()
+        self.running: dict[str, object] = {}  # request id -> its Job, while a generation route answers it
         # OpenAI's Files and Batch APIs: kept in --batch-dir (resumed after a restart), else in a temporary
         # directory removed at shutdown
         self._batch_tmp = None if config.batch_dir is not None else tempfile.mkdtemp(prefix="goinfer-batches-")

@@ -16,6 +16,7 @@ export function parseSSE(text) {
 
 // One chat.completion.chunk into the reply being built: {content, reasoning, toolCalls, finish, usage}
 export function applyChunk(reply, chunk) {
+  if (chunk.id) reply.id = chunk.id;
   if (chunk.usage) reply.usage = chunk.usage;
   for (const choice of chunk.choices || []) {
     const d = choice.delta || {};
@@ -32,7 +33,7 @@ export function applyChunk(reply, chunk) {
 }
 
 export function newReply() {
-  return { content: "", reasoning: "", toolCalls: [], finish: null, usage: null };
+  return { id: null, content: "", reasoning: "", toolCalls: [], finish: null, usage: null };
 }
 
 // ------------------------------------------------------------------ the page
@@ -43,6 +44,7 @@ function page() {
   const headers = () => ({ "Content-Type": "application/json", ...(key() ? { Authorization: `Bearer ${key()}` } : {}) });
   const messages = [];
   let controller = null;
+  let current = null;  // the running reply's id: what "answer now" names
 
   $("key").value = key();
   $("key").onchange = () => { localStorage.setItem("goinfer-key", $("key").value.trim()); loadModels(); };
@@ -109,6 +111,8 @@ function page() {
           applyChunk(reply, JSON.parse(data));
         }
         if (reply.reasoning && !thought.isConnected) out.before(thought);
+        $("answer").disabled = !(reply.reasoning && !reply.content);
+        current = reply.id;
         thought.querySelector("div").textContent = reply.reasoning;
         out.textContent = reply.content + reply.toolCalls.map((c) => `\n[call ${c.name}(${c.arguments})]`).join("");
         out.scrollIntoView({ block: "end" });
@@ -122,12 +126,15 @@ function page() {
       else { out.classList.add("error"); out.textContent = e.message; messages.pop(); }
     } finally {
       controller = null;
-      $("stop").disabled = true;
+      current = null;
+      $("stop").disabled = $("answer").disabled = true;
     }
   }
 
   $("form").onsubmit = send;
   $("stop").onclick = () => controller?.abort();
+  $("answer").onclick = () => current && fetch("/v1/chat/completions/control", {
+    method: "POST", headers: headers(), body: JSON.stringify({ id: current, action: "reasoning_end" }) });
   $("reset").onclick = () => { messages.length = 0; $("log").innerHTML = ""; status(""); };
   $("input").onkeydown = (e) => { if (e.key === "Enter" && !e.shiftKey) send(e); };
   loadModels();
