@@ -70,8 +70,8 @@ def test_reasoning_and_tool_call_pieces_are_joined(tmp_path):
               {"choices": [{"index": 0, "delta": {"reasoning_content": "think."}}]},
               {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "type": "function",
                                                                   "function": {"name": "f", "arguments": ""}}]}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\":"}}]}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}}]},
+              *({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}}]}
+                for piece in ('{"a":', "1}")),
               {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
     script = f"""
 import {{ applyChunk, newReply }} from {json.dumps(module.as_uri())};
