@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import queue
-import select
 import socket
 import ssl
 import threading
@@ -38,12 +37,12 @@ from engine.server.files import FILES_URL, UPLOAD_CAP
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
 from engine.server.resources import CONTROL_URL, WEB_FILES, ResourceRoutes
+from engine.server.writing import GONE, AnswerWriter
 from engine.server.state import ServerState
 from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
 
 TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-body) is closed
-_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError, ssl.SSLError)
 
 _DEFAULT_DIALECT = OpenAIDialect("")  # the error shape of every route no dialect serves
 
@@ -55,7 +54,7 @@ def _stream_error(e: GoinferError | HTTPError) -> tuple[int, dict]:
     return error_status(e), error_body(e)
 
 
-class Handler(ResourceRoutes, BaseHTTPRequestHandler):
+class Handler(ResourceRoutes, AnswerWriter, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # persistent connections; every answer has a length or is chunked
     timeout = IDLE_TIMEOUT_S
 
@@ -86,7 +85,7 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
     def handle(self) -> None:
         try:
             super().handle()
-        except _GONE + (ConnectionError,):
+        except GONE + (ConnectionError,):
             pass  # the client went away between requests or mid-answer; nothing to answer
 
     def finish(self) -> None:
@@ -437,82 +436,3 @@ class Handler(ResourceRoutes, BaseHTTPRequestHandler):
         self._usage = (len(job.prep.ids), out.generated)
         self._send_events(enc.finish(out))
         self._write_chunk(b"")  # the zero-length chunk: end of the response
-
-    # ------------------------------------------------------------------ writing
-
-    def end_headers(self) -> None:
-        for k, v in getattr(self, "_cors", {}).items():  # an allowed origin's page may read every answer
-            self.send_header(k, v)
-        super().end_headers()
-
-    def _end_headers(self) -> None:
-        self.end_headers()
-        self._headers_sent = True
-        self._last_write = time.monotonic()
-
-    def _write_chunk(self, data: bytes) -> None:
-        """One piece of a streamed body; b"" ends it."""
-        if not self._chunked and not data:
-            return
-        try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
-            self.wfile.flush()
-        except _GONE + (OSError,):
-            raise ClientGone() from None
-        self._last_write = time.monotonic()
-
-    def _send_events(self, data: bytes) -> None:
-        """Server-sent events, if there are any (an empty chunk would end the stream)."""
-        if data:
-            self._write_chunk(data)
-
-    def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
-        self._send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
-
-    def _send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
-        if getattr(self, "_body_read", True) is False and intake.has_body(self.headers):
-            self.close_connection = True  # the body was never read: the connection cannot be reused
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self._end_headers()
-        self._status = status
-        if self.command != "HEAD":
-            try:
-                self.wfile.write(data)
-            except _GONE + (OSError,):
-                raise ClientGone() from None
-
-    def _send_error(self, e: HTTPError) -> None:
-        status, body = self._dialect.error(e.status, e.body)
-        self._send_json(status, body, e.headers)
-
-    def _client_gone(self) -> bool:
-        """True when the client closed its end: the socket reads as end-of-file. Data waiting to be read
-        (a pipelined request) is not a disconnect. On TLS the raw TCP stream is peeked, not decrypted."""
-        sock = self.connection
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return False
-            return socket.socket.recv(sock, 1, socket.MSG_PEEK) == b""
-        except BlockingIOError:
-            return False
-        except (OSError, ValueError):
-            return True
-
-    def _access(self, path: str) -> None:
-        took = time.monotonic() - self._t0
-        parts = [f'{self.client_address[0]} "{self.command} {path}" {self._status}']
-        if self._model_name:
-            parts.append(self._model_name)
-        if self._usage:
-            parts.append(f"{self._usage[0]}+{self._usage[1]} tokens")
-        parts.append(f"{took:.2f}s")
-        if self._note:
-            parts.append(self._note)
-        self.state.log(" ".join(parts))
