@@ -76,3 +76,16 @@ def fsync_dir(path: str | Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write a small file whole: to a temporary name, fsynced, renamed over `path`, its directory fsynced; a crash
+    leaves the old file or the new one, never part of one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -17,7 +17,6 @@ its output are not run again, a line cut off is redone).
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -30,6 +29,7 @@ from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.batch.io import errors_path, read_input
 from engine.batch.runner import run_batch
 from engine.errors import BatchFileError, RequestError
+from engine.files import write_atomic
 from engine.server.files import FileStore
 
 __all__ = ["BATCHES_URL", "BatchRunner", "ENDPOINTS"]
@@ -171,10 +171,7 @@ class BatchRunner:
     # ------------------------------------------------------------------ the worker
 
     def _save(self, batch: dict) -> None:
-        path = self.dir / f"{batch['id']}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(batch))
-        os.replace(tmp, path)
+        write_atomic(self.dir / f"{batch['id']}.json", json.dumps(batch).encode())
 
     def _next(self) -> dict | None:
         pending = [b for b in self.list() if b["status"] in _UNFINISHED]
@@ -185,7 +182,7 @@ class BatchRunner:
             with self._lock:
                 batch = None
                 while not self._stopping and (batch := self._next()) is None:
-                    self._wake.wait(1.0)
+                    self._wake.wait()  # create, cancel and close notify: nothing to poll for
                 if self._stopping:
                     return
                 self._running = batch["id"]

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from engine.errors import RequestError
-from engine.files import fsync_dir
+from engine.files import write_atomic
 
 __all__ = ["FILES_URL", "UPLOAD_CAP", "FileStore", "parse_upload"]
 
@@ -64,21 +64,21 @@ class FileStore:
 
     def add(self, filename: str, data: bytes, purpose: str) -> dict:
         file_id = "file-" + uuid.uuid4().hex[:24]
-        obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-               "filename": Path(filename).name, "purpose": purpose, "status": "processed", "expires_at": None,
-               "status_details": None}
-        _write(self.dir / f"{file_id}.data", data)
-        _write(self.dir / f"{file_id}.json", json.dumps(obj).encode())
-        return obj
+        write_atomic(self.dir / f"{file_id}.data", data)
+        return self._describe(file_id, len(data), Path(filename).name, purpose)
 
     def add_path(self, path: Path, filename: str, purpose: str) -> dict:
         """Register a file written elsewhere in this store's directory (a batch's results), moving it here."""
         file_id = "file-" + uuid.uuid4().hex[:24]
         size = path.stat().st_size
         os.replace(path, self.dir / f"{file_id}.data")
+        return self._describe(file_id, size, filename, purpose)
+
+    def _describe(self, file_id: str, size: int, filename: str, purpose: str) -> dict:
+        """Write the file object beside its data (after it: an object always has its data)."""
         obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
                "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
-        _write(self.dir / f"{file_id}.json", json.dumps(obj).encode())
+        write_atomic(self.dir / f"{file_id}.json", json.dumps(obj).encode())
         return obj
 
     def get(self, file_id: str) -> dict | None:
@@ -104,12 +104,3 @@ class FileStore:
             (self.dir / f"{file_id}.data").unlink(missing_ok=True)
             return True
 
-
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
