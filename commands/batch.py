@@ -15,9 +15,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
-from commands.options import (BackendOption, EmbedQuantOption, ModelOption, NoSelftestOption, QuantOption,
-                              ReasoningBudgetOption, ReasoningFormatOption, ThinkingOption, ThreadsOption,
-                              backend_choice, thinking_settings)
+from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, ModelOption, NoSelftestOption,
+                              QuantOption, ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption,
+                              ThinkingOption, ThreadsOption, backend_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
@@ -70,6 +70,8 @@ def batch(
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
     reasoning_format: ReasoningFormatOption = "auto",
+    speculate: SpeculateOption = "ngram",
+    draft_max: DraftMaxOption = 4,
     embed_model: Annotated[str, typer.Option(
         "--embed-model", help="The embedding model of /v1/embeddings lines (loaded only when there are some).")]
     = "minilm-l6",
@@ -91,6 +93,7 @@ def batch(
     if max_tokens is not None and max_tokens < 1:
         raise fail(f"--max must be >= 1, got {max_tokens}")
     settings = thinking_settings(thinking, reasoning_budget, reasoning_format)
+    speculation = speculation_choice(speculate, draft_max)
     defaults = SamplingOptions(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                                seed=None if seed is None else seed % (1 << 64))
     view = _ProgressView()
@@ -116,7 +119,7 @@ def batch(
             summary = run_batch(input_file, output, load, defaults=defaults, system=system,
                                 should_stop=stop.requested, on_plan=view.plan, on_line=view.line,
                                 on_token=view.token, parallel=parallel, thinking=settings,
-                                load_embedder=load_embedder)
+                                load_embedder=load_embedder, speculation=speculation)
         finally:
             view.close()
     view.finish(summary)

@@ -14,8 +14,9 @@ from typing import Annotated, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import (BackendOption, ModelOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
-                             ThinkingOption, ThreadsOption, backend_choice, thinking_settings)
+from commands.options import (BackendOption, DraftMaxOption, ModelOption, NoSelftestOption, QuantOption,
+                             ReasoningBudgetOption, SpeculateOption, ThinkingOption, ThreadsOption, backend_choice,
+                             speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text, say, thought
 from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
@@ -73,6 +74,7 @@ class ChatState:
     show_thinking: bool = True
     effort: str | None = None  # --reasoning-effort, /effort: gpt-oss's Reasoning line
     penalties: dict = field(default_factory=dict)  # --min-p, --repeat-penalty, --presence/--frequency-penalty
+    speculation: object = None  # --speculate / --draft-max (engine/speculation.py); None: one token a step
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -108,6 +110,8 @@ def chat(
                           "each turn.")] = None,
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
+    speculate: SpeculateOption = "ngram",
+    draft_max: DraftMaxOption = 4,
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking", help="Print a thinking model's reasoning (dimmed, on stderr) before its "
                                                  "answer, or only a marker.")] = True,
@@ -139,7 +143,8 @@ def chat(
                         thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking,
                         effort=reasoning_effort,
                         penalties={"min_p": min_p, "repetition_penalty": repeat_penalty,
-                                   "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty})
+                                   "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty},
+                        speculation=speculation_choice(speculate, draft_max))
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
@@ -196,7 +201,8 @@ def _reply(llm, session: ChatState) -> str:
         procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
         for ev in session.warm.reply(ids, max_tokens=session.max_tokens, temperature=session.temperature,
                                      top_k=session.top_k, top_p=session.top_p, seed=session.seed, **session.penalties,
-                                     processors=procs, logprobs=False, thinking=plan):
+                                     processors=procs, logprobs=False, thinking=plan,
+                                     speculation=session.speculation):
             if ev.reasoning and not (shown and not session.show_thinking):
                 thought(ev.reasoning if session.show_thinking else "(thinking…)")
                 shown = True

@@ -13,7 +13,8 @@ import typer
 
 __all__ = ["BackendOption", "ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption",
            "ReasoningFormatOption",
-           "ThinkingOption", "ThreadsOption", "backend_choice", "thinking_settings"]
+           "SpeculateOption", "DraftMaxOption", "ThinkingOption", "ThreadsOption", "backend_choice",
+           "speculation_choice", "thinking_settings"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="A .gguf path, a safetensors checkpoint directory, a built-in name or "
@@ -29,6 +30,13 @@ BackendOption = Annotated[str, typer.Option(
 EmbedQuantOption = Annotated[str, typer.Option(
     "--embed-quant", help="Embedding models: f32 (the checkpoint's numbers) or q8 (an encoder's matrices as Q8_0 "
                           "blocks, a quarter of the memory; a decoder on the int8 fast path).")]
+
+SpeculateOption = Annotated[str, typer.Option(
+    "--speculate", help="ngram (default): guess a reply's next tokens from the text so far and check several in one "
+                        "decode step (the same reply, sooner where it repeats its context); off: one a step.")]
+
+DraftMaxOption = Annotated[int, typer.Option(
+    "--draft-max", help="The most tokens --speculate ngram guesses at once (1-16).")]
 
 ThreadsOption = Annotated[Optional[int], typer.Option(
     help="CPU threads for the kernels and BLAS (default: all cores).")]
@@ -72,3 +80,13 @@ def thinking_settings(mode: str, budget: str, fmt: str = "auto"):
         return ThinkingSettings(mode, parse_budget(budget), fmt)
     except ValueError:
         raise fail(f"--reasoning-budget must be a number of tokens, auto or unlimited, got {budget!r}") from None
+
+
+def speculation_choice(method: str, draft_max: int):
+    """--speculate and --draft-max as an engine Speculation (None: off); a bad value is a one-line usage error."""
+    from commands.errors import fail
+    from engine.speculation import speculation_of
+    try:
+        return speculation_of(method, draft_max)
+    except ValueError as e:
+        raise fail(str(e).replace("the draft length", "--draft-max")) from None

@@ -19,8 +19,9 @@ from typing import Annotated, List, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import (BackendOption, EmbedQuantOption, NoSelftestOption, QuantOption, ReasoningBudgetOption,
-                              ReasoningFormatOption, ThinkingOption, backend_choice, thinking_settings)
+from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, NoSelftestOption, QuantOption,
+                              ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption, ThinkingOption,
+                              backend_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
 from engine.load import QUANT_MODES
@@ -132,6 +133,8 @@ def serve(
     session_dir: Annotated[Optional[Path], typer.Option(
         "--session-dir", help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")]
     = None,
+    speculate: SpeculateOption = "ngram",
+    draft_max: DraftMaxOption = 4,
     thinking: ThinkingOption = "template",
     reasoning_budget: ReasoningBudgetOption = "auto",
     reasoning_format: ReasoningFormatOption = "auto",
@@ -152,6 +155,7 @@ def serve(
     if decisions_template not in DECISION_TEMPLATES:
         raise fail(f"--decisions-template must be one of {', '.join(DECISION_TEMPLATES)}, got {decisions_template!r}")
     settings = thinking_settings(thinking, reasoning_budget, reasoning_format)
+    speculation = speculation_choice(speculate, draft_max)
     specs = [parse_model_spec(s) for s in model] if model else [] if embed_model else [(None, None)]
     # each model's own ctx / quant / backend, checked before any model is loaded
     specs = [(name, *_model_options(ref, ctx, quant, backend)) for name, ref in specs]
@@ -166,7 +170,7 @@ def serve(
                               max_connections=max_connections, read_deadline_s=read_deadline, thinking=settings,
                               decisions_template=decisions_template, cors_origins=tuple(cors_origin or ()),
                               batch_dir=batch_dir, ctx=ctx, allow_admin=allow_admin,
-                              unload_drain_s=unload_drain_wait, web=web)
+                              unload_drain_s=unload_drain_wait, web=web, speculation=speculation)
         config.check()  # before any model is loaded: a bad address or missing key costs nothing
         set_threads(threads)  # BLAS and this thread; each model's scheduler thread sets numba's count for itself
         names = [name or _default_name(ref) for name, ref, _ in specs]

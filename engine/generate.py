@@ -19,6 +19,7 @@ from engine.kernels.cpu import vmath
 from engine.models.base import Model
 from engine.reasoning import ThinkingPlan, splitter, thinking_budget
 from engine.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
+from engine.speculation import Speculation
 from engine.tokenizer import IncrementalDecoder
 
 
@@ -42,7 +43,8 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              logit_bias: dict[int, float] | None = None, cache: KVCache | None = None,
              top_logprobs: int = 0, logprobs: bool = True, on_prefill: Callable[[int], None] | None = None,
-             processors: Sequence[Processor] = (), thinking: ThinkingPlan | None = None) -> Iterator[TokenEvent]:
+             processors: Sequence[Processor] = (), thinking: ThinkingPlan | None = None,
+             speculation: Speculation | None = None) -> Iterator[TokenEvent]:
     """Checks every argument now (raising InvalidRequest / ContextOverflow); the work starts at the first
     next(). `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run).
     `processors` run after the sampling ones (a grammar mask last); one with an `accept(token)` method is
@@ -51,14 +53,15 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
     per token): what a caller that shows no log-probabilities passes. `cache` (default: a new one) may hold the
     prompt's first positions already (a warm session): those are not evaluated again. `thinking` splits a
     thinking reply: each event's `reasoning` apart from its `text` (stop strings match the answer only), with the
-    reasoning budget forced (engine/reasoning.py)."""
+    reasoning budget forced (engine/reasoning.py). `speculation` drafts tokens by prompt lookup and checks them
+    several a step (engine/speculation.py): the same tokens, sooner where the reply repeats its context."""
     window = cache.max_tokens if cache is not None else model.context_length
     gen = Generation(model, prompt_ids, max_tokens, window=window, temperature=temperature, seed=seed, stop=stop,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
                      top_logprobs=top_logprobs, logprobs=logprobs, processors=processors, thinking=thinking)
     cache = cache if cache is not None else model.new_cache(gen.cache_tokens)
-    return _run(model, gen, cache, on_prefill)
+    return _run(model, gen, cache, on_prefill, speculation)
 
 
 class Generation:
@@ -193,25 +196,46 @@ class Generation:
         return reasoning, answer
 
 
-def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None) -> Iterator[TokenEvent]:
+def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None,
+         speculation: Speculation | None = None) -> Iterator[TokenEvent]:
     # A cache that already holds the prompt's first positions (a warm session, engine/sessions.py) goes on from
     # there.
     logits = model.prefill(gen.prompt_ids[cache.length :], cache, on_chunk=on_prefill)[0]
-    yield from continue_from(model, gen, cache, logits)
+    yield from continue_from(model, gen, cache, logits, speculation)
 
 
-def continue_from(model: Model, gen: Generation, cache: KVCache, logits: np.ndarray) -> Iterator[TokenEvent]:
-    """The sequence's tokens from the logits (vocab,) after its prompt, which cache holds; one at a time."""
+def continue_from(model: Model, gen: Generation, cache: KVCache, logits: np.ndarray,
+                  speculation: Speculation | None = None) -> Iterator[TokenEvent]:
+    """The sequence's tokens from the logits (vocab,) after its prompt, which cache holds; with a speculation,
+    several a step where its drafts guess right (engine/speculation.py), the same tokens either way."""
+    drafter = speculation.drafter(gen.prompt_ids) if speculation is not None and model.runs_on(cache) else None
+    rows, run = [logits], []  # the rows to decide from, and the run of tokens they came from (none: the prompt)
     try:
         while True:
-            ev = gen.next(logits)
+            for j, row in enumerate(rows):  # a run's rows, until the sequence decides other than its draft
+                ev = gen.next(row)
+                if drafter is not None:
+                    drafter.push(ev.token)
+                if gen.finished or j + 1 == len(rows) or ev.token != run[j + 1]:
+                    break
+                yield ev
+            if len(rows) > 1:  # the rows after the one decided from are dropped
+                cache.truncate(cache.length - len(rows) + j + 1)
+                drafter.verified(len(rows) - 1, j)
             yield ev
             if gen.finished:
                 return
-            logits = model.decode([ev.token], [cache])[0]
+            run = [ev.token] + (drafter.draft(draft_room(gen, cache)) if drafter is not None else [])
+            rows = model.decode_runs([run], [cache])[0]
     finally:  # decode's freed logits stay in the heap for the next token (engine/memory.py); not after the last
         model.backend.end_sequences()
         memory.trim()
+
+
+def draft_room(gen: Generation, cache: KVCache) -> int:
+    """The most draft tokens worth checking after the sequence's latest token: each must fit its reply's
+    max_tokens and its cache."""
+    return min(gen.max_tokens - gen.generated, cache.max_tokens - cache.length) - 1
 
 
 def _logsumexp(logits: np.ndarray) -> float:

@@ -21,6 +21,7 @@ from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_
 from engine.models.base import Model
 from engine.prompts import encode_prompt, prompt_ids, render_request, thinking_plan
 from engine.reasoning import ThinkingSettings
+from engine.speculation import Speculation
 from engine.templates.tools import ToolCall, asks_hermes_json, parse_tool_calls, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
 
@@ -281,10 +282,12 @@ class ChoiceOutput:
         return Delta(self._index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence, ev.reasoning, ev.thinking)
 
 
-def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None) -> Iterator[Delta]:
+def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None,
+        speculation: Speculation | None = None) -> Iterator[Delta]:
     """Run a prepared request here, one sequence at a time: the prompt once, then the choices one after
     another, each as its pieces (echo first). `should_stop` is polled between prompt chunks and tokens; True
-    raises Cancelled. (engine/scheduler.py runs requests side by side; each choice comes out the same.)"""
+    raises Cancelled. `speculation`: drafts checked several a step (engine/speculation.py; the same tokens).
+    (engine/scheduler.py runs requests side by side; each choice comes out the same.)"""
     def on_chunk(done: int) -> None:
         if should_stop is not None and should_stop():
             raise Cancelled(f"the request was cancelled during the prompt ({done} of {len(prep.ids)} tokens)")
@@ -298,7 +301,7 @@ def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None 
         if prep.request.echo:
             yield out.echo(echoed)
         cache = prompt if index == last else prompt.fork()  # the last choice takes the prompt's own cache
-        for ev in continue_from(model, gen, cache, first):
+        for ev in continue_from(model, gen, cache, first, speculation):
             if should_stop is not None and should_stop():
                 raise Cancelled("the request was cancelled")
             yield out.piece(ev)
@@ -367,12 +370,12 @@ class Collector:
 
 def execute(model: Model, req: GenerationRequest, *, should_stop: Callable[[], bool] | None = None,
             on_token: Callable[[int], None] | None = None, window: int | None = None,
-            thinking: ThinkingSettings = ThinkingSettings()) -> Completion:
+            thinking: ThinkingSettings = ThinkingSettings(), speculation: Speculation | None = None) -> Completion:
     """Run one request to the end. `should_stop` is polled between tokens (True raises Cancelled);
     `on_token(n)` is told how many tokens have been generated so far (over all choices)."""
     prep = prepare(model, req, window=window, thinking=thinking)
     out = Collector(prep)
-    for d in run(model, prep, should_stop=should_stop):
+    for d in run(model, prep, should_stop=should_stop, speculation=speculation):
         out.add(d)
         if d.new_tokens and on_token is not None:
             on_token(out.generated)

@@ -24,6 +24,7 @@ from engine.kernels.cpu.threads import set_threads
 from engine.models.base import PREFILL_CHUNK, Model
 from engine.requests import Delta, Prepared
 from engine.sessions import SessionPool
+from engine.speculation import Speculation
 from engine.stepper import Stepper
 
 DEFAULT_MAX_CONCURRENT = 4  # sequences decoded together: each weight read once per step serves them all
@@ -88,9 +89,10 @@ class Scheduler:
     def __init__(self, model: Model, name: str, *, max_queue: int, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  prefill_chunk: int = PREFILL_CHUNK, threads: int | None = None,
                  sessions: SessionPool | None = None, warm_replies: bool = True,
-                 log: Callable[[str], None] = print):
+                 speculation: Speculation | None = None, log: Callable[[str], None] = print):
         """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole.
-        warm_replies: evaluate a finished chat's reply into its session while idle (engine/warming.py)."""
+        warm_replies: evaluate a finished chat's reply into its session while idle (engine/warming.py).
+        speculation: draft tokens by prompt lookup, checked several a step (engine/speculation.py); None: off."""
         self.name = name
         self.placement = model.placement  # where the model runs and why (engine/placement.py), for /health
         self.sessions = sessions
@@ -101,7 +103,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._stepper = Stepper(model, prefill_chunk=prefill_chunk, on_end=self._ended, sessions=sessions,
-                                warm_replies=warm_replies)
+                                warm_replies=warm_replies, speculation=speculation)
         self._slots = 0  # sequences of the admitted jobs (guarded by _cv; the stepper's own state is not)
         self._admitted: list[Job] = []
         self._kv_bytes = 0
@@ -154,6 +156,9 @@ class Scheduler:
                     "queued": len(self._waiting),
                     "max_queue": self.max_queue, "kv_bytes": self._kv_bytes,
                     "decode_steps": self._stepper.decode_steps, "decoded_tokens": self._stepper.decoded_tokens,
+                    **({"draft_tokens": self._stepper.drafted_tokens,
+                        "draft_accepted_tokens": self._stepper.accepted_tokens}
+                       if self._stepper.speculation is not None else {}),
                     **({"warming": self._stepper.has_background, "warmed_tokens": self._stepper.warming.warmed_tokens}
                        if self._stepper.warming is not None else {}),
                     "completed": self.completed,

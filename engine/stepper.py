@@ -24,12 +24,13 @@ import numpy as np
 
 from engine import memory
 from engine.errors import Cancelled
-from engine.generate import Generation
+from engine.generate import Generation, draft_room
 from engine.kernels.backend import KVCache
 from engine.models.base import PREFILL_CHUNK, Model
 from engine.prompts import continuation_ids
 from engine.requests import ChoiceOutput
 from engine.sessions import SessionPool, snapshot_point
+from engine.speculation import Drafter, Speculation
 from engine.warming import Warming
 
 
@@ -42,6 +43,7 @@ class Sequence:
     cache: KVCache
     out: ChoiceOutput
     token: int = -1
+    drafter: Drafter | None = None  # its guesses at its next tokens (engine/speculation.py), where it drafts
 
 
 @dataclass
@@ -61,8 +63,10 @@ EndFn = Callable[[object, str, BaseException | None], None]
 
 class Stepper:
     def __init__(self, model: Model, *, prefill_chunk: int = PREFILL_CHUNK, on_end: EndFn,
-                 sessions: SessionPool | None = None, warm_replies: bool = True):
+                 sessions: SessionPool | None = None, warm_replies: bool = True,
+                 speculation: Speculation | None = None):
         self.model = model
+        self.speculation = speculation  # drafts checked several tokens a step (engine/speculation.py), or None
         self.prefill_chunk = prefill_chunk
         self._on_end = on_end
         self.sessions = sessions
@@ -72,7 +76,8 @@ class Stepper:
         self.running: list[Sequence] = []
         self._live: dict[int, int] = {}  # id(job) -> its choices not yet finished, for every job admitted
         self.decode_steps = 0  # batched decode steps so far
-        self.decoded_tokens = 0  # tokens they decoded: / decode_steps = the mean batch
+        self.decoded_tokens = 0  # sequences they advanced: / decode_steps = the mean batch
+        self.drafted_tokens = self.accepted_tokens = 0  # draft tokens checked, and those that were the reply's
 
     # ------------------------------------------------------------------ state
 
@@ -161,6 +166,8 @@ class Stepper:
             if prep.request.echo:
                 job.put(out.echo(echoed))
             seq = Sequence(job, gen, cache if index == last else cache.fork(), out)
+            if self.speculation is not None and self.model.runs_on(seq.cache):
+                seq.drafter = self.speculation.drafter(prep.ids)
             if self._emit(seq, logits):
                 self.running.append(seq)
             if id(job) not in self._live:
@@ -168,16 +175,32 @@ class Stepper:
 
     def _decode(self) -> None:
         batch = self.running
+        runs = [[s.token] + (s.drafter.draft(draft_room(s.gen, s.cache)) if s.drafter is not None else [])
+                for s in batch]
         try:
-            logits = self.model.decode([s.token for s in batch], [s.cache for s in batch])
+            rows = self.model.decode_runs(runs, [s.cache for s in batch])
         except Exception as e:  # noqa: BLE001 - a failed step fails every job in it
             for s in batch:
                 self._end(s.job, e)
             return
         self.decode_steps += 1
         self.decoded_tokens += len(batch)
-        keep = [s for i, s in enumerate(batch) if id(s.job) in self._live and self._emit(s, logits[i])]
+        keep = [s for s, run, r in zip(batch, runs, rows) if id(s.job) in self._live and self._emit_run(s, run, r)]
         self.running = [s for s in keep if id(s.job) in self._live]  # a job failed by a later sequence leaves
+
+    def _emit_run(self, seq: Sequence, run: list[int], rows: np.ndarray) -> bool:
+        """seq's tokens from its run's rows, in order, until it decides other than its draft (run[1:]) or ends;
+        the rows after that one are dropped from its cache. True while seq goes on."""
+        for j in range(len(run)):
+            going = self._emit(seq, rows[j])
+            if not going or j + 1 == len(run) or seq.token != run[j + 1]:
+                break
+        if len(run) > 1:
+            seq.cache.truncate(seq.cache.length - len(run) + j + 1)
+            seq.drafter.verified(len(run) - 1, j)
+            self.drafted_tokens += len(run) - 1
+            self.accepted_tokens += j
+        return going
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> bool:
         """Decide seq's next token from its logits and hand the job its piece; True while seq goes on."""
@@ -193,6 +216,8 @@ class Stepper:
             self._end(job, e)
             return False
         seq.token = ev.token
+        if seq.drafter is not None:
+            seq.drafter.push(ev.token)
         if not seq.gen.finished:
             return True
         self._live[id(job)] -= 1

@@ -26,14 +26,16 @@ from engine.reasoning import ThinkingSettings
 from engine.requests import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
 from engine.scheduler import Finished, Job, QueueFull, Scheduler
 from engine.sessions import SessionPool
+from engine.speculation import Speculation
 
 
 def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
                 should_stop: Callable[[], bool] | None = None,
                 on_token: Callable[[int], None] | None = None, window: int | None = None,
-                thinking: ThinkingSettings = ThinkingSettings()) -> dict:
+                thinking: ThinkingSettings = ThinkingSettings(), speculation: Speculation | None = None) -> dict:
     """Execute `req` on `model` and return the response object the endpoint it came from answers with."""
-    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window, thinking=thinking)
+    result = execute(model, req, should_stop=should_stop, on_token=on_token, window=window, thinking=thinking,
+                     speculation=speculation)
     return response_object(req, result, model_name=model_name or model.name)
 
 
@@ -77,7 +79,7 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
               on_token: Callable[[int], None] | None = None, parallel: int = 1,
               thinking: ThinkingSettings = ThinkingSettings(),
               load_embedder: Callable[[], object] | None = None,
-              scheduler: Scheduler | None = None) -> BatchSummary:
+              scheduler: Scheduler | None = None, speculation: Speculation | None = None) -> BatchSummary:
     """Run every line of `input_path` not yet in `output_path`; with `parallel` > 1, that many lines at once
     through a scheduler (decoded together; each line's answer is the one it gets alone), recorded as they end.
 
@@ -89,7 +91,8 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
     abandons the current line (nothing of it is written) and ends the run with `interrupted` set. File-level
     problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work.
     `scheduler`: the model's running scheduler (a server's), to take the lines beside its other work; without
-    one, a run of `parallel` > 1 makes its own."""
+    one, a run of `parallel` > 1 makes its own. `speculation`: drafts checked several tokens a step
+    (engine/speculation.py; the same answers, sooner)."""
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     input_path, output_path = Path(input_path), Path(output_path)
@@ -121,7 +124,7 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
         if embedding and load_embedder is not None:
             embedder = load_embedder()
         ctx = _Run(model, out, errs, defaults, system, model_name, stopped, on_token, on_line, summary, thinking,
-                   embedder)
+                   embedder, speculation)
         for line in embedding + deciding:
             if stopped() or not ctx.record(_embed_line(line, ctx) if line.embeds else _decide_line(line, ctx)):
                 summary.interrupted = True
@@ -157,6 +160,7 @@ class _Run:
     summary: BatchSummary
     thinking: ThinkingSettings = ThinkingSettings()
     embedder: object = None  # the embedding model of /v1/embeddings lines (engine/embeddings)
+    speculation: Speculation | None = None  # engine/speculation.py
 
     def request(self, line: BatchLine) -> GenerationRequest:
         return apply_defaults(line.request, self.defaults, self.system)
@@ -210,7 +214,8 @@ def _run_line(line: BatchLine, ctx: _Run) -> LineResult | None:
         return ctx.malformed(line, start)
     req = ctx.request(line)
     try:
-        result = execute(ctx.model, req, should_stop=ctx.stopped, on_token=ctx.on_token, thinking=ctx.thinking)
+        result = execute(ctx.model, req, should_stop=ctx.stopped, on_token=ctx.on_token, thinking=ctx.thinking,
+                         speculation=ctx.speculation)
         body = ctx.body(line, req, result)
     except Cancelled:
         return None
@@ -254,7 +259,7 @@ def _run_parallel(pending: list[BatchLine], ctx: _Run, parallel: int, shared: Sc
     # idle-time warming of their replies).
     sched = shared or Scheduler(model, ctx.model_name or model.name, max_queue=parallel, max_concurrent=parallel,
                                 threads=get_threads(),  # numba's count is per thread: the scheduler's is the caller's
-                                sessions=SessionPool(model), warm_replies=False,
+                                sessions=SessionPool(model), warm_replies=False, speculation=ctx.speculation,
                                 log=lambda line: None)  # failures reach the errors file, not the log
     flying: dict[Job, tuple[BatchLine, GenerationRequest, float]] = {}
     lines = iter(pending)

@@ -140,6 +140,14 @@ class Backend(Protocol):
         """One new token per sequence through the whole model: raw head output (M, head rows); each cache
         grows by one."""
 
+    @property
+    def has_run_step(self) -> bool:
+        """decode_runs works (where has_decode_step does): several tokens of one sequence in one step."""
+
+    def decode_runs(self, runs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> np.ndarray:
+        """Several new tokens per sequence (runs[m] after caches[m]'s end) through the decode step, each row the
+        numbers a step of that one token gives: raw head output (sum of the runs' lengths, head rows)."""
+
     def end_prompt(self) -> None:
         """A prompt is done: let go of its scratch memory."""
 

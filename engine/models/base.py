@@ -143,6 +143,28 @@ class Model:
             return self._finish_logits(raw)
         return np.concatenate([self.prefill([t], c) for t, c in zip(ids, caches)])
 
+    def runs_on(self, cache: KVCache) -> bool:
+        """decode_runs can take several tokens of this cache's sequence at once (engine/speculation.py): the
+        backend's step takes runs, and the sequence has no recurrent state (which a rejected token would leave
+        advanced)."""
+        return self.backend.has_decode_step and self.backend.has_run_step and not cache.state
+
+    def decode_runs(self, runs: list, caches: list[KVCache]) -> list[np.ndarray]:
+        """Several new tokens for each of several sequences in one step: runs[m] (ids) appended to caches[m];
+        logits (len(runs[m]), vocab) for each, row j the distribution after runs[m][j]. Row for row the same
+        numbers as one decode per token (see runs_on for where it runs)."""
+        if len(runs) != len(caches):
+            raise ValueError(f"{len(runs)} runs for {len(caches)} caches")
+        if all(len(r) == 1 for r in runs):
+            logits = self.decode([r[0] for r in runs], caches)
+        else:
+            if not all(self.runs_on(c) for r, c in zip(runs, caches) if len(r) > 1):
+                raise ValueError("this model's decode step takes one token per sequence")
+            with COMPUTE:
+                logits = self._finish_logits(self.backend.decode_runs(runs, caches))
+        ends = np.cumsum([len(r) for r in runs]).tolist()
+        return [logits[a:b] for a, b in zip([0] + ends[:-1], ends)]
+
     def logprobs(self, ids, start: int = 0) -> np.ndarray:
         """(len(ids) - start, vocab) float32: row j is the log-softmax of the next-token distribution
         after position start + j. One forward pass over ids."""

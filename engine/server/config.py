@@ -19,6 +19,7 @@ from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
 from engine.server.intake import LOOPBACK_NAMES
 from engine.scheduler import DEFAULT_MAX_CONCURRENT
 from engine.sessions import DEFAULT_SESSIONS
+from engine.speculation import Speculation
 
 DEFAULT_ADDR = "127.0.0.1:8080"
 DEFAULT_CTX = 4096
@@ -65,6 +66,8 @@ class ServerConfig:
     allow_admin: bool = False  # --allow-admin: /admin/models load and unload models at runtime (needs a key)
     unload_drain_s: float = 5.0  # --unload-drain-wait: how long an unload lets running requests finish
     web: bool = True  # the built-in chat page at / (--no-web: off)
+    # --speculate / --draft-max: drafts by prompt lookup checked several a step (engine/speculation.py); None: off
+    speculation: Speculation | None = field(default_factory=Speculation)
 
     @property
     def tls(self) -> bool:

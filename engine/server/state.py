@@ -76,7 +76,7 @@ class ServerState:
         config = self._config
         return Scheduler(served.model, served.name, max_queue=config.max_queue, max_concurrent=config.max_concurrent,
                          prefill_chunk=config.prefill_chunk, threads=config.threads,
-                         sessions=self._sessions(served, config), log=self.log)
+                         sessions=self._sessions(served, config), speculation=config.speculation, log=self.log)
 
     def add_model(self, served: ServedModel) -> None:
         """A model loaded at runtime (admin.py): its scheduler first, so a request that finds it can run."""

@@ -118,6 +118,13 @@ class CpuBackend:
             raise RuntimeError("this backend has no compiled decode step for the model (see has_decode_step)")
         return self.step(ids, caches)
 
+    has_run_step = True  # the compiled step takes runs (step_tables.DecodeStep.runs)
+
+    def decode_runs(self, runs, caches: Sequence[KVCache]) -> np.ndarray:
+        if self.step is None:
+            raise RuntimeError("this backend has no compiled decode step for the model (see has_decode_step)")
+        return self.step.runs(runs, caches)
+
     def end_prompt(self) -> None:
         release = getattr(self.kernels, "release", None)
         if release is not None:

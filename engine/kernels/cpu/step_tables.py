@@ -89,17 +89,37 @@ class DecodeStep:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) != len(caches) or not len(ids):
             raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
-        for c in caches:
-            c.reserve(1)
-        logits = decode_step(*self.arguments(ids, caches))
-        for c in caches:
-            c.advance(1)
+        return self.runs([ids[m : m + 1] for m in range(len(ids))], caches)
+
+    def runs(self, runs: list, caches: list[KVCache]) -> np.ndarray:
+        """Several tokens per sequence in one step: runs[m] (a few ids) appended to caches[m] at its end; the
+        raw head logits of every token, run after run ((sum of the runs' lengths, head rows)).
+
+        A run's tokens go in as rows of their own that share the sequence's cache arrays, at consecutive
+        positions: each layer writes every row's key and value before any row attends (decode_step._worker's
+        phases), so row j sees the run's rows before it as a prompt pass would, and each row's numbers are
+        those a step of that one token would give (rows never mix: the batched matvec and attention are per
+        row). Not for recurrent state, which one step advances once per sequence."""
+        if len(runs) != len(caches) or not len(runs) or any(len(r) == 0 for r in runs):
+            raise ValueError(f"{len(runs)} runs for {len(caches)} sequences (each needs a token)")
+        if any(len(r) > 1 and c.state for r, c in zip(runs, caches)):
+            raise ValueError("a recurrent state advances one token per step: a run of several needs a prompt pass")
+        for r, c in zip(runs, caches):
+            c.reserve(len(r))
+        ids = np.concatenate([np.asarray(r, np.int64).reshape(-1) for r in runs])
+        rows = [c for r, c in zip(runs, caches) for _ in range(len(r))]
+        pos = np.concatenate([np.arange(c.length, c.length + len(r), dtype=np.int64) for r, c in zip(runs, caches)])
+        logits = decode_step(*self.arguments(ids, rows, pos=pos))
+        for r, c in zip(runs, caches):
+            c.advance(len(r))
         return logits
 
-    def arguments(self, ids: np.ndarray, caches: list[KVCache], lists: tuple | None = None) -> tuple:
-        """decode_step's arguments for tokens ids (M,) int64 at the caches' ends (lists: stand-ins for the
-        caches' typed lists)."""
-        pos = np.array([c.length for c in caches], np.int64)
+    def arguments(self, ids: np.ndarray, caches: list[KVCache], lists: tuple | None = None,
+                  pos: np.ndarray | None = None) -> tuple:
+        """decode_step's arguments for tokens ids (M,) int64 at the caches' ends, or at positions pos (lists:
+        stand-ins for the caches' typed lists)."""
+        if pos is None:
+            pos = np.array([c.length for c in caches], np.int64)
         threads = get_threads()
         kcs, vcs, convs, ssms = self._arrays.of(caches) if lists is None else lists
         return (self.buf, self.pbuf, self.mats, self.head, self.table, self.embd, self.embed_scale, self.norms,

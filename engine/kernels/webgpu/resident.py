@@ -103,6 +103,7 @@ class WebGPUResident:
         return WebGPUKVCache(self.gpu, len(config.kv_layers), config.n_head_kv, config.head_dim, max_tokens)
 
     has_decode_step = True
+    has_run_step = False  # one token per sequence a step (engine/speculation.py does not draft here)
 
     def decode(self, ids, caches: Sequence[WebGPUKVCache]) -> np.ndarray:
         """One token per sequence through the model and the head, in one recording: raw logits (M, head rows)."""
