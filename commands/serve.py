@@ -266,6 +266,10 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
               f"{_size(pools[0].budget_bytes)} of KV{kept}")
     else:
         _note("prompt-prefix reuse: off (--kv-sessions 0)")
+    if served:
+        spec = config.speculation
+        _note(f"speculative decoding: prompt lookup, drafts of up to {spec.draft_max} tokens (the same replies; "
+              "--speculate off to decode one token a step)" if spec else "speculative decoding: off")
     if config.api_keys:
         _note("auth: API key required on every route (Authorization: Bearer KEY or x-api-key: KEY)")
     else:

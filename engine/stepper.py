@@ -2,8 +2,9 @@
 the queue and the admission; this module the work).
 
 Each `step()` does at most two things: one chunk of the oldest admitted prompt, then one decode step for every
-sequence that is generating, all of them in one `Model.decode` call (each weight read once for all). A long
-prompt thus enters between decode steps, chunk by chunk, and the streams already running keep flowing.
+sequence that is generating, all of them in one `Model.decode_runs` call (each weight read once for all; a
+sequence that drafts, engine/speculation.py, brings its draft as more rows of its own). A long prompt thus enters
+between decode steps, chunk by chunk, and the streams already running keep flowing.
 
 A request's n choices share its prompt: it is evaluated once, then each choice continues from a copy of its
 cache. With a session pool (engine/sessions.py), a prompt starts from the warm session that shares most of it

@@ -232,3 +232,5 @@ def test_the_server_reports_what_speculation_did(server, name):
     found = {k: int(v) for k, v in re.findall(r'^goinfer_(draft_tokens_total|draft_accepted_tokens_total)'
                                               rf'{{model="{re.escape(name)}"}} (\d+)$', text, re.M)}
     assert found["draft_tokens_total"] >= found["draft_accepted_tokens_total"] > 0, found
+    health = httpx.get(server.url + "/health", headers=auth, timeout=30).json()
+    assert health["limits"]["speculation"] == {"method": "ngram", "draft_max": 4}  # the default

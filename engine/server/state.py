@@ -192,6 +192,8 @@ class ServerState:
                            "max_queue": self.max_queue,
                            "max_concurrent": self.max_concurrent, "prefill_chunk": self.prefill_chunk,
                            "kv_sessions": self.kv_sessions,
+                           "speculation": ({"method": "ngram", "draft_max": self._config.speculation.draft_max}
+                                           if self._config.speculation else None),
                            "max_connections": self.guard.max_connections if self.guard else None,
                            "open_connections": self.guard.open_connections if self.guard else None},
                 "models": [s.health() for s in self.schedulers.values()],

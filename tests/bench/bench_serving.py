@@ -13,7 +13,7 @@ the reps:
 
 Usage:
   python tests/bench/bench_serving.py MODEL.gguf [--clients 4] [--tokens 128] [--reps 3] [--threads 2]
-      [--baseline-root /path/to/older/checkout] [--llama-server /path/to/llama-server]
+      [--baseline-root /path/to/older/checkout] [--llama-server /path/to/llama-server] [--speculate-off-too]
 The benchmark command may unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for itself (docs/benchmarks.md says when it
 did); the product, tests and CI never touch them.
 """
@@ -143,17 +143,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--baseline-root", help="an older goinfer checkout to serve the same file beside this one")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (run with --parallel CLIENTS)")
+    ap.add_argument("--speculate-off-too", action="store_true",
+                    help="also serve this checkout with --speculate off (speculative decoding's gain, side by side)")
     ap.add_argument("--banned", default="0,2", help="token ids kept from ending a reply (SmolLM2's end tokens)")
     a = ap.parse_args()
     banned = [int(t) for t in a.banned.split(",") if t]
     env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OPENBLAS_NUM_THREADS": str(a.threads)}
     servers = []
-    for label, root in [("goinfer", ROOT)] + ([("goinfer baseline", Path(a.baseline_root))] if a.baseline_root else []):
+    ours = [("goinfer", ROOT)] + ([("goinfer --speculate off", ROOT)] if a.speculate_off_too else [])
+    for label, root in ours + ([("goinfer baseline", Path(a.baseline_root))] if a.baseline_root else []):
         port = _free_port()
         cmd = [sys.executable, "-m", "goinfer_cli.app", "serve", "--model", a.model, "--addr", f"127.0.0.1:{port}",
                "--threads", str(a.threads), "--max-queue", str(2 * a.clients)]
-        if label == "goinfer":
-            cmd += ["--max-concurrent", str(a.clients)]
+        if label != "goinfer baseline":
+            cmd += ["--max-concurrent", str(a.clients)] + (["--speculate", "off"] if "off" in label else [])
         servers.append(Server(label, cmd, port, cwd=root, env=env))
     if a.llama_server:
         port = _free_port()
