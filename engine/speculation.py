@@ -58,6 +58,7 @@ def speculation_of(method: str, draft_max: int = 4) -> Speculation | None:
 
 _PAUSE = 16  # tokens without a draft after MISSES_TO_PAUSE drafts in a row refused at their first token
 _MISSES_TO_PAUSE = 3
+_RATE_WEIGHT = 0.3  # of the latest draft in the running rate of taken draft tokens
 
 
 class Drafter:
@@ -72,6 +73,7 @@ class Drafter:
         self._misses = 0  # drafts in a row refused at their first token
         self._pause = 0  # tokens still to go without drafting
         self.drafted = self.accepted = 0  # totals, for the server's metrics
+        self.rate = 0.75  # the share of recent drafts' tokens that were taken (a running mean; hopeful at first)
         for t in tokens:
             self.push(t)
 
@@ -104,6 +106,7 @@ class Drafter:
             return
         self.drafted += drafted
         self.accepted += accepted
+        self.rate += _RATE_WEIGHT * (accepted / drafted - self.rate)
         if accepted == drafted:
             self.length = min(self.spec.draft_max, self.length + 1)
             self._misses = 0

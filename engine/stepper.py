@@ -58,6 +58,11 @@ class Prompt:
     reply: list[str] | None = None  # a one-choice job's text so far (what warming continues from)
 
 
+# Beside other sequences, a sequence drafts only while at least this share of its recent draft tokens were taken.
+# A step's extra row costs ~1.1 ms on SmolLM2 (2 cores, AVX2) where a step of 4 sequences gives a token per
+# ~1.5 ms: a draft token there pays only if it is taken ~3 times in 4 (alone, a step costs ~3.5 ms a token).
+BATCH_DRAFT_RATE = 0.75
+
 # How a job ended: "completed", "cancelled" (its client left, or shutdown) or "failed" (the error it gets).
 EndFn = Callable[[object, str, BaseException | None], None]
 
@@ -176,8 +181,7 @@ class Stepper:
 
     def _decode(self) -> None:
         batch = self.running
-        runs = [[s.token] + (s.drafter.draft(draft_room(s.gen, s.cache)) if s.drafter is not None else [])
-                for s in batch]
+        runs = [[s.token] + self._draft(s, len(batch)) for s in batch]
         try:
             rows = self.model.decode_runs(runs, [s.cache for s in batch])
         except Exception as e:  # noqa: BLE001 - a failed step fails every job in it
@@ -188,6 +192,14 @@ class Stepper:
         self.decoded_tokens += len(batch)
         keep = [s for s, run, r in zip(batch, runs, rows) if id(s.job) in self._live and self._emit_run(s, run, r)]
         self.running = [s for s in keep if id(s.job) in self._live]  # a job failed by a later sequence leaves
+
+    def _draft(self, seq: Sequence, batch: int) -> list[int]:
+        """seq's draft for this step. Beside other sequences a draft row costs more than alone (the step already
+        reads each weight for several rows: a row's own compute is what it adds), so there only a sequence whose
+        recent drafts were mostly taken drafts (BATCH_DRAFT_RATE; measured: docs/benchmarks.md)."""
+        if seq.drafter is None or (batch > 1 and seq.drafter.rate < BATCH_DRAFT_RATE):
+            return []
+        return seq.drafter.draft(draft_room(seq.gen, seq.cache))
 
     def _emit_run(self, seq: Sequence, run: list[int], rows: np.ndarray) -> bool:
         """seq's tokens from its run's rows, in order, until it decides other than its draft (run[1:]) or ends;

@@ -19,6 +19,7 @@ from engine.constrain.grammar import json_schema_grammar
 from engine.generate import generate
 from engine.requests import GenerationRequest, SamplingOptions, execute
 from engine.speculation import Drafter, Speculation, speculation_of
+from engine.stepper import BATCH_DRAFT_RATE
 from tests.conftest import SERVER_KEY, SHARED
 from tests.test_scheduler import REQUESTS, chat, run_together, same
 
@@ -184,9 +185,9 @@ def test_the_drafter_takes_the_longest_latest_match():
 
 def test_the_drafter_adapts_its_length_and_pauses_after_misses():
     d = Drafter(Speculation(draft_max=4), [1, 2, 3, 4, 5, 6, 7, 8] * 3)
-    assert d.length == 4
+    assert d.length == 4 and d.rate == 0.75  # hopeful at first: a sequence in a batch may draft
     d.verified(4, 0)
-    assert d.length == 2
+    assert d.length == 2 and d.rate < BATCH_DRAFT_RATE  # beside other sequences it would stop drafting
     d.verified(2, 2)
     assert d.length == 3
     for _ in range(3):

@@ -62,6 +62,17 @@ class Server:
             time.sleep(0.5)
         raise SystemExit(f"{label} did not start: see {self.log.name}")
 
+    def quiet(self, timeout: float = 300) -> None:
+        """Wait until a goinfer server has nothing running and nothing warming (its idle-time work would take the
+        CPU from the server being measured: on a 2-core machine that skews any side-by-side run)."""
+        deadline, calm = time.monotonic() + timeout, 0
+        while time.monotonic() < deadline and calm < 2:
+            models = httpx.get(self.url + "/health", timeout=10).json().get("models")
+            if models is None:  # not goinfer (llama.cpp's /health)
+                return
+            calm = calm + 1 if not any(m.get("busy") or m.get("warming") for m in models) else 0
+            time.sleep(0.25)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -169,7 +180,11 @@ def main() -> None:
             burst(s.url, a.clients, 16, banned, 0)
         for rep in range(a.reps):
             for s in servers:
+                for other in servers:
+                    other.quiet()
                 one = stream(s.url, f"Tell me a story about {TOPICS[rep % len(TOPICS)]}.", a.tokens, banned)
+                for other in servers:
+                    other.quiet()
                 many = burst(s.url, a.clients, a.tokens, banned, rep)
                 rows[s.label]["single"].append(single_rate(one))
                 rows[s.label]["aggregate"].append(aggregate_rate(many))
