@@ -4,9 +4,9 @@ by the model in one decode step.
 Replies often copy from their prompt or from themselves: code edited in place, a document quoted or summarised, a
 JSON record's keys, a list's repeated phrasing. Where the sequence's last few tokens (an n-gram, `ngram_max` down
 to `ngram_min` long) occurred before, the tokens that followed them then are the draft. The decode step takes the
-sequence's token and the draft as a run (Model.decode_runs): every weight is read once for all of them, so on a
-machine whose decode is bound by memory, a run of four costs ~1.3-1.7 steps (docs/benchmarks.md) and gives up to
-four tokens.
+sequence's token and the draft as a run (Model.decode_runs): every weight is read once for all of them, so a run
+of four costs ~1.6-1.7 steps of one on the 2-core dev machine (docs/benchmarks.md; less where a step is bound by
+memory) and gives up to four tokens.
 
 Nothing about the reply changes. The sequence decides each token from its run's rows in order, exactly as it would
 from one step each (generate.Generation: sampler, seed, grammar, stops, logprobs), and stops at the first token
@@ -17,7 +17,9 @@ seeded replies are the same tokens with speculation on or off; only the time dif
 
 The draft's length adapts to how well it guesses (`Drafter.verified`): it grows by one after a draft taken whole
 and halves after one refused at its first token, and a sequence whose guesses keep missing pauses drafting for a
-while, so text that does not repeat itself pays little. Models with recurrent state (Qwen3.5, LFM2) do not
+while, so text that does not repeat itself pays little. Beside other sequences (the scheduler's batches), where a
+draft row costs a larger share of a step, a sequence drafts only while most of its recent drafts were taken
+(`Drafter.rate`, stepper.BATCH_DRAFT_RATE). Models with recurrent state (Qwen3.5, LFM2) do not
 speculate (a rejected draft would need the state from before it), nor do backends without a run step (WebGPU).
 """
 
