@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
@@ -54,7 +55,7 @@ quits.
 """
 
 REPL_HELP = ("/reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /effort low|medium|high  "
-             "/quit   (Ctrl-C stops a reply, Ctrl-D quits)")
+             "/verbose  /quit   (Ctrl-C stops a reply, Ctrl-D quits)")
 
 
 @dataclass
@@ -75,6 +76,7 @@ class ChatState:
     effort: str | None = None  # --reasoning-effort, /effort: gpt-oss's Reasoning line
     penalties: dict = field(default_factory=dict)  # --min-p, --repeat-penalty, --presence/--frequency-penalty
     speculation: object = None  # --speculate / --draft-max (engine/speculation.py); None: one token a step
+    verbose: bool = False  # --verbose, /verbose: each reply's timings on stderr
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -112,6 +114,9 @@ def chat(
     reasoning_budget: ReasoningBudgetOption = "auto",
     speculate: SpeculateOption = "ngram",
     draft_max: DraftMaxOption = 4,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="After each reply, print its timings on stderr: the prompt's tokens (how many came "
+                                "from the warm cache) and time, the reply's tokens and tokens per second.")] = False,
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking", help="Print a thinking model's reasoning (dimmed, on stderr) before its "
                                                  "answer, or only a marker.")] = True,
@@ -144,7 +149,7 @@ def chat(
                         effort=reasoning_effort,
                         penalties={"min_p": min_p, "repetition_penalty": repeat_penalty,
                                    "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty},
-                        speculation=speculation_choice(speculate, draft_max))
+                        speculation=speculation_choice(speculate, draft_max), verbose=verbose)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
         set_threads(threads)
@@ -197,12 +202,16 @@ def _reply(llm, session: ChatState) -> str:
     plan = reply_plan(llm, prompt, server=session.thinking.budget, constrained=session.grammar is not None)
     parts: list[str] = []
     shown = False  # the reasoning (or its marker) was printed: the answer starts on a new line
+    start, first, tokens = time.perf_counter(), None, 0
     try:
         procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
         for ev in session.warm.reply(ids, max_tokens=session.max_tokens, temperature=session.temperature,
                                      top_k=session.top_k, top_p=session.top_p, seed=session.seed, **session.penalties,
                                      processors=procs, logprobs=False, thinking=plan,
                                      speculation=session.speculation):
+            tokens += 1
+            if first is None:
+                first = time.perf_counter()  # the prompt pass and the first token
             if ev.reasoning and not (shown and not session.show_thinking):
                 thought(ev.reasoning if session.show_thinking else "(thinking…)")
                 shown = True
@@ -216,7 +225,22 @@ def _reply(llm, session: ChatState) -> str:
     finally:
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if session.verbose and first is not None:
+            say(_timings(session.warm, start, first, time.perf_counter(), tokens), style="dim")
     return "".join(parts)
+
+
+def _timings(warm: WarmConversation, start: float, first: float, end: float, tokens: int) -> str:
+    """One line on a reply's speed, as llama.cpp and Ollama print theirs: the prompt (to the first token) and
+    the reply after it."""
+    evaluated = warm.prompt_tokens - warm.cached_tokens
+    line = (f"prompt {warm.prompt_tokens} tokens ({warm.cached_tokens} reused) in {first - start:.2f} s"
+            + (f", {evaluated / (first - start):.1f} tokens/s" if evaluated and first > start else ""))
+    if tokens > 1 and end > first:
+        line += f" · reply {tokens} tokens in {end - start:.2f} s, {(tokens - 1) / (end - first):.1f} tokens/s"
+    else:
+        line += f" · reply {tokens} token"
+    return line
 
 
 def _repl(llm, session: ChatState) -> None:
@@ -292,6 +316,9 @@ def _command(line: str, session: ChatState) -> bool:
                 raise ValueError
             session.effort = arg.lower()
             say(f"reasoning effort: {session.effort}")
+        elif name == "/verbose":
+            session.verbose = not session.verbose
+            say(f"timings after each reply: {'on' if session.verbose else 'off'}")
         elif name == "/max":
             value = int(arg)
             if value < 1:

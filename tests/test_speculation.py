@@ -216,9 +216,13 @@ def test_the_chat_command_answers_the_same_with_and_without(smollm2_gguf):
                               "0", "--max", "60", "--prompt", COPY, *flags], capture_output=True, text=True,
                              timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout
+        return out.stdout, out.stderr
 
-    assert run() == run("--speculate", "off")
+    fast, timed = run("--verbose")
+    assert fast == run("--speculate", "off")[0]
+    # --verbose: one line of timings on stderr after the reply (stdout keeps only the reply)
+    assert re.fullmatch(r"prompt \d+ tokens \(0 reused\) in [\d.]+ s, [\d.]+ tokens/s · reply \d+ tokens in [\d.]+ s, "
+                        r"[\d.]+ tokens/s", timed.strip().splitlines()[-1]), timed[-500:]
     bad = subprocess.run([sys.executable, "-m", "goinfer_cli.app", "chat", "--prompt", "hi", "--draft-max", "40"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == ["goinfer: error: --draft-max must be 1-16 "
