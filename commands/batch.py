@@ -15,9 +15,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
-from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, ModelOption, NoSelftestOption,
-                              QuantOption, ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption,
-                              ThinkingOption, ThreadsOption, backend_choice, speculation_choice, thinking_settings)
+from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, LoraOption, ModelOption,
+                              NoSelftestOption, QuantOption, ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption,
+                              ThinkingOption, ThreadsOption, backend_choice, lora_choice, speculation_choice,
+                              thinking_settings)
 from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
@@ -72,6 +73,7 @@ def batch(
     reasoning_format: ReasoningFormatOption = "auto",
     speculate: SpeculateOption = "ngram",
     draft_max: DraftMaxOption = 4,
+    lora: LoraOption = None,
     embed_model: Annotated[str, typer.Option(
         "--embed-model", help="The embedding model of /v1/embeddings lines (loaded only when there are some).")]
     = "minilm-l6",
@@ -94,6 +96,7 @@ def batch(
         raise fail(f"--max must be >= 1, got {max_tokens}")
     settings = thinking_settings(thinking, reasoning_budget, reasoning_format)
     speculation = speculation_choice(speculate, draft_max)
+    adapters = lora_choice(lora)
     defaults = SamplingOptions(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                                seed=None if seed is None else seed % (1 << 64))
     view = _ProgressView()
@@ -103,7 +106,8 @@ def batch(
         fetch = FetchProgress()
         try:
             set_threads(threads)
-            return load_model(model, quant=quant, progress=fetch, selftest=not no_selftest, backend=backend)
+            return load_model(model, quant=quant, progress=fetch, selftest=not no_selftest, backend=backend,
+                              lora=adapters)
         finally:
             fetch.close()
 

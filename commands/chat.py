@@ -15,9 +15,9 @@ from typing import Annotated, Optional
 import typer
 
 from commands.errors import fail, user_errors
-from commands.options import (BackendOption, DraftMaxOption, ModelOption, NoSelftestOption, QuantOption,
+from commands.options import (BackendOption, DraftMaxOption, LoraOption, ModelOption, NoSelftestOption, QuantOption,
                              ReasoningBudgetOption, SpeculateOption, ThinkingOption, ThreadsOption, backend_choice,
-                             speculation_choice, thinking_settings)
+                             lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text, say, thought
 from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
@@ -114,6 +114,7 @@ def chat(
     reasoning_budget: ReasoningBudgetOption = "auto",
     speculate: SpeculateOption = "ngram",
     draft_max: DraftMaxOption = 4,
+    lora: LoraOption = None,
     verbose: Annotated[bool, typer.Option(
         "--verbose", "-v", help="After each reply, print its timings on stderr: the prompt's tokens (how many came "
                                 "from the warm cache) and time, the reply's tokens and tokens per second.")] = False,
@@ -135,6 +136,7 @@ def chat(
     if session_file is not None and prompt is not None:
         raise fail("--session resumes a REPL conversation; it does not go with --prompt")
     backend_choice(backend)
+    adapters = lora_choice(lora)
     if reasoning_effort is not None and reasoning_effort.lower() not in EFFORTS:
         raise fail(f"--reasoning-effort must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
     if not 0 <= min_p <= 1:
@@ -156,6 +158,7 @@ def chat(
         progress = FetchProgress()
         try:
             llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest, background_compile=True,
+                             lora=adapters,
                              backend=backend, context=ctx)
         finally:
             progress.close()
@@ -247,7 +250,8 @@ def _repl(llm, session: ChatState) -> None:
     interactive = sys.stdin.isatty()
     reader = _terminal_reader() if interactive else _pipe_reader()
     if interactive:
-        say(f"ready ({placement_text(llm.placement)}). {REPL_HELP}", lead=llm.name, lead_style="bold")
+        lora = "".join(f" + LoRA {a['adapter']}" for a in llm.adapters)
+        say(f"ready{lora} ({placement_text(llm.placement)}). {REPL_HELP}", lead=llm.name, lead_style="bold")
     while True:
         try:
             line = reader()

@@ -7,13 +7,13 @@ Options whose meaning differs between commands (serve's repeatable --model NAME=
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
 __all__ = ["BackendOption", "ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption",
            "ReasoningFormatOption",
-           "SpeculateOption", "DraftMaxOption", "ThinkingOption", "ThreadsOption", "backend_choice",
+           "LoraOption", "SpeculateOption", "DraftMaxOption", "lora_choice", "ThinkingOption", "ThreadsOption", "backend_choice",
            "speculation_choice", "thinking_settings"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
@@ -30,6 +30,11 @@ BackendOption = Annotated[str, typer.Option(
 EmbedQuantOption = Annotated[str, typer.Option(
     "--embed-quant", help="Embedding models: f32 (the checkpoint's numbers) or q8 (an encoder's matrices as Q8_0 "
                           "blocks, a quarter of the memory; a decoder on the int8 fast path).")]
+
+LoraOption = Annotated[Optional[List[str]], typer.Option(
+    "--lora", metavar="DIR[,scale=S]", help="A LoRA adapter (a PEFT directory: adapter_config.json, "
+                                            "adapter_model.safetensors) merged into the model's weights at load, at "
+                                            "its own alpha/r times S (default 1); repeatable.")]
 
 SpeculateOption = Annotated[str, typer.Option(
     "--speculate", help="ngram (default): guess a reply's next tokens from the text so far and check several in one "
@@ -90,3 +95,17 @@ def speculation_choice(method: str, draft_max: int):
         return speculation_of(method, draft_max)
     except ValueError as e:
         raise fail(str(e).replace("the draft length", "--draft-max")) from None
+
+
+def lora_choice(values) -> list[tuple[str, float]]:
+    """--lora DIR[,scale=S] values as (directory, multiplier) pairs; a bad scale is a one-line usage error."""
+    from commands.errors import fail
+    out = []
+    for value in values or ():
+        path, _, rest = value.partition(",scale=") if ",scale=" in value else (value, "", "1")
+        try:
+            scale = float(rest)
+        except ValueError:
+            raise fail(f"--lora {value}: scale must be a number, got {rest!r}") from None
+        out.append((path, scale))
+    return out

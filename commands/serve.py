@@ -21,7 +21,7 @@ import typer
 from commands.errors import fail, user_errors
 from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, NoSelftestOption, QuantOption,
                               ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption, ThinkingOption,
-                              backend_choice, speculation_choice, thinking_settings)
+                              backend_choice, lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
 from engine.load import QUANT_MODES
@@ -66,9 +66,10 @@ Ctrl-C (or SIGTERM) stops the server: requests in flight are cancelled. See docs
 
 def serve(
     model: Annotated[Optional[List[str]], typer.Option(
-        "--model", "-m", metavar="[NAME=]REF[,ctx=N][,quant=Q][,backend=B]",
+        "--model", "-m", metavar="[NAME=]REF[,ctx=N][,quant=Q][,backend=B][,lora=DIR[,lora-scale=S]]",
         help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME, "
-             "with its own --ctx / --quant / --backend after commas; repeatable.")] = None,
+             "with its own --ctx / --quant / --backend after commas, and a LoRA adapter (a PEFT directory) merged at "
+             "load; repeatable.")] = None,
     embed_model: Annotated[Optional[List[str]], typer.Option(
         "--embed-model", metavar="[NAME=]REF",
         help="An embedding model for /v1/embeddings (minilm-l6, or a sentence-transformers directory), optionally "
@@ -179,7 +180,9 @@ def serve(
             raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
         served = []
         for (name, ref, own), default in zip(specs, names):
-            llm = _load(ref, own["quant"], not no_selftest, own["ctx"], own["backend"])
+            llm = _load(ref, own["quant"], not no_selftest, own["ctx"], own["backend"], own["lora"])
+            if own["lora"] and name is None:  # the adapted model is not the base: not under the base's name
+                default = f"{default or llm.name}+{Path(own['lora'][0][0]).name}"
             served.append(ServedModel.of(default or llm.name, llm, own["ctx"]))
         embedders = [_load_embedder(ref, name, embed_quant) for name, ref in embed_specs]
         names = [s.name for s in served] + [e.name for e in embedders]
@@ -202,7 +205,7 @@ def _model_options(ref: str | None, ctx: int, quant: str, backend: str) -> tuple
     """A --model's REF and its own ctx / quant / backend (`REF,ctx=N,quant=Q,backend=B`), else the flags'."""
     with user_errors():
         ref, options = split_model_options(ref)
-    own = {"ctx": ctx, "quant": quant, "backend": backend}
+    own = {"ctx": ctx, "quant": quant, "backend": backend, "lora": ()}
     if "ctx" in options:
         if not options["ctx"].isdigit() or int(options["ctx"]) < 16:
             raise fail(f"--model {ref}: ctx must be a whole number >= 16, got {options['ctx']!r}")
@@ -213,6 +216,10 @@ def _model_options(ref: str | None, ctx: int, quant: str, backend: str) -> tuple
         own["quant"] = options["quant"]
     if "backend" in options:
         own["backend"] = backend_choice(options["backend"])
+    if "lora-scale" in options and "lora" not in options:
+        raise fail(f"--model {ref}: lora-scale= goes with lora=DIR")
+    if "lora" in options:
+        own["lora"] = tuple(lora_choice([options["lora"] + ",scale=" + options.get("lora-scale", "1")]))
     return ref, own
 
 
@@ -233,10 +240,12 @@ def _load_embedder(ref: str, name: str | None, quant: str):
         progress.close()
 
 
-def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = None, backend: str = "cpu"):
+def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = None, backend: str = "cpu",
+          lora=()):
     progress = FetchProgress()
     try:  # ctx past a model's default window switches one with long-context RoPE factors to them (Phi-3)
-        return load_model(ref, quant=quant, progress=progress, selftest=selftest, context=ctx, backend=backend)
+        return load_model(ref, quant=quant, progress=progress, selftest=selftest, context=ctx, backend=backend,
+                          lora=lora)
     finally:
         progress.close()
 
@@ -250,7 +259,8 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
         m = s.model
         weights = _weight_type(m)
         limit = f"context {s.window}" + (f" of {m.context_length}" if s.window < m.context_length else "")
-        _note(f"model {s.name}: {Path(m.path).name} ({m.config.arch}, {weights}), quant {m.quant} "
+        lora = "".join(f" + LoRA {a['adapter']} (scale {a['scale']:g})" for a in m.adapters)
+        _note(f"model {s.name}: {Path(m.path).name}{lora} ({m.config.arch}, {weights}), quant {m.quant} "
               f"({m.backend.describe()}), {limit}, {_threads(config)} threads, "
               f"{placement_text(m.placement)}")  # last: a fallback's reason may hold commas
     _note(f"limits: request body {_size(server.body_cap)}, {config.max_concurrent} sequences at once and "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.formats.gguf import open_gguf
@@ -17,6 +18,7 @@ from engine.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
 from engine.models.config import with_context
 from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint, loaded_bytes, read_metadata
+from engine.models.lora import AdaptedSource, read_adapter
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
 from engine.placement import BACKEND_CHOICES, choose, place_on_webgpu
@@ -33,7 +35,7 @@ QUANT_MODES = {"auto": "fast", "f32": "exact"}
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
                selftest: bool = True, context: int | None = None, background_compile: bool = False,
-               backend: str = "cpu") -> Model:
+               backend: str = "cpu", lora: Sequence[tuple[str | Path, float]] = ()) -> Model:
     """Load a model from a .gguf path, a Hugging Face checkpoint directory, a built-in name or an hf: reference
     (None: the default built-in model).
 
@@ -43,6 +45,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     decode step is not in numba's cache yet, a detached process compiles it and the model decodes without it
     until then (kernels/cpu/step_compile.py; a first `goinfer chat` answers without the minute or two of compile).
     backend: cpu | webgpu | auto (engine/placement.py); the model's `placement` says what it got and why.
+    lora: (PEFT adapter directory, multiplier) pairs merged into the weights at load (models/lora.py).
     """
     quant = quant or "auto"
     if quant not in QUANT_MODES:
@@ -56,7 +59,8 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
         vocab = int(meta[f"{meta['general.architecture']}.vocab_size"])
         tokenizer = from_hf_directory(path, vocab)  # before the conversion: a missing tokenizer costs nothing
         check_memory(path, loaded_bytes(path, quantize=QUANT_MODES[quant] == "fast"))
-        source = HFCheckpoint(path, quantize=QUANT_MODES[quant] == "fast")
+        # with adapters, converted unquantized: an adapted matrix is quantized once, after its merge
+        source = HFCheckpoint(path, quantize=QUANT_MODES[quant] == "fast" and not lora)
         meta = source.metadata
         meta["tokenizer.chat_template"] = chat_template(path)
     else:
@@ -69,6 +73,10 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     config = config_from_gguf(meta, vocab)
     source.check_tensor_types()
     fam = family(config.arch)
+    adapters = [read_adapter(p, m) for p, m in lora]
+    if adapters:  # merged once here: the weights below are the adapted model's
+        source = AdaptedSource(source, adapters, config, fam, exact=QUANT_MODES[quant] == "exact",
+                               quantize_stored=is_hf_checkpoint(path) and QUANT_MODES[quant] == "fast")
     weights = Weights(source)
     config = with_context(config, context, weights.has)
     weights.require(["token_embd", fam.final_norm]
@@ -88,6 +96,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
             model = Model(path=path, config=config, weights=weights, forward=resident.forward, backend=resident,
                           tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
             model.placement = placement
+            model.adapters = [a.identity() for a in adapters]
             return model
     compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant] if background_compile else None
     cpu = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
@@ -95,6 +104,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     model = Model(path=path, config=config, weights=weights, forward=fam.forward, backend=cpu,
                   tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
     model.placement = placement
+    model.adapters = [a.identity() for a in adapters]
     return model
 
 

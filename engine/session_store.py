@@ -56,7 +56,8 @@ def identity(model) -> dict:
     return {"model": Path(model.path).name, "size": st.st_size,
             "digest": _file_digest(str(model.path), st.st_size, st.st_mtime_ns),
             "backend": f"{be.name}-{be.path}", "tier": ir.TIER, "goinfer": version, "tile": be.prompt_tile,
-            "stepped_down": sorted(int(t) for t in be.stepped_down)}
+            "stepped_down": sorted(int(t) for t in be.stepped_down),
+            **({"adapters": model.adapters} if getattr(model, "adapters", None) else {})}
 
 
 def key_of(ident: dict) -> str:

@@ -229,6 +229,10 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self.entries
 
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
 
 # --- split models (llama.cpp's gguf-split): <prefix>-0000N-of-0000M.gguf, metadata in the first shard ---------
 
@@ -301,6 +305,10 @@ class GGUFShards:
 
     def has(self, name: str) -> bool:
         return name in self._owner
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
 
 
 def open_gguf(path: str | Path) -> GGUFFile | GGUFShards:

@@ -44,6 +44,7 @@ class Model:
         # Where it runs and why (load_model: engine/placement.py): "backend" cpu | webgpu, "asked" cpu | webgpu |
         # auto, "reason" for the choice, "adapter" (the WebGPU adapter's report) and "selftest" where one ran.
         self.placement: dict = {"backend": backend.name, "asked": backend.name}
+        self.adapters: list[dict] = []  # LoRA adapters merged into the weights (models/lora.py): their identities
 
     @property
     def context_length(self) -> int:

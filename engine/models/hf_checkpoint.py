@@ -139,6 +139,10 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
+    @property
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
     def tensor(self, name: str) -> QTensor:
         t = self._tensors.get(name)
         if t is None:

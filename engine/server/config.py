@@ -227,11 +227,11 @@ def parse_model_spec(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
-MODEL_OPTIONS = ("ctx", "quant", "backend")  # what `--model REF,KEY=VALUE` may set for that model alone
+MODEL_OPTIONS = ("ctx", "quant", "backend", "lora", "lora-scale")  # what `--model REF,KEY=VALUE` may set for that model alone
 
 
 def split_model_options(ref: str | None) -> tuple[str | None, dict[str, str]]:
-    """`REF[,ctx=N][,quant=Q][,backend=B]` -> (REF, {key: value}): the serve flags of the same names, for this model
+    """`REF[,ctx=N][,quant=Q][,backend=B][,lora=DIR][,lora-scale=S]` -> (REF, {key: value}): the serve flags of the same names, for this model
     only. Only trailing `,key=value` parts with those keys are options; a path with a comma keeps it. A key given
     twice, or an empty value, is a ServerConfigError."""
     if ref is None:
