@@ -164,3 +164,32 @@ def test_the_chat_command_answers_with_the_adapter(tmp_path):
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("goinfer: error: --lora")
     missing = chat("--model", str(base), "--lora", str(tmp_path / "nowhere"))
     assert missing.returncode != 0 and "no such adapter directory" in missing.stderr.strip().splitlines()[-1]
+
+
+def test_serve_names_the_adapted_model_and_answers_with_it(tmp_path):
+    import httpx
+
+    from tests.test_server import start_server, stop
+
+    base = KIT / "llama" / "hf"
+    pairs = make_adapter(tmp_path / "tuned", base)
+    merged = merged_checkpoint(tmp_path / "merged", base, pairs, 2.0)
+    s = start_server(tmp_path / "serve.log", "--model", f"{base},lora={tmp_path / 'tuned'}", "--model",
+                     f"by-hand={merged}", "--no-selftest")
+    try:
+        names = [m["id"] for m in httpx.get(s.url + "/v1/models", timeout=30).json()["data"]]
+        assert names == ["hf+tuned", "by-hand"]
+        assert "+ LoRA tuned (scale 2)" in s.log.read_text()  # the banner says what runs: alpha / r = 2
+
+        def complete(model):
+            body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "logprobs": 1}
+            return httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+
+        adapted, by_hand = complete("hf+tuned"), complete("by-hand")
+        assert adapted["text"] == by_hand["text"] and adapted["logprobs"] == by_hand["logprobs"]
+    finally:
+        stop(s)
+    bad = subprocess.run([sys.executable, "-m", "goinfer_cli.app", "serve", "--model", f"{base},lora-scale=2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+        f"goinfer: error: --model {base}: lora-scale= goes with lora=DIR")
