@@ -104,7 +104,7 @@ class HFCheckpoint:
             words = source.array(src) if len(srcs) == 1 else np.concatenate([source.array(e) for e in srcs])
             stem = name.split(".")[2] if name.startswith("blk.") else ""
             if stem in permute:  # rows of each head: halves -> adjacent pairs (the converter's permute)
-                words = _interleave(words, permute[stem])
+                words = interleave_heads(words, permute[stem])
             if stem in fam.hf_reshaped:  # the family's own layout (reordered heads, reshaped convolutions)
                 words, dtype = fam.hf_tensor(name, to_f32(words, dtype), cfg), "F32"
             if words.ndim == 1 or (words.ndim == 2 and words.shape[1] % 32 and quantize):
@@ -184,7 +184,9 @@ def _plan(source, arch: str, n_layer: int, *, tied: bool,
     return plan
 
 
-def _interleave(words: np.ndarray, n_head: int) -> np.ndarray:
+def interleave_heads(words: np.ndarray, n_head: int) -> np.ndarray:
+    """q/k rows of each head from Hugging Face's order (the two rotated halves) to a GGUF's for adjacent-pair RoPE
+    (llama.cpp's converter's permute); also what a LoRA delta of those rows needs (models/lora.py)."""
     rows = words.shape[0]
     return (words.reshape(n_head, 2, rows // n_head // 2, *words.shape[1:]).swapaxes(1, 2)
             .reshape(words.shape))

@@ -29,6 +29,7 @@ import numpy as np
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.checkpoint_json import read_json_object
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
+from engine.models.hf_checkpoint import interleave_heads
 
 __all__ = ["Adapter", "AdaptedSource", "read_adapter"]
 
@@ -188,9 +189,8 @@ def _deltas(adapters: list[Adapter], config, family, names: set[str]) -> dict[st
                 raise UnsupportedModel(f"--lora {adapter.path.name}: {module}: goinfer reshapes this tensor at "
                                        "conversion and cannot merge an adapter into it")
             delta = np.float32(adapter.scale) * (b @ a)  # (out, r) @ (r, in)
-            if stem in permute:  # the converter's q/k row order for adjacent-pair RoPE (hf_checkpoint._interleave)
-                from engine.models.hf_checkpoint import _interleave
-                delta = _interleave(delta, permute[stem])
+            if stem in permute:  # the converter's q/k row order for adjacent-pair RoPE
+                delta = interleave_heads(delta, permute[stem])
             out[name] = out[name] + delta if name in out else delta
     return out
 
