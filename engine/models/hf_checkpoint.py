@@ -17,7 +17,6 @@ All tensors lie in one anonymous buffer, as a GGUF's lie in its mapping, so the 
 
 from __future__ import annotations
 
-import mmap
 import re
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,8 @@ from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 from engine.models import hf_config
 from engine.models.family import Family
 from engine.models.registry import HF_MODEL_TYPES, family
+from engine.models.tensor_image import TensorImage, aligned_buffer
 
-_ALIGN = 64
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)(?P<suffix>\..+)$")  # model.layers.0.mlp.experts.3.up_proj.weight
 _STORED = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
 _WORDS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "BF16"}  # stored words
@@ -84,7 +83,7 @@ def loaded_bytes(directory: Path, *, quantize: bool) -> int:
     return total
 
 
-class HFCheckpoint:
+class HFCheckpoint(TensorImage):
     """The GGUFFile interface (metadata, has, tensor, vector, data) over a converted checkpoint directory."""
 
     def __init__(self, directory: str | Path, *, quantize: bool):
@@ -118,41 +117,14 @@ class HFCheckpoint:
                 raise UnsupportedModel(f"{self.path.name}: tensor {src!r} has {words.ndim} dimensions")
         items += [(n + ".weight", v.reshape(1, -1), GGMLType.F32) for n, v in generated.items()]
         self._buffer, self._tensors = _lay_out(items)
-        # Read-only from here on, as a mapped GGUF file is: the kernels and the compiled step are compiled per
-        # argument type, and a writable buffer is another type (another minute or two of the step's compile).
-        for a in [self._buffer] + [t.raw for t in self._tensors.values()]:
-            a.flags.writeable = False
-        self.file_size = sum(t.raw.nbytes for t in self._tensors.values())
+        self._freeze()
 
     @property
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
 
-    @property
-    def data(self) -> np.ndarray:
-        """The one buffer every tensor views (the compiled decode step addresses weights inside it)."""
-        return self._buffer
-
     def check_tensor_types(self) -> None:
         """Every type here was chosen at conversion: nothing to refuse."""
-
-    def has(self, name: str) -> bool:
-        return name in self._tensors
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    def tensor(self, name: str) -> QTensor:
-        t = self._tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{self.path.name}: missing tensor {name!r}")
-        return t
-
-    def vector(self, name: str) -> np.ndarray:
-        from engine.kernels.reference import dequantize
-
-        return dequantize(self.tensor(name)).reshape(-1).astype(np.float32, copy=False)
 
 
 def _plan(source, arch: str, n_layer: int, *, tied: bool,
@@ -198,9 +170,7 @@ def _lay_out(items: list[tuple[str, np.ndarray, GGMLType]]) -> tuple[np.ndarray,
     for _, values, gtype in items:
         block, nbytes = BLOCK_GEOMETRY[gtype]
         sizes.append(values.shape[0] * (values.shape[1] // block) * nbytes)
-    offsets = np.concatenate([[0], np.cumsum([-(-s // _ALIGN) * _ALIGN for s in sizes])]).astype(int)
-    mem = mmap.mmap(-1, max(int(offsets[-1]), 1))
-    buf = np.frombuffer(mem, np.uint8)
+    buf, offsets = aligned_buffer(sizes)
     out = {}
     for (name, values, gtype), off, size in zip(items, offsets, sizes):
         rows = values.shape[0]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +29,12 @@ from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.checkpoint_json import read_json_object
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
 from engine.models.hf_checkpoint import interleave_heads
+from engine.models.tensor_image import TensorImage, aligned_buffer
 
 __all__ = ["Adapter", "AdaptedSource", "read_adapter"]
 
 _PREFIX = "base_model.model."
 _FLOATS = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ def read_adapter(path: str | Path, multiplier: float = 1.0) -> Adapter:
     return Adapter(path, scale, {m: tuple(p) for m, p in pairs.items()}, digest)
 
 
-class AdaptedSource:
+class AdaptedSource(TensorImage):
     """A model's tensors (a GGUF file, its shards or a converted checkpoint: models/weights.TensorSource) with
     adapters merged, all in one in-memory buffer."""
 
@@ -117,57 +116,24 @@ class AdaptedSource:
         quantized once, after the merge): every float matrix becomes Q8_0 as the default path's conversion makes
         it."""
         self.path, self.metadata, self._base = base.path, base.metadata, base
-        deltas = _deltas(adapters, config, family, set(base.names))
-        items = []
-        for name in base.names:
-            t = base.tensor(name)
-            delta = deltas.get(name)
-            if delta is None:
-                items.append((name, t, None))
-                continue
-            if delta.shape != t.shape:
-                raise ModelLoadError(f"--lora {adapters[0].path.name}: {name} is {t.shape} in the model and "
-                                     f"{delta.shape} in the adapter (an adapter for another model?)")
-            items.append((name, t, delta))
+        tensors = {name: base.tensor(name) for name in base.names}
+        deltas = _deltas(adapters, config, family, {name: t.shape for name, t in tensors.items()})
+        items = [(name, t, deltas.get(name)) for name, t in tensors.items()]
         self._buffer, self._tensors = _lay_out(items, exact, quantize_stored)
-        for a in [self._buffer] + [t.raw for t in self._tensors.values()]:
-            a.flags.writeable = False  # read-only as a mapped file is (the step is compiled per argument type)
-        self.file_size = sum(t.raw.nbytes for t in self._tensors.values())
+        self._freeze()
         self.adapted = sorted(deltas)
 
     @property
     def architecture(self) -> str:
         return self._base.architecture
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._buffer
-
     def check_tensor_types(self) -> None:
         self._base.check_tensor_types()
 
-    def has(self, name: str) -> bool:
-        return name in self._tensors
 
-    def tensor(self, name: str) -> QTensor:
-        t = self._tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{self.path.name}: missing tensor {name!r}")
-        return t
-
-    def vector(self, name: str) -> np.ndarray:
-        from engine.kernels.reference import dequantize
-
-        return dequantize(self.tensor(name)).reshape(-1).astype(np.float32, copy=False)
-
-
-def _deltas(adapters: list[Adapter], config, family, names: set[str]) -> dict[str, np.ndarray]:
+def _deltas(adapters: list[Adapter], config, family, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
     """GGUF tensor name (`blk.0.attn_q.weight`) -> the f32 sum of every adapter's scale * B @ A, in the GGUF's row
-    order."""
+    order; `shapes`: the model's tensors by name."""
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[config.arch]
     table = gguf.get_tensor_name_map(arch_id, config.n_layer)
     permute = {"attn_q": config.n_head, "attn_k": config.n_head_kv} if config.rope_style == "interleaved" else {}
@@ -181,13 +147,16 @@ def _deltas(adapters: list[Adapter], config, family, names: set[str]) -> dict[st
             if name is None and ".experts." in module:
                 raise UnsupportedModel(f"--lora {adapter.path.name}: {module}: adapters on MoE experts are not "
                                        "supported")
-            if name is None or name not in names:
+            if name is None or name not in shapes:
                 raise ModelLoadError(f"--lora {adapter.path.name}: {module} is not a matrix of this "
                                      f"{config.arch} model (an adapter for another model?)")
             stem = name.split(".")[2] if name.startswith("blk.") else ""
             if stem in family.hf_reshaped:
                 raise UnsupportedModel(f"--lora {adapter.path.name}: {module}: goinfer reshapes this tensor at "
                                        "conversion and cannot merge an adapter into it")
+            if (b.shape[0], a.shape[1]) != shapes[name]:
+                raise ModelLoadError(f"--lora {adapter.path.name}: {module} is {(b.shape[0], a.shape[1])} in the "
+                                     f"adapter and {shapes[name]} in the model (an adapter for another model?)")
             delta = np.float32(adapter.scale) * (b @ a)  # (out, r) @ (r, in)
             if stem in permute:  # the converter's q/k row order for adjacent-pair RoPE
                 delta = interleave_heads(delta, permute[stem])
@@ -210,8 +179,7 @@ def _lay_out(items: list, exact: bool, quantize_stored: bool) -> tuple[np.ndarra
             block, bsize = BLOCK_GEOMETRY[gtype]
             nbytes = t.rows * (t.cols // block) * bsize
         plans.append((name, t, delta, gtype, nbytes))
-    offsets = np.concatenate([[0], np.cumsum([-(-p[4] // _ALIGN) * _ALIGN for p in plans])]).astype(int)
-    buf = np.frombuffer(mmap.mmap(-1, max(int(offsets[-1]), 1)), np.uint8)
+    buf, offsets = aligned_buffer([p[4] for p in plans])
     out = {}
     for (name, t, delta, gtype, nbytes), off in zip(plans, offsets):
         raw = buf[off : off + nbytes].reshape(t.rows, nbytes // t.rows)
