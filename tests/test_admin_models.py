@@ -91,3 +91,23 @@ def test_admin_needs_the_flag_and_a_key(admin, smollm2_gguf, tmp_path):
         assert httpx.get(s.url + "/admin/models", headers=AUTH, timeout=10).status_code == 404  # no flag: no route
     finally:
         stop(s)
+
+
+def test_a_model_loaded_with_a_lora_adapter_answers_as_the_merge_by_hand(admin, tmp_path):
+    import engine
+    from engine.api.openai import parse_chat_request
+    from engine.requests import execute
+    from tests.test_lora import make_adapter, merged_checkpoint
+
+    base = SHARED / "families" / "llama" / "hf"
+    pairs = make_adapter(tmp_path / "tuned", base)
+    r = post(admin, "/admin/models/load", {"model": str(base), "lora": str(tmp_path / "tuned"), "lora_scale": 0.5})
+    assert r.status_code == 200 and r.json()["id"] == "hf+tuned"
+    answer = post(admin, "/v1/chat/completions", {"model": "hf+tuned", **ASK}).json()["choices"][0]["message"]
+    by_hand = engine.load_model(merged_checkpoint(tmp_path / "merged", base, pairs, 2.0 * 0.5), selftest=False)
+    assert answer["content"] == execute(by_hand, parse_chat_request(ASK)).choices[0].text
+    assert post(admin, "/admin/models/unload", {"name": "hf+tuned"}).status_code == 200
+    for body, param in (({"model": str(base), "lora": str(tmp_path / "nowhere")}, "lora"),
+                        ({"model": str(base), "lora_scale": 2}, "lora_scale")):
+        bad = post(admin, "/admin/models/load", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

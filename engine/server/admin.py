@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.api.fields import int_field, known_fields, object_body, str_field
+from engine.api.fields import float_field, int_field, known_fields, object_body, str_field
 from engine.errors import GoinferError, RequestError
 from engine.server.config import ServedModel
 
@@ -45,22 +45,29 @@ class ModelAdmin:
 
     def load(self, body) -> dict:
         body = object_body(body)
-        known_fields(body, {"model", "name", "ctx", "quant"})
+        known_fields(body, {"model", "name", "ctx", "quant", "lora", "lora_scale"})
         ref = str_field(body, "model")
         if not ref:
             raise RequestError("model: required (a .gguf path, a directory, a built-in name or hf:...)", "model",
                                "missing_required_parameter")
         ctx = int_field(body, "ctx", 16)
         quant = str_field(body, "quant") or "auto"
+        lora, scale = str_field(body, "lora"), float_field(body, "lora_scale", -100.0, 100.0)
+        if scale is not None and lora is None:
+            raise RequestError("lora_scale: goes with lora (a PEFT adapter directory)", "lora_scale",
+                               "invalid_value")
+        adapters = [(lora, 1.0 if scale is None else scale)] if lora else []
         with self._loading:
             name = str_field(body, "name")
             if name is not None and (name in self.state.models or name in self.state.embedders):
                 raise RequestError(f"name: {name!r} is already served", "name", "conflict")
             try:
-                model = self._load(ref, quant=quant, selftest=False, context=ctx)
-            except GoinferError as e:  # a missing file, a family not run, too little memory: the request's
-                raise RequestError(f"model: {e}", "model", "invalid_model") from None
-            name = name or model.name
+                model = self._load(ref, quant=quant, selftest=False, context=ctx, lora=adapters)
+            except GoinferError as e:  # a missing file, a family not run, too little memory, a bad adapter
+                field = "lora" if str(e).startswith("--lora ") else "model"
+                raise RequestError(f"{field}: {str(e).removeprefix('--lora ')}", field, "invalid_model") from None
+            # an adapted model is not the base: not under the base's name unless named so
+            name = name or "+".join([model.name] + [a["adapter"] for a in model.adapters])
             if name in self.state.models or name in self.state.embedders:
                 raise RequestError(f"name: {name!r} is already served (name this one)", "name", "conflict")
             served = ServedModel.of(name, model, ctx or self.state.default_ctx)
