@@ -172,7 +172,9 @@ def _lay_out(items: list, exact: bool, quantize_stored: bool) -> tuple[np.ndarra
 
     plans = []
     for name, t, delta in items:
-        if delta is None and not (quantize_stored and t.ggml_type in _FLOATS and t.rows > 1 and t.cols % 32 == 0):
+        # what hf_checkpoint's default-path conversion would have made of a stored float matrix (vectors are f32)
+        converted = quantize_stored and t.ggml_type in _FLOATS and t.rows > 1
+        if delta is None and not converted:
             gtype, nbytes = t.ggml_type, t.raw.nbytes
         else:
             gtype = GGMLType.F32 if exact or t.cols % 32 else GGMLType.Q8_0
@@ -190,8 +192,7 @@ def _lay_out(items: list, exact: bool, quantize_stored: bool) -> tuple[np.ndarra
                 merged = np.array(dequantize_raw(t.raw[r0 : r0 + 4096], t.ggml_type, t.cols), np.float32)
                 if delta is not None:
                     merged += delta[r0 : r0 + 4096]
-                raw[r0 : r0 + 4096] = (merged.astype(np.float32).view(np.uint8) if gtype == GGMLType.F32 else
-                                       gguf.quants.quantize(merged.astype(np.float32),
-                                                            gguf.GGMLQuantizationType.Q8_0))
+                raw[r0 : r0 + 4096] = (merged.view(np.uint8) if gtype == GGMLType.F32 else
+                                       gguf.quants.quantize(merged, gguf.GGMLQuantizationType.Q8_0))
         out[name] = QTensor(name, gtype, (t.rows, t.cols), raw)
     return buf, out
