@@ -24,6 +24,7 @@ from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.reasoning import ThinkingSettings
+from engine.speculation import Speculation
 from engine.prompts import answer_at_once, encode_prompt, reply_plan, thinking_of
 from engine.templates.harmony import EFFORTS
 from engine.templates.thinking import MODES, render_prompt
@@ -75,7 +76,7 @@ class ChatState:
     show_thinking: bool = True
     effort: str | None = None  # --reasoning-effort, /effort: gpt-oss's Reasoning line
     penalties: dict = field(default_factory=dict)  # --min-p, --repeat-penalty, --presence/--frequency-penalty
-    speculation: object = None  # --speculate / --draft-max (engine/speculation.py); None: one token a step
+    speculation: Speculation | None = None  # --speculate / --draft-max; None: one token a step
     verbose: bool = False  # --verbose, /verbose: each reply's timings on stderr
 
     def conversation(self) -> list[dict]:

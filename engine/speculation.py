@@ -74,7 +74,7 @@ class Drafter:
         self.length = spec.draft_max  # the draft length now (adapts)
         self._misses = 0  # drafts in a row refused at their first token
         self._pause = 0  # tokens still to go without drafting
-        self.drafted = self.accepted = 0  # totals, for the server's metrics
+        self.drafted = self.accepted = 0  # this sequence's draft tokens checked and taken, in all
         self.rate = 0.75  # the share of recent drafts' tokens that were taken (a running mean; hopeful at first)
         for t in tokens:
             self.push(t)

@@ -121,7 +121,6 @@ class AdaptedSource(TensorImage):
         items = [(name, t, deltas.get(name)) for name, t in tensors.items()]
         self._buffer, self._tensors = _lay_out(items, exact, quantize_stored)
         self._freeze()
-        self.adapted = sorted(deltas)
 
     @property
     def architecture(self) -> str:

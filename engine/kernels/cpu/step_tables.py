@@ -89,7 +89,12 @@ class DecodeStep:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) != len(caches) or not len(ids):
             raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
-        return self.runs([ids[m : m + 1] for m in range(len(ids))], caches)
+        for c in caches:  # one token each: the per-step path stays as plain as it was (runs is speculation's)
+            c.reserve(1)
+        logits = decode_step(*self.arguments(ids, caches))
+        for c in caches:
+            c.advance(1)
+        return logits
 
     def runs(self, runs: list, caches: list[KVCache]) -> np.ndarray:
         """Several tokens per sequence in one step: runs[m] (a few ids) appended to caches[m] at its end; the
