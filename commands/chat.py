@@ -25,7 +25,7 @@ from engine.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.reasoning import ThinkingSettings
 from engine.speculation import Speculation
-from engine.prompts import answer_at_once, encode_prompt, reply_plan, thinking_of
+from engine.prompts import answer_at_once, encode_prompt, message_starts, reply_plan, thinking_of
 from engine.templates.harmony import EFFORTS
 from engine.templates.thinking import MODES, render_prompt
 from engine.store.paths import goinfer_home
@@ -51,11 +51,11 @@ The REPL keeps the conversation's KV cache between turns: each turn evaluates on
 A thinking model's reasoning prints dimmed on stderr before its answer (--hide-thinking: a marker instead); only
 the answer goes to stdout and into the conversation.
 
-In the REPL: /reset, /system TEXT, /temp T, /seed N, /max N, /think MODE, /quit. Ctrl-C stops a reply; Ctrl-D
-quits.
+In the REPL: /retry (a new reply to the last message), /undo (drop the last exchange), /reset, /system TEXT,
+/temp T, /seed N, /max N, /think MODE, /quit. Ctrl-C stops a reply; Ctrl-D quits.
 """
 
-REPL_HELP = ("/reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /effort low|medium|high  "
+REPL_HELP = ("/retry  /undo  /reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /effort low|medium|high  "
              "/verbose  /quit   (Ctrl-C stops a reply, Ctrl-D quits)")
 
 
@@ -265,29 +265,43 @@ def _repl(llm, session: ChatState) -> None:
         line = line.strip()
         if not line:
             continue
-        if line.startswith("/"):
+        if line.split(" ")[0] == "/retry":
+            if not session.messages or session.messages[-1]["role"] != "assistant":
+                say("nothing to retry")
+                continue
+            retried = session.messages.pop()
+        elif line.startswith("/"):
             if _command(line, session):
                 return
             continue
-        session.messages.append({"role": "user", "content": line})
+        else:
+            retried = None
+            session.messages.append({"role": "user", "content": line})
         try:
             reply = _reply(llm, session)
-        except KeyboardInterrupt:
-            say("(stopped)", style="dim")
-            session.messages.pop()
-            continue
-        except GoinferError as e:
-            say(str(e), lead="error:", lead_style="red")
-            session.messages.pop()
+        except (KeyboardInterrupt, GoinferError) as e:
+            if isinstance(e, KeyboardInterrupt):
+                say("(stopped)", style="dim")
+            else:
+                say(str(e), lead="error:", lead_style="red")
+            if retried is None:
+                session.messages.pop()
+            else:
+                session.messages.append(retried)  # the reply it had stays
             continue
         session.messages.append({"role": "assistant", "content": reply})
         _warm_next_turn(llm, session)
 
 
 def _warm_next_turn(llm, session: ChatState) -> None:
-    """While the user reads and types: the conversation as the next prompt will start, into the cache."""
-    text = llm.render_chat(session.conversation(), add_generation_prompt=False)
-    session.warm.absorb(encode_prompt(llm, text), {"system": session.system, "messages": session.messages})
+    """While the user reads and types: the conversation as the next prompt will start, into the cache. A recurrent
+    model keeps snapshots where /retry (the last prompt's end) and /undo (the last user message) would resume."""
+    conversation = session.conversation()
+    text = llm.render_chat(conversation, add_generation_prompt=False)
+    ids = encode_prompt(llm, text)
+    marks = (*message_starts(llm, text, conversation, ids), session.warm.prompt_tokens) \
+        if llm.config.state_shapes else ()
+    session.warm.absorb(ids, {"system": session.system, "messages": session.messages}, marks)
 
 
 def _command(line: str, session: ChatState) -> bool:
@@ -300,6 +314,13 @@ def _command(line: str, session: ChatState) -> bool:
         if name == "/reset":
             session.messages.clear()
             say("conversation cleared")
+        elif name == "/undo":
+            if not session.messages:
+                say("nothing to undo")
+            else:
+                while session.messages and session.messages.pop()["role"] != "user":
+                    pass  # the reply, then the message it answered
+                say("removed the last exchange")
         elif name == "/system":
             session.system = arg or None
             session.messages.clear()

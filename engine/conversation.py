@@ -25,7 +25,7 @@ from engine.generate import TokenEvent, generate
 from engine.kernels.cpu.threads import set_threads
 from engine.models.base import Model
 from engine.session_store import NotLoadable, load_file, save_file
-from engine.sessions import Session, SessionPool, snapshot_point
+from engine.sessions import Session, SessionPool, keep_snapshots, pause_points
 
 
 class WarmConversation:
@@ -65,41 +65,40 @@ class WarmConversation:
         if len(ids) >= self.window:
             raise ContextOverflow(f"the conversation has {len(ids)} tokens; the context window is {self.window} "
                                   "(/reset starts a new one)")
-        cache, reused = self.pool.take(ids, min(self.window, len(ids) + max_new))
-        self.prompt_tokens, self.cached_tokens = len(ids), reused
-        # a recurrent state moves on with the reply: the snapshot it was restored at stays the reusable point
-        snapshot = cache.snapshot() if cache.state and reused else None
+        taken = self.pool.take(ids, min(self.window, len(ids) + max_new))
+        cache = taken.cache
+        self.prompt_tokens, self.cached_tokens = len(ids), taken.reused
         try:
             yield from generate(self.model, ids, cache=cache, **options)
-        finally:  # stopped or not, what the prompt pass computed stays warm
-            self.pool.give(cache, ids[: min(len(ids), cache.length)], snapshot)
+        finally:  # stopped or not, what the prompt pass computed stays warm (a recurrent state: its snapshots)
+            self.pool.give(cache, ids[: min(len(ids), cache.length)], taken.snapshots)
 
-    def absorb(self, ids: list[int], meta: dict) -> None:
+    def absorb(self, ids: list[int], meta: dict, marks: tuple[int, ...] = ()) -> None:
         """In the background: evaluate ids (the conversation as the next prompt will start) through the prompt
-        pass into the warm session, then write it to the session file with meta."""
+        pass into the warm session, then write it to the session file with meta. marks: positions a later prompt
+        may share up to and no further (a recurrent model keeps a snapshot at each)."""
         self.wait()
-        self._worker = threading.Thread(target=self._absorb, args=(list(ids), meta), name="goinfer-absorb",
+        self._worker = threading.Thread(target=self._absorb, args=(list(ids), meta, marks), name="goinfer-absorb",
                                         daemon=True)
         self._worker.start()
 
-    def _absorb(self, ids: list[int], meta: dict) -> None:
+    def _absorb(self, ids: list[int], meta: dict, marks: tuple[int, ...]) -> None:
         if self.threads:
             set_threads(self.threads)  # numba's thread count is per thread
-        cache, reused = self.pool.take(ids, len(ids) + 1)
-        snapshot = None
+        taken = self.pool.take(ids, len(ids) + 1)
+        cache, done, snapshots = taken.cache, taken.reused, taken.snapshots
         try:
-            if cache.state:  # a recurrent model reuses from a snapshot only: the evaluation pauses for one
-                pause = snapshot_point(len(ids), self.model.backend.prompt_tile)
-                if reused < pause:
-                    self.model.prefill(ids[reused:pause], cache)
-                    reused = pause
-                snapshot = cache.snapshot()
-            if reused < len(ids):
-                self.model.prefill(ids[reused:], cache)
+            if cache.state:  # a recurrent model reuses from a snapshot only: the evaluation pauses for them
+                for pause in pause_points(len(ids), self.model.backend.prompt_tile, marks, after=done):
+                    self.model.prefill(ids[done:pause], cache)
+                    done = pause
+                    snapshots.append(cache.snapshot())
+            if done < len(ids):
+                self.model.prefill(ids[done:], cache)
         except Exception as e:  # noqa: BLE001 - the next turn just evaluates more; the conversation goes on
             self.warn(f"could not warm the conversation's cache: {e}")
             return
-        session = Session(cache, np.asarray(ids, np.int64), snapshot, meta=meta)
+        session = Session(cache, np.asarray(ids, np.int64), keep_snapshots(snapshots), meta=meta)
         self.pool.add(session)
         if self.path is not None and self._writable:
             try:

@@ -6,6 +6,7 @@ a final assistant message continued), or a completion's text or token ids; and t
     thinking_plan(model, req, prompt, settings)              how the reply is split (None: not a thinking model)
     reply_plan(model, prompt, ...)                           the same from the parts (the chat REPL's)
     continuation_ids(model, req, reply)                      how the next turn's prompt will likely start
+    message_starts(model, text, messages, ids)               where the first and the last user message start
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import weakref
 from engine.errors import RequestError
 from engine.models.base import Model
 from engine.reasoning import ThinkingPlan, ThinkingSettings
+from engine.sessions import shared_prefix
 from engine.templates.harmony import ANSWER_NOW, FINAL, START, harmony_messages
 from engine.templates.thinking import PromptText, ThinkingTemplate, read_thinking, render_prompt
 from engine.templates.tools import render_messages
 
 # `req` below is an engine.requests.GenerationRequest (not imported: engine.requests builds on this module).
 
-__all__ = ["answer_at_once", "continuation_ids", "encode_prompt", "prompt_ids", "render_request", "reply_plan",
-           "thinking_mode", "thinking_of", "thinking_plan"]
+__all__ = ["answer_at_once", "continuation_ids", "encode_prompt", "message_starts", "prompt_ids", "render_request",
+           "reply_plan", "thinking_mode", "thinking_of", "thinking_plan"]
 
 
 def encode_prompt(model: Model, text: str) -> list[int]:
@@ -128,3 +130,29 @@ def continuation_ids(model: Model, req, reply: str) -> list[int] | None:
     except Exception:  # noqa: BLE001 - a template that wants another shape: no guess, nothing warmed
         return None
     return None
+
+
+# How much of a message's text is looked for in its rendered prompt (enough to find it, short enough to be cheap).
+_PROBE_CHARS = 48
+
+
+def message_starts(model: Model, text: str, messages, ids: list[int]) -> tuple[int, ...]:
+    """Token positions of ids (text's tokens) at or before where the first and the last user message's text
+    starts: a later prompt with the same system prompt, or the same conversation with its last message edited or
+    regenerated, shares the prompt up to there (a recurrent model keeps snapshots at them: engine/sessions.py).
+    A message found in the text, each after the one before; one not found ends the search (fewer marks)."""
+    found, at = [], 0
+    for message in messages:
+        content = message.get("content") if message.get("role") == "user" else None
+        if isinstance(content, list):
+            content = next((c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"), None)
+        probe = content.strip()[:_PROBE_CHARS] if isinstance(content, str) else ""
+        if not probe:
+            continue
+        at = text.find(probe, at)
+        if at < 0:
+            break
+        found.append(at)
+    starts = sorted({found[0], found[-1]}) if found else []
+    # A prefix's own tokens match the whole text's up to (about) where the prefix ends: tokens there may merge.
+    return tuple(shared_prefix(ids, encode_prompt(model, text[:c])) for c in starts)

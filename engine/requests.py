@@ -19,7 +19,7 @@ from engine.constrain.grammar import Grammar, GrammarProcessor, grammar_processo
 from engine.errors import Cancelled, ContextOverflow, RequestError
 from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_of
 from engine.models.base import Model
-from engine.prompts import encode_prompt, prompt_ids, render_request, thinking_plan
+from engine.prompts import encode_prompt, message_starts, prompt_ids, render_request, thinking_plan
 from engine.reasoning import ThinkingSettings
 from engine.speculation import Speculation
 from engine.templates.tools import ToolCall, asks_hermes_json, parse_tool_calls, template_supports_tools
@@ -185,6 +185,8 @@ class Prepared:
     choices: list[Generation]  # one not yet started sequence per answer; all share the prompt
     tokenizer: object = None  # the model's (goinfer_confidence reads token pieces after the answer)
     cached_tokens: int = 0  # leading prompt tokens a warm session gave (set when the prompt is evaluated)
+    # a recurrent model's chat: where its first and last user message start (snapshots there: engine/sessions.py)
+    marks: tuple[int, ...] = ()
 
     @property
     def cache_tokens(self) -> int:
@@ -207,11 +209,13 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     """Check `req` against `model` (at most `window` tokens of context) without running it; `thinking`: the
     runner's thinking mode and reasoning budget, for what the request leaves unsaid."""
     opts = req.options.fill(API_DEFAULTS)
-    plan = None
+    plan, marks = None, ()
     if req.messages is not None:
         prompt = render_request(model, req, thinking)
         ids = encode_prompt(model, prompt.text)
         plan = thinking_plan(model, req, prompt, thinking)
+        if model.config.state_shapes:
+            marks = message_starts(model, prompt.text, req.messages, ids)
     else:
         ids = prompt_ids(model, req)
     if not ids:
@@ -238,7 +242,7 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
-    return Prepared(req, ids, window, head, choices, model.tokenizer)
+    return Prepared(req, ids, window, head, choices, model.tokenizer, marks=marks)
 
 
 @dataclass

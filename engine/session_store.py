@@ -1,7 +1,9 @@
 """Warm sessions on disk (`goinfer serve --session-dir`, `goinfer chat --session FILE`).
 
 One file per session: a zip (numpy's .npz, each member CRC-checked on read) of a JSON header, the prompt tokens,
-the keys and values of their positions and a recurrent model's snapshot. The header names the model by its
+the keys and values of their positions and a recurrent model's snapshots (the last as `state.NAME`, earlier ones
+as `state@POSITION.NAME`, listed in the header's `snapshots`: a reader of the one-snapshot files reads the last). The
+header names the model by its
 file's identity and the numbers' provenance (`identity`: the file's size and a hash of its first MiB, the
 backend configuration, the CPU code tier, goinfer's version, the prompt tile): a session from another model, or
 from kernels that would compute other numbers, is not this model's, and reusing it could give a wrong answer.
@@ -66,19 +68,19 @@ def key_of(ident: dict) -> str:
 
 def save(path: Path, session: Session, ident: dict) -> None:
     """Write a session (its prompt positions only) to path, atomically."""
-    cache, n = session.cache, len(session.tokens)
-    if session.snapshot is not None:
-        n = session.snapshot[0]  # a recurrent model's keys and values past its snapshot are not reusable
+    cache, n, snaps = session.cache, len(session.tokens), session.snapshots
+    if snaps:
+        n = snaps[-1][0]  # a recurrent model's keys and values past its last snapshot are not reusable
     layers = range(cache.n_layer)
     header = {"format": FORMAT, "version": VERSION, "identity": ident, "tokens": len(session.tokens),
               "positions": n, "kv_dtype": cache.dtype,
-              "shape": [cache.n_layer, cache.n_head_kv, cache.head_dim], "snapshot": session.snapshot is not None,
-              "meta": session.meta}
+              "shape": [cache.n_layer, cache.n_head_kv, cache.head_dim], "snapshot": bool(snaps),
+              "snapshots": [at for at, _ in snaps[:-1]], "meta": session.meta}
     arrays = {"header": np.frombuffer(json.dumps(header).encode(), np.uint8), "tokens": session.tokens,
               "keys": np.stack([cache.keys(i, n) for i in layers]) if n else np.zeros(0, np.float32),
               "values": np.stack([cache.values(i, n) for i in layers]) if n else np.zeros(0, np.float32)}
-    if session.snapshot is not None:
-        arrays.update({"state." + k: v for k, v in session.snapshot[1].items()})
+    for at, state in snaps:
+        arrays.update({f"state{'' if at == n else f'@{at}'}.{k}": v for k, v in state.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
     try:
@@ -135,21 +137,30 @@ def _rebuild(model, header: dict, data: dict) -> Session:
         for layer in range(L):
             cache.write(layer, keys[layer], values[layer])  # stored rounded as they were: writing them is exact
         cache.advance(n)
-    snapshot = None
+    snapshots = []
     if header["snapshot"]:
-        state = {}
-        for name, a in cache.state.items():
-            got = data.get("state." + name)
-            if got is None or got.shape != a.shape or got.dtype != a.dtype:
-                raise NotLoadable(f"its recurrent state {name} does not fit this model")
-            a[:] = got
-            state[name] = got.copy()
-        snapshot = (n, state)
+        earlier = [int(at) for at in header.get("snapshots", [])]
+        if sorted(set(earlier)) != earlier or not all(0 < at < n for at in earlier):
+            raise NotLoadable("its snapshots' positions do not fit its cache")
+        for at in earlier + [n]:
+            snapshots.append((at, _state(cache, data, "state." if at == n else f"state@{at}.")))
+        cache.restore(snapshots[-1])
     elif cache.state:
         raise NotLoadable("a recurrent model's session without its state")
     else:
         tokens = tokens[:n]
-    return Session(cache, tokens, snapshot, meta=dict(header.get("meta") or {}))
+    return Session(cache, tokens, snapshots, meta=dict(header.get("meta") or {}))
+
+
+def _state(cache, data: dict, prefix: str) -> dict:
+    """A snapshot's recurrent state as stored under prefix, checked against the cache's."""
+    state = {}
+    for name, a in cache.state.items():
+        got = data.get(prefix + name)
+        if got is None or got.shape != a.shape or got.dtype != a.dtype:
+            raise NotLoadable(f"its recurrent state {name} does not fit this model")
+        state[name] = got.copy()
+    return state
 
 
 class SessionDir:

@@ -15,8 +15,11 @@ What is reused, and why it is exact (a warm reply equals the cold one, bit for b
 - At least one prompt token is evaluated: its logits start the reply.
 - Sliding-window layers keep every position (the cache is not a ring), so any prefix of them is whole.
 - A recurrent layer (gated DeltaNet, LFM2's convolutions) holds its whole prefix in a fixed-size state that
-  cannot be truncated. Such a session is reusable only at its snapshot: the state copied where the prompt's
-  evaluation crossed its last whole tile (`snapshot_point`); a prompt that shares less than that is cold.
+  cannot be truncated. Such a session is reusable only at its snapshots: the state copied where the prompt's
+  evaluation paused at a tile boundary (`pause_points`): its last whole tile (the next turn continues there),
+  before its first and its last user message (another conversation with the same system prompt, an edited or
+  regenerated last message), and where it left the pool's closest session (a prefix two prompts shared is
+  likely shared again). At most MAX_SNAPSHOTS a session; a prompt that shares less than the first is cold.
 
 Memory: at most `max_sessions` sessions and `budget_bytes` of KV; the least recently used leaves first (written
 to the session store, when there is one: engine/session_store.py).
@@ -52,31 +55,61 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
+# A recurrent session keeps at most this many snapshots (each a copy of the whole state: for a Qwen3.5-9B about
+# 72 MiB): its first (a shared system prompt) and the latest ones.
+MAX_SNAPSHOTS = 4
+
+
 def snapshot_point(n_prompt: int, tile: int) -> int:
-    """Where a recurrent model's prompt evaluation pauses to copy its state for a later reuse: the last tile
+    """Where a recurrent model's prompt evaluation pauses last to copy its state for a later reuse: the last tile
     boundary that leaves at least one token to evaluate (0: none)."""
     return (n_prompt - 1) // tile * tile
+
+
+def pause_points(n_prompt: int, tile: int, marks: Sequence[int] = (), after: int = 0) -> list[int]:
+    """Where a recurrent prompt's evaluation pauses for snapshots, past `after` (what was reused): each mark (a
+    position a later prompt may share up to) cut back to its tile, and the last whole tile (snapshot_point)."""
+    last = snapshot_point(n_prompt, tile)
+    points = {min(int(m), last) // tile * tile for m in marks} | {last}
+    return sorted(p for p in points if p > after)
+
+
+def keep_snapshots(snapshots: list[tuple]) -> list[tuple]:
+    """A session's snapshots in position order, at most MAX_SNAPSHOTS: the first and the latest."""
+    snapshots = sorted(snapshots, key=lambda s: s[0])
+    return snapshots if len(snapshots) <= MAX_SNAPSHOTS else snapshots[:1] + snapshots[1 - MAX_SNAPSHOTS:]
 
 
 @dataclass
 class Session:
     cache: KVCache
     tokens: np.ndarray  # int64: the prompt tokens whose prompt-pass keys and values the cache holds, from 0
-    snapshot: tuple | None = None  # recurrent models: KVCache.snapshot() at a tile boundary, else None
+    # recurrent models: KVCache.snapshot()s at tile boundaries, in position order (the cache is at the last)
+    snapshots: list[tuple] = field(default_factory=list)
     used: float = 0.0  # time.monotonic() of its last use
     meta: dict = field(default_factory=dict)  # what its owner keeps with it on disk (goinfer chat: the messages)
 
     def reusable(self, prompt: Sequence[int], tile: int) -> int:
         """How many leading positions of prompt this session can give it (a multiple of tile)."""
         n = min(shared_prefix(self.tokens, prompt), len(prompt) - 1)
-        if self.cache.state:  # only from the snapshot
-            at = self.snapshot[0] if self.snapshot is not None else 0
-            return at if 0 < at <= n else 0
+        if self.cache.state:  # only from a snapshot
+            return max((at for at, _ in self.snapshots if at <= n), default=0)
         return n // tile * tile
 
     def nbytes(self) -> int:
-        snap = sum(a.nbytes for a in self.snapshot[1].values()) if self.snapshot is not None else 0
-        return self.cache.nbytes() + snap
+        return self.cache.nbytes() + sum(a.nbytes for _, state in self.snapshots for a in state.values())
+
+
+@dataclass
+class Taken:
+    """What SessionPool.take gives a prompt: a cache holding its first `reused` positions, the snapshots it can
+    still be brought back to (recurrent models: those at or before `reused`), and how far the prompt ran along
+    the closest session in the pool (where a recurrent prompt may pause for a snapshot: pause_points)."""
+
+    cache: KVCache
+    reused: int
+    snapshots: list[tuple] = field(default_factory=list)
+    shared: int = 0
 
 
 class SessionPool:
@@ -97,37 +130,46 @@ class SessionPool:
 
     # ------------------------------------------------------------------ use
 
-    def take(self, prompt: Sequence[int], max_tokens: int, *, count: bool = True) -> tuple[KVCache, int]:
-        """A cache for a prompt that will hold at most max_tokens positions, and how many of the prompt's
-        leading positions it already holds (0: a new cache). The session it came from leaves the pool.
-        count=False: not a request's (idle-time warming), left out of the reuse figures."""
+    def take(self, prompt: Sequence[int], max_tokens: int, *, count: bool = True) -> Taken:
+        """A cache for a prompt that will hold at most max_tokens positions, holding as many of the prompt's
+        leading positions as a session can give (0: a new cache). The session it came from leaves the pool,
+        unless it is a recurrent one that can give more to others (its later snapshots): then the prompt's cache
+        is a copy of its prefix. count=False: not a request's (idle-time warming), left out of the reuse figures."""
         with self._lock:
-            best, reuse = None, 0
+            best, reuse, shared = None, 0, 0
             for s in self._sessions:
                 n = s.reusable(prompt, self.tile)
+                shared = max(shared, min(shared_prefix(s.tokens, prompt), len(prompt) - 1))
                 if n > reuse:
                     best, reuse = s, n
-            if best is not None:
+            if best is None:
+                return Taken(self.model.new_cache(max_tokens), 0, shared=shared)
+            self.hits += count
+            self.reused_tokens += reuse if count else 0
+            snapshots = [s for s in best.snapshots if s[0] <= reuse]
+            if snapshots and len(snapshots) < len(best.snapshots):
+                # A recurrent session given up to an earlier snapshot (another conversation with its system
+                # prompt, its own last message edited) stays for its own next turn: the prompt gets a copy.
+                best.used = time.monotonic()
+                cache = best.cache.fork(reuse)
+                cache.restore(snapshots[-1])
+            else:
                 self._sessions.remove(best)
-                self.hits += count
-                self.reused_tokens += reuse if count else 0
-        if best is None:
-            return self.model.new_cache(max_tokens), 0
-        cache = best.cache
-        if cache.state:
-            cache.restore(best.snapshot)
-        else:
-            cache.truncate(reuse)
+                cache = best.cache
+                if cache.state:
+                    cache.restore(snapshots[-1])
+                else:
+                    cache.truncate(reuse)
         cache.max_tokens = max(max_tokens, reuse + 1)
-        return cache, reuse
+        return Taken(cache, reuse, snapshots, shared)
 
-    def give(self, cache: KVCache, tokens: Sequence[int], snapshot: tuple | None = None) -> None:
+    def give(self, cache: KVCache, tokens: Sequence[int], snapshots: Sequence[tuple] = ()) -> None:
         """A cache whose first len(tokens) positions hold those prompt tokens (prompt pass), back as a session.
         Nothing to keep (no whole tile, or a recurrent cache without a snapshot): it is let go."""
         tokens = np.asarray(tokens, np.int64)
-        if len(tokens) < self.tile + 1 or (cache.state and snapshot is None) or self.max_sessions < 1:
+        if len(tokens) < self.tile + 1 or (cache.state and not snapshots) or self.max_sessions < 1:
             return
-        self.add(Session(cache, tokens, snapshot, time.monotonic()))
+        self.add(Session(cache, tokens, keep_snapshots(list(snapshots)), time.monotonic()))
 
     def add(self, session: Session) -> None:
         """Keep a session (also one restored from disk); evict the least recently used past the limits."""

@@ -18,7 +18,7 @@ depend on who else is being served.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -30,7 +30,7 @@ from engine.kernels.backend import KVCache
 from engine.models.base import PREFILL_CHUNK, Model
 from engine.prompts import continuation_ids
 from engine.requests import ChoiceOutput
-from engine.sessions import SessionPool, snapshot_point
+from engine.sessions import SessionPool, Taken, pause_points
 from engine.speculation import Drafter, Speculation
 from engine.warming import Warming
 
@@ -54,7 +54,8 @@ class Prompt:
     job: object  # scheduler.Job
     cache: KVCache
     done: int = 0  # prompt tokens evaluated so far (or reused from a warm session)
-    snapshot: tuple | None = None  # a recurrent cache's state at snapshot_point (for the session pool)
+    snapshots: list[tuple] = field(default_factory=list)  # a recurrent cache's states where it paused, in order
+    pauses: list[int] = field(default_factory=list)  # ... and where it will pause (sessions.pause_points)
     reply: list[str] | None = None  # a one-choice job's text so far (what warming continues from)
 
 
@@ -107,13 +108,16 @@ class Stepper:
         if self.warming is not None:
             self.warming.stop()  # first, so that a warming under way puts its session back for this prompt
         if self.sessions is not None:
-            cache, reused = self.sessions.take(prep.ids, prep.cache_tokens)
+            taken = self.sessions.take(prep.ids, prep.cache_tokens)
         else:
-            cache, reused = self.model.new_cache(prep.cache_tokens), 0
+            taken = Taken(self.model.new_cache(prep.cache_tokens), 0)
+        cache, reused = taken.cache, taken.reused
         prep.cached_tokens = reused
         self._homes[id(job)] = p = Prompt(job, cache, reused, reply=[] if len(prep.choices) == 1 else None)
-        if cache.state and reused:  # restored at a snapshot: still the one to keep if the prompt pauses there
-            p.snapshot = cache.snapshot()
+        if cache.state and self.sessions is not None:  # snapshots for a later prompt that shares a prefix
+            p.snapshots = taken.snapshots
+            p.pauses = pause_points(len(prep.ids), self.model.backend.prompt_tile, (*prep.marks, taken.shared),
+                                    after=reused)
         self.prompts.append(p)
 
     def step(self) -> None:
@@ -137,8 +141,8 @@ class Stepper:
 
     def _prompt_chunk(self, p: Prompt) -> None:
         job, ids, model, cache = p.job, p.job.prep.ids, self.model, p.cache
-        # A recurrent cache pauses where its state is copied for a later reuse (sessions.snapshot_point).
-        pause = snapshot_point(len(ids), model.backend.prompt_tile) if cache.state and self.sessions else 0
+        # A recurrent cache pauses where its state is copied for a later reuse (sessions.pause_points).
+        pause = next((at for at in p.pauses if at > p.done), 0)
         try:
             if p.done == 0 and len(ids) <= self.prefill_chunk and not pause:  # whole, as `requests.run` does
                 logits = model.prefill(ids, cache)
@@ -154,7 +158,7 @@ class Stepper:
                     model.backend.end_prompt()
                 p.done = end
                 if p.done == pause:
-                    p.snapshot = cache.snapshot()
+                    p.snapshots.append(cache.snapshot())
             if p.done == len(ids):
                 self.prompts.popleft()
                 self._start_choices(job, cache, logits[0])
@@ -254,7 +258,7 @@ class Stepper:
         if self.sessions is not None and outcome != "failed":  # a failure may have left the cache half written
             # What its prompt pass computed goes back as a warm session, before the job's end is told: a client's
             # next turn, sent the moment it hears, finds it.
-            self.sessions.give(home.cache, job.prep.ids[: home.done], home.snapshot)
+            self.sessions.give(home.cache, job.prep.ids[: home.done], home.snapshots)
             if outcome == "completed" and home.reply is not None and self.warming is not None:
                 self.warming.add(continuation_ids(self.model, job.prep.request, "".join(home.reply)))
         self._on_end(job, outcome, error)

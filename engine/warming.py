@@ -52,8 +52,8 @@ class Warming:
         """One chunk of the oldest warming."""
         if self._current is None:
             ids = self.pending.popleft()
-            cache, reused = self.sessions.take(ids, len(ids) + 1, count=False)
-            self._current = [ids, cache, reused]
+            taken = self.sessions.take(ids, len(ids) + 1, count=False)
+            self._current = [ids, taken.cache, taken.reused]
         ids, cache, done = self._current
         end = min(len(ids), done + self.chunk)
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from testdata import make_fixtures
+from tests.conftest import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,28 @@ def test_repl_reads_commands_and_turns_from_a_pipe(smollm2_gguf):
     assert "Paris" in r.stdout
     assert "conversation cleared" in r.stderr
     assert "invalid value for /temp" in r.stderr
+
+
+def test_repl_retry_and_undo_resume_from_the_warm_cache(tmp_path):
+    """/retry answers the last message again and /undo drops the last exchange; on a recurrent model (whose cache
+    resumes only from snapshots) both start from the warm cache, not from nothing (chat -v prints what was
+    reused). The replies are long enough that the conversation's own last snapshot lies past the retried prompt."""
+    kit = SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf"
+    system = "You are a careful assistant for a small bakery. Keep answers short and never invent prices. " * 4
+    script = "What bread do you recommend?\n/retry\n/undo\n/undo\n/retry\nAnd for breakfast?\n/quit\n"
+    r = goinfer("chat", "--model", str(kit), "--system", system, "--temp", "0", "--max", "80", "-v", stdin=script)
+    assert r.returncode == 0, r.stderr
+    timings = [ln for ln in r.stderr.splitlines() if ln.startswith("prompt ")]
+    assert len(timings) == 3, r.stderr
+    (n, _), (n_retry, reused_retry), (_, reused_next) = [
+        (int(ln.split()[1]), int(ln.split("(")[1].split()[0])) for ln in timings]
+    assert n_retry == n and reused_retry == (n - 1) // 64 * 64 > 0  # the retried prompt's own last tile
+    assert reused_next > 0  # the snapshot before the undone message
+    assert "removed the last exchange" in r.stderr and "nothing to undo" in r.stderr
+    assert "nothing to retry" in r.stderr
+    out = r.stdout  # three replies, each ended by a newline (a reply may hold newlines of its own)
+    cuts = [i + 1 for i, c in enumerate(out) if c == "\n"]
+    assert any(out[:k] == out[k : 2 * k] and len(out) > 2 * k for k in cuts), out  # greedy: the same reply again
 
 
 def test_repl_session_file_resumes_the_conversation(tmp_path, smollm2_gguf):

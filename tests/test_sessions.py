@@ -158,7 +158,7 @@ def test_the_pool_keeps_at_most_its_limits_and_evicts_the_least_recently_used(sm
     pool = SessionPool(smol, max_sessions=2, on_evict=evicted.append)
     prompts = [np.arange(10 + i, 310 + i, dtype=np.int64) for i in range(3)]
     for ids in prompts:
-        cache, _ = pool.take(ids, 400)
+        cache = pool.take(ids, 400).cache
         smol.prefill(ids, cache)
         pool.give(cache, ids)
     assert pool.stats()["sessions"] == 2 and [len(s.tokens) for s in evicted] == [300]
@@ -184,6 +184,82 @@ def test_a_recurrent_model_reuses_only_from_its_snapshot():
         # shares 200 tokens only: less than the snapshot, so a cold prefill
         apart = GenerationRequest(prompt=list(range(5, 205)) + list(range(900, 1000)), options=first.options)
         assert run(scheduler, hybrid, apart).cached_tokens == 0
+    finally:
+        scheduler.close("done")
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
+
+
+def tile_of(model, position: int) -> int:
+    return position // model.backend.prompt_tile * model.backend.prompt_tile
+
+
+def test_a_recurrent_chat_keeps_snapshots_before_its_user_messages(hybrid):
+    """Another conversation with the same system prompt, and the same conversation with its last message edited,
+    continue from the snapshots taken before the first and the last user message; their replies are the cold
+    ones."""
+    scheduler, pool = served(hybrid)
+    try:
+        history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]},
+                   {"role": "assistant", "content": "Sourdough, or a soft white loaf. " * 12}]
+        first = chat_request(history + [{"role": "user", "content": TURNS[1]}], max_tokens=8)
+        marks = prepare(hybrid, first).marks
+        assert len(marks) == 2 and marks[0] > hybrid.backend.prompt_tile and marks[1] - marks[0] > 64
+        run(scheduler, hybrid, first)
+        for messages, mark in ((history[:1] + [{"role": "user", "content": TURNS[4]}], marks[0]),  # same system
+                               (history + [{"role": "user", "content": TURNS[2]}], marks[1])):  # last one edited
+            req = chat_request(messages, max_tokens=8)
+            warm = run(scheduler, hybrid, req)
+            assert warm.cached_tokens == tile_of(hybrid, mark) > 0
+            same(warm, execute(hybrid, req))
+    finally:
+        scheduler.close("done")
+
+
+def test_a_recurrent_prompt_pauses_where_it_left_the_closest_session(hybrid):
+    """Plain prompts have no messages: one that leaves a session before its snapshot is cold, but keeps a snapshot
+    where they parted, and a third prompt sharing that much continues from it."""
+    scheduler, pool = served(hybrid)
+    opts = SamplingOptions(max_tokens=8, temperature=0)
+    try:
+        run(scheduler, hybrid, GenerationRequest(prompt=list(range(5, 305)), options=opts))
+        apart = GenerationRequest(prompt=list(range(5, 205)) + list(range(900, 1000)), options=opts)
+        assert run(scheduler, hybrid, apart).cached_tokens == 0  # shares 200: less than the first's snapshot (256)
+        third = GenerationRequest(prompt=list(range(5, 255)) + [7, 8, 9], options=opts)
+        warm = run(scheduler, hybrid, third)
+        assert warm.cached_tokens == 192  # where the second left the first, cut back to its tile
+        assert warm.text == execute(hybrid, third).text
+        assert max(len(s.snapshots) for s in pool.drain()) <= 4
+    finally:
+        scheduler.close("done")
+
+
+def test_a_recurrent_session_file_keeps_every_snapshot(tmp_path, hybrid):
+    scheduler, pool = served(hybrid)
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    try:
+        run(scheduler, hybrid, chat_request(history, max_tokens=8))
+    finally:
+        scheduler.close("done")
+    store = SessionDir(tmp_path, hybrid, print)
+    (session,) = pool.drain()
+    assert len(session.snapshots) == 2  # before the (first and last) user message, and the last whole tile
+    store.save(session)
+    (restored,) = SessionDir(tmp_path, hybrid, print).load_all()
+    assert [at for at, _ in restored.snapshots] == [at for at, _ in session.snapshots]
+    for (_, a), (_, b) in zip(restored.snapshots, session.snapshots):
+        assert all(np.array_equal(a[k], b[k]) for k in b)
+    pool = SessionPool(hybrid)
+    pool.add(restored)
+    scheduler = Scheduler(hybrid, "m", max_queue=8, sessions=pool, log=lambda line: None)
+    try:
+        req = chat_request(history[:1] + [{"role": "user", "content": TURNS[3]}], max_tokens=8)
+        warm = run(scheduler, hybrid, req)
+        assert warm.cached_tokens == session.snapshots[0][0]
+        same(warm, execute(hybrid, req))
     finally:
         scheduler.close("done")
 

@@ -96,8 +96,9 @@ class KVCache(Protocol):
     def restore(self, snap: Any) -> None:
         """Back to a snapshot's position, which the cache must still hold."""
 
-    def fork(self) -> KVCache:
-        """A copy that continues on its own from this position (the n answers of one prompt)."""
+    def fork(self, length: int | None = None) -> KVCache:
+        """A copy that continues on its own from this position (the n answers of one prompt), or from position
+        length (its first positions only; recurrent state: restore a snapshot taken there)."""
 
     def nbytes(self) -> int: ...
 

@@ -121,16 +121,19 @@ class KVCache:
         for name, a in state.items():
             self.state[name][:] = a
 
-    def fork(self) -> KVCache:
+    def fork(self, length: int | None = None) -> KVCache:
         """A new sequence that starts where this one is (a copy: keys, values, recurrent state), to continue on its
-        own: the n answers of one prompt, which is evaluated once."""
+        own: the n answers of one prompt, which is evaluated once. With length: its first length positions only
+        (a warm session's prefix, which stays in the pool); a recurrent state is then to be restored from a
+        snapshot taken there."""
+        n = self.length if length is None else min(length, self.length)
         twin = KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.max_tokens, self.dtype)
         # as much room as this one has (a reused session's may hold more than its new request's max_tokens)
-        twin.reserve(min(self.capacity, self.max_tokens))
-        tiles = -(-self.length // attention.TILE)
+        twin.reserve(min(self.capacity, self.max_tokens) if length is None else n)
+        tiles = -(-n // attention.TILE)
         twin.k[:, :, :tiles] = self.k[:, :, :tiles]
-        twin.v[:, :, : self.length] = self.v[:, :, : self.length]
-        twin.length = self.length
+        twin.v[:, :, :n] = self.v[:, :, :n]
+        twin.length = n
         twin.state = {name: a.copy() for name, a in self.state.items()}
         return twin
 

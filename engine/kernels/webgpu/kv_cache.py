@@ -85,14 +85,16 @@ class WebGPUKVCache:
             raise ValueError(f"snapshot at {length} is past the cache's {self.length} positions")
         self.length = length
 
-    def fork(self) -> WebGPUKVCache:
-        """A copy on the device that continues on its own from this position."""
+    def fork(self, length: int | None = None) -> WebGPUKVCache:
+        """A copy on the device that continues on its own from this position (from position length: its first
+        length positions only)."""
+        n = self.length if length is None else min(length, self.length)
         twin = WebGPUKVCache(self.gpu, self.n_layer, self.n_head_kv, self.head_dim, self.max_tokens)
         if self.capacity:
             twin._grow(self.capacity)
             for old, new in zip(self.k + self.v, twin.k + twin.v):
-                self.gpu.copy(old, new, -(-self.length * self.width * self._bytes // 4) * 4)
-        twin.length = self.length
+                self.gpu.copy(old, new, -(-n * self.width * self._bytes // 4) * 4)
+        twin.length = n
         return twin
 
     def nbytes(self) -> int:
