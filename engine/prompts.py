@@ -136,11 +136,11 @@ def continuation_ids(model: Model, req, reply: str) -> list[int] | None:
 _PROBE_CHARS = 48
 
 
-def message_starts(model: Model, text: str, messages, ids: list[int]) -> tuple[int, ...]:
-    """Token positions of ids (text's tokens) at or before where the first and the last user message's text
-    starts: a later prompt with the same system prompt, or the same conversation with its last message edited or
-    regenerated, shares the prompt up to there (a recurrent model keeps snapshots at them: engine/sessions.py).
-    A message found in the text, each after the one before; one not found ends the search (fewer marks)."""
+def message_starts(model: Model, text: str, messages, ids: list[int], *, last: bool = True) -> tuple[int, ...]:
+    """Token positions of ids (text's tokens) at or before where the first and (last=True) the last user message's
+    text starts: a later prompt with the same system prompt, or the same conversation with its last message edited
+    or regenerated, shares the prompt up to there (engine/sessions.py keeps what it holds there for them). A
+    message found in the text, each after the one before; one not found ends the search (fewer marks)."""
     found, at = [], 0
     for message in messages:
         content = message.get("content") if message.get("role") == "user" else None
@@ -153,6 +153,8 @@ def message_starts(model: Model, text: str, messages, ids: list[int]) -> tuple[i
         if at < 0:
             break
         found.append(at)
+        if not last:
+            break
     starts = sorted({found[0], found[-1]}) if found else []
     # A prefix's own tokens match the whole text's up to (about) where the prefix ends: tokens there may merge.
     return tuple(shared_prefix(ids, encode_prompt(model, text[:c])) for c in starts)

@@ -185,7 +185,7 @@ class Prepared:
     choices: list[Generation]  # one not yet started sequence per answer; all share the prompt
     tokenizer: object = None  # the model's (goinfer_confidence reads token pieces after the answer)
     cached_tokens: int = 0  # leading prompt tokens a warm session gave (set when the prompt is evaluated)
-    # a recurrent model's chat: where its first and last user message start (snapshots there: engine/sessions.py)
+    # a chat: where its first user message starts, and a recurrent model's its last (engine/sessions.py)
     marks: tuple[int, ...] = ()
 
     @property
@@ -214,8 +214,7 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
         prompt = render_request(model, req, thinking)
         ids = encode_prompt(model, prompt.text)
         plan = thinking_plan(model, req, prompt, thinking)
-        if model.config.state_shapes:
-            marks = message_starts(model, prompt.text, req.messages, ids)
+        marks = message_starts(model, prompt.text, req.messages, ids, last=bool(model.config.state_shapes))
     else:
         ids = prompt_ids(model, req)
     if not ids:

@@ -2,7 +2,9 @@
 
 A session is a KV cache and the prompt tokens whose keys and values it holds. A new prompt takes the session
 that shares the longest prefix with it (`SessionPool.take`), keeps that prefix and evaluates only the rest; when
-its request ends, the cache goes back to the pool (`give`) as a session of the new prompt. The server's
+its request ends, the cache goes back to the pool (`give`) as a session of the new prompt. A prompt that is
+another conversation of the session's (it shares no more than its system prompt) gets a copy of the prefix
+instead, and the session stays for its own conversation's next turn. The server's
 scheduler keeps a pool per model (`--kv-sessions`), `goinfer chat` a pool of one.
 
 What is reused, and why it is exact (a warm reply equals the cold one, bit for bit):
@@ -89,9 +91,14 @@ class Session:
     used: float = 0.0  # time.monotonic() of its last use
     meta: dict = field(default_factory=dict)  # what its owner keeps with it on disk (goinfer chat: the messages)
 
-    def reusable(self, prompt: Sequence[int], tile: int) -> int:
-        """How many leading positions of prompt this session can give it (a multiple of tile)."""
-        n = min(shared_prefix(self.tokens, prompt), len(prompt) - 1)
+    def common(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of prompt this session holds, short of its last (whose logits start a reply)."""
+        return min(shared_prefix(self.tokens, prompt), len(prompt) - 1)
+
+    def reusable(self, prompt: Sequence[int], tile: int, common: int | None = None) -> int:
+        """How many leading positions of prompt this session can give it (a multiple of tile); common: what
+        self.common(prompt) says, when known."""
+        n = self.common(prompt) if common is None else common
         if self.cache.state:  # only from a snapshot
             return max((at for at, _ in self.snapshots if at <= n), default=0)
         return n // tile * tile
@@ -130,29 +137,37 @@ class SessionPool:
 
     # ------------------------------------------------------------------ use
 
-    def take(self, prompt: Sequence[int], max_tokens: int, *, count: bool = True) -> Taken:
+    def take(self, prompt: Sequence[int], max_tokens: int, *, count: bool = True, marks: Sequence[int] = ()
+             ) -> Taken:
         """A cache for a prompt that will hold at most max_tokens positions, holding as many of the prompt's
         leading positions as a session can give (0: a new cache). The session it came from leaves the pool,
-        unless it is a recurrent one that can give more to others (its later snapshots): then the prompt's cache
-        is a copy of its prefix. count=False: not a request's (idle-time warming), left out of the reuse figures."""
+        unless it is another conversation's (the prompt shares no more than up to its first user message, the
+        first of `marks`) or a recurrent one given up to an earlier snapshot than its last: then the prompt gets
+        a copy of the prefix, and the session stays for its own next turn. count=False: not a request's
+        (idle-time warming), left out of the reuse figures."""
         with self._lock:
-            best, reuse, shared = None, 0, 0
+            best, reuse, closest, shared = None, 0, 0, 0
             for s in self._sessions:
-                n = s.reusable(prompt, self.tile)
-                shared = max(shared, min(shared_prefix(s.tokens, prompt), len(prompt) - 1))
-                if n > reuse:
-                    best, reuse = s, n
+                common = s.common(prompt)
+                n = s.reusable(prompt, self.tile, common)
+                # of two that give as much, the closer one (the other may be another conversation's)
+                if n and (n, common) > (reuse, closest):
+                    best, reuse, closest = s, n, common
+                shared = max(shared, common)
             if best is None:
                 return Taken(self.model.new_cache(max_tokens), 0, shared=shared)
             self.hits += count
             self.reused_tokens += reuse if count else 0
             snapshots = [s for s in best.snapshots if s[0] <= reuse]
-            if snapshots and len(snapshots) < len(best.snapshots):
-                # A recurrent session given up to an earlier snapshot (another conversation with its system
-                # prompt, its own last message edited) stays for its own next turn: the prompt gets a copy.
+            if best.cache.state:
+                stays = len(snapshots) < len(best.snapshots)
+            else:
+                stays = bool(marks) and reuse <= marks[0] and len(best.tokens) > reuse + self.tile
+            if stays:
                 best.used = time.monotonic()
                 cache = best.cache.fork(reuse)
-                cache.restore(snapshots[-1])
+                if cache.state:
+                    cache.restore(snapshots[-1])
             else:
                 self._sessions.remove(best)
                 cache = best.cache

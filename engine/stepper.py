@@ -108,7 +108,7 @@ class Stepper:
         if self.warming is not None:
             self.warming.stop()  # first, so that a warming under way puts its session back for this prompt
         if self.sessions is not None:
-            taken = self.sessions.take(prep.ids, prep.cache_tokens)
+            taken = self.sessions.take(prep.ids, prep.cache_tokens, marks=prep.marks)
         else:
             taken = Taken(self.model.new_cache(prep.cache_tokens), 0)
         cache, reused = taken.cache, taken.reused

@@ -153,6 +153,31 @@ def test_sampled_requests_with_n_choices_reuse_and_match(smol):
         scheduler.close("done")
 
 
+def test_conversations_with_one_system_prompt_keep_their_own_sessions(smol):
+    """Two users of one system prompt, turn by turn: the second's first turn starts from the first's system
+    prompt without taking the first's session, so each next turn continues its own history. Replies are cold's."""
+    scheduler, pool = served(smol)
+    try:
+        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+        req = chat_request(first)
+        reply = run(scheduler, smol, req)
+        first_tokens = session_tokens(smol, req, reply)
+        other = chat_request(first[:1] + [{"role": "user", "content": TURNS[3]}])
+        assert run(scheduler, smol, other).cached_tokens == tile_of(smol, prepare(smol, other).marks[0]) > 0
+        again = chat_request(first + [{"role": "assistant", "content": reply.text},
+                                      {"role": "user", "content": TURNS[1]}])
+        warm = run(scheduler, smol, again)
+        assert warm.cached_tokens == expected_reuse(smol, first_tokens, prepare(smol, again).ids)
+        assert warm.cached_tokens > len(first_tokens) - smol.backend.prompt_tile
+        same(warm, execute(smol, again))
+    finally:
+        scheduler.close("done")
+
+
+def tile_of(model, position: int) -> int:
+    return position // model.backend.prompt_tile * model.backend.prompt_tile
+
+
 def test_the_pool_keeps_at_most_its_limits_and_evicts_the_least_recently_used(smol):
     evicted = []
     pool = SessionPool(smol, max_sessions=2, on_evict=evicted.append)
@@ -191,10 +216,6 @@ def test_a_recurrent_model_reuses_only_from_its_snapshot():
 @pytest.fixture(scope="module")
 def hybrid():
     return engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
-
-
-def tile_of(model, position: int) -> int:
-    return position // model.backend.prompt_tile * model.backend.prompt_tile
 
 
 def test_a_recurrent_chat_keeps_snapshots_before_its_user_messages(hybrid):

@@ -10,11 +10,15 @@ same messages cold. The first user message carries a ~900-token document, so fro
 history is past 1,000 tokens. Replies are greedy, --reply-tokens long. Turns are human-paced: each request goes
 to a server that has settled (no request running, no idle-time warming: engine/warming.py).
 
+--users N: N conversations, turn by turn in turn (user 0's turn 0, user 1's turn 0, ..., user 0's turn 1, ...), the
+document in their common system prompt (one agent or web UI, several users): each user's first turn may start
+from the others' system prompt, and each later turn from its own history.
+
 Reports per server and turn: ttft_warm_s, ttft_cold_s, ratio (warm / cold), the prompt's tokens and, where the
 server reports it, cached_tokens; and the median ratio over the turns after the first.
 
 Usage:
-  python tests/bench/bench_reuse.py MODEL.gguf [--turns 6] [--reply-tokens 64] [--threads 2]
+  python tests/bench/bench_reuse.py MODEL.gguf [--turns 6] [--reply-tokens 64] [--threads 2] [--users 1]
       [--llama-server /path/to/llama-server]
 The benchmark command may unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for itself (docs/benchmarks.md says when it
 did); the product, tests and CI never touch them.
@@ -91,6 +95,7 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary")
+    ap.add_argument("--users", type=int, default=1, help="conversations sharing one system prompt, in turn")
     a = ap.parse_args()
     env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OPENBLAS_NUM_THREADS": str(a.threads)}
     pairs = []  # (label, warm server url, cold server url or None, cold request extra)
@@ -118,31 +123,32 @@ def main() -> None:
             turn(w, [{"role": "user", "content": "Hello."}], 4)
             turn(c, [{"role": "user", "content": "Hi there."}], 4, extra)
         rows: dict[str, list[dict]] = {label: [] for label, *_ in pairs}
-        history = {label: [{"role": "system", "content": "You answer questions about the harbour rules below."}]
-                   for label, *_ in pairs}
-        for t in range(a.turns):
-            for label, w, c, extra in pairs:
-                msgs = history[label]
-                q = QUESTIONS[t % len(QUESTIONS)]
-                msgs.append({"role": "user", "content": (DOCUMENT + "\n\n" + q) if t == 0 else q})
-                wait_idle(w)
-                wait_idle(c)
-                hot = turn(w, msgs, a.reply_tokens)
-                wait_idle(w)
-                cool = turn(c, msgs, a.reply_tokens, extra)
-                msgs.append({"role": "assistant", "content": hot["text"]})
-                row = {"turn": t, "prompt_tokens": hot["prompt_tokens"], "cached_tokens": hot["cached_tokens"],
-                       "ttft_warm_s": round(hot["ttft"], 3), "ttft_cold_s": round(cool["ttft"], 3),
-                       "ratio": round(hot["ttft"] / cool["ttft"], 3), "same_reply": hot["text"] == cool["text"]}
-                rows[label].append(row)
-                print(f"{label} turn {t}: {row}", file=sys.stderr, flush=True)
+        system = "You answer questions about the harbour rules below." + ("\n\n" + DOCUMENT if a.users > 1 else "")
+        history = {(label, u): [{"role": "system", "content": system}] for label, *_ in pairs for u in range(a.users)}
+        for t, u, (label, w, c, extra) in ((t, u, pair) for t in range(a.turns) for u in range(a.users)
+                                           for pair in pairs):
+            msgs = history[label, u]
+            q = QUESTIONS[(t + u) % len(QUESTIONS)]
+            msgs.append({"role": "user", "content": (DOCUMENT + "\n\n" + q) if t == 0 and a.users == 1 else q})
+            wait_idle(w)
+            wait_idle(c)
+            hot = turn(w, msgs, a.reply_tokens)
+            wait_idle(w)
+            cool = turn(c, msgs, a.reply_tokens, extra)
+            msgs.append({"role": "assistant", "content": hot["text"]})
+            row = {"turn": t, "user": u, "prompt_tokens": hot["prompt_tokens"], "cached_tokens": hot["cached_tokens"],
+                   "ttft_warm_s": round(hot["ttft"], 3), "ttft_cold_s": round(cool["ttft"], 3),
+                   "ratio": round(hot["ttft"] / cool["ttft"], 3), "same_reply": hot["text"] == cool["text"]}
+            rows[label].append(row)
+            print(f"{label} user {u} turn {t}: {row}", file=sys.stderr, flush=True)
     finally:
         for s in servers:
             s.stop()
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "threads": a.threads, "model": Path(a.model).name, "turns": a.turns, "reply_tokens": a.reply_tokens}
+              "threads": a.threads, "model": Path(a.model).name, "turns": a.turns, "reply_tokens": a.reply_tokens,
+              "users": a.users}
     for label, r in rows.items():
-        later = [x["ratio"] for x in r[1:]]
+        later = [x["ratio"] for x in r[1:]]  # all but the very first turn (nothing to start from)
         result[label] = {"median_warm_ratio": round(statistics.median(later), 3) if later else None,
                          "max_warm_ratio": max(later) if later else None, "turns": r}
     print(json.dumps(result, indent=2))
