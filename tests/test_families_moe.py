@@ -78,13 +78,23 @@ def test_the_router_takes_the_top_k_renormalized():
     np.testing.assert_allclose(weight, [[0.5, 0.5], [1 / (1 + np.exp(-1)), 1 - 1 / (1 + np.exp(-1))]], rtol=1e-6)
 
 
-def test_a_token_through_the_forward_pass_reads_only_its_experts(monkeypatch):
+@pytest.mark.parametrize("path", ["exact", "fast"])
+def test_a_token_through_the_forward_pass_reads_only_its_experts(monkeypatch, path):
     # the prompt path's grouping: one token, k experts per layer (the compiled step addresses the chosen
-    # experts' rows itself: moe_step.py; tests/test_decode_step.py holds it to this pass)
-    model = _model(REFS[0], "auto")
+    # experts' rows itself: moe_step.py; tests/test_decode_step.py holds it to this pass). The exact path reads
+    # expert by expert; the fast one groups a tile's tokens by expert in one call per stacked tensor.
+    model = _model(REFS[0], "f32" if path == "exact" else "auto")
     read = []
-    real = model.weights.expert
+    real, grouped = model.weights.expert, model.backend.expert_matmul
     monkeypatch.setattr(model.weights, "expert", lambda name, e, n: read.append((name, int(e))) or real(name, e, n))
+
+    def grouped_reading(x, experts, starts, stacks, n):
+        got = grouped(x, experts, starts, stacks, n)
+        if got is not None:  # (None: the exact path, which goes expert by expert)
+            read.extend((s.name, e) for s in stacks for e in experts.tolist())
+        return got
+
+    monkeypatch.setattr(model.backend, "expert_matmul", grouped_reading)
     monkeypatch.setattr(model.backend, "step", None)
     cache = model.new_cache(16)
     model.prefill([5, 6, 7], cache)
@@ -92,6 +102,7 @@ def test_a_token_through_the_forward_pass_reads_only_its_experts(monkeypatch):
     model.decode([8], [cache])
     cfg = model.config
     assert len(read) == 3 * cfg.n_expert_used * cfg.n_layer  # gate, up and down of k experts per layer
+    assert len({e for _, e in read}) > cfg.n_expert_used  # (layers choose their own)
 
 
 @pytest.mark.parametrize("family,shape", [("qwen3_moe", (8, 2, 128)), ("gpt_oss", (8, 2, 128))])

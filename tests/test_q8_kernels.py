@@ -405,6 +405,34 @@ def test_mxfp4_expert_stacks(tier):
         assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name
 
 
+@pytest.mark.parametrize("kit", ["qwen3_moe/tiny-qwen3-moe-a.Q4_K_M.gguf", "gpt_oss/tiny-gpt-oss-a.MXFP4_MOE.gguf",
+                                 "qwen3_moe/tiny-qwen3-moe-a.Q8_0.gguf"])
+@pytest.mark.parametrize("tier", TIER_PARAMS)
+def test_grouped_experts_equal_the_matvec_expert_by_expert(kit, tier):
+    # kernels/cpu/expert_matmul.py: a prompt tile's (token, expert) pairs grouped by expert, one call per stacked
+    # tensor, against the int8 matvec of each expert's own rows over its group's inputs: bit for bit, with
+    # groups of 1 to 20 rows, experts out of order and some experts unused.
+    from engine.kernels.cpu import expert_matmul
+
+    f = GGUFFile(SHARED / "families" / kit)
+    n_expert = f.metadata[f"{f.metadata['general.architecture']}.expert_count"]
+    stacks = [f.tensor(n) for n in f.entries if n.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight"))][:2]
+    assert all(expert_matmul.usable(s) for s in stacks)
+    rng = np.random.default_rng(3)
+    experts = rng.permutation(n_expert)[: max(2, n_expert - 2)]
+    sizes = rng.integers(1, 21, len(experts))
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    x = rng.standard_normal((starts[-1], stacks[0].cols)).astype(np.float32)
+    got = expert_matmul.expert_matmul(x, experts, starts, stacks, n_expert, tier)
+    for out, stack in zip(got, stacks):
+        per = stack.rows // n_expert
+        for i, e in enumerate(experts):
+            view = QTensor(stack.name, stack.ggml_type, (per, stack.cols), stack.raw[e * per : (e + 1) * per])
+            rows = x[starts[i] : starts[i + 1]]
+            want = int8.matvec([view], int8.quantize(rows, [view.ggml_type]), tier=tier)
+            np.testing.assert_array_equal(out[starts[i] : starts[i + 1]], want, err_msg=f"{stack.name} expert {e}")
+
+
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 def test_mxfp4_matvec_covers_every_scale_a_quantizer_writes(tier):
     # The kernels sum blocks with 4 * 2^(e-128) and scale the row by 1/4 (legacy.py): exact for e <= 253, the

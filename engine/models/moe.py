@@ -4,8 +4,9 @@ outputs, weighted by the router's probabilities renormalized over the k, are sum
 shared expert every token runs (`ffn_*_shexp`), scaled by sigmoid(`ffn_gate_inp_shexp` x); gpt-oss biases on the
 router and the experts and a clamped SwiGLU.
 
-Prompts group tokens by expert, so each chosen expert's weights are read once per chunk for all of its tokens;
-an expert no token chose is not read at all (a decoded token reads only its k experts).
+Prompts group a tile's (token, expert) pairs by expert, so each chosen expert's weights are read once per tile for
+all of its tokens (on the fast path in one compiled call per stacked tensor: Backend.expert_matmul); an expert no
+token chose is not read at all (a decoded token reads only its k experts).
 """
 
 from __future__ import annotations
@@ -41,19 +42,28 @@ def _feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk:
     if cfg.expert_biases:
         logits = logits + w.bias(blk + "ffn_gate_inp")
     chosen, weight = route(logits, cfg.n_expert_used)
-    out = np.zeros_like(h)
+    T, k = chosen.shape
+    # The (token, slot) pairs grouped by expert, tokens in order within a group.
+    flat = chosen.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    experts, counts = np.unique(flat[order], return_counts=True)
+    starts = np.concatenate(([0], np.cumsum(counts)))
     names = [blk + n for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
-    for e in np.unique(chosen):
-        rows, slot = np.nonzero(chosen == e)  # the tokens that chose e, and where in their k
-        x = h[rows]
-        gate, up = be.matmul_many(x, [w.expert(names[0], e, cfg.n_expert), w.expert(names[1], e, cfg.n_expert)])
-        if cfg.expert_biases:
-            gate, up = gate + _expert_bias(w, names[0], e, cfg), up + _expert_bias(w, names[1], e, cfg)
-        g = clamped_swiglu(gate, up) if cfg.act == "swiglu_oai" else be.act_mul(gate, up, cfg.act)
-        d = be.matmul(g, w.expert(names[2], e, cfg.n_expert))
-        if cfg.expert_biases:
-            d += _expert_bias(w, names[2], e, cfg)
-        out[rows] += weight[rows, slot][:, None] * d
+    gate, up = _experts(cfg, w, be, h[order // k], experts, starts, names[:2])
+    if cfg.expert_biases:
+        gate, up = gate + _pair_bias(w, names[0], flat[order], cfg), up + _pair_bias(w, names[1], flat[order], cfg)
+    g = clamped_swiglu(gate, up) if cfg.act == "swiglu_oai" else be.act_mul(gate, up, cfg.act)
+    (d,) = _experts(cfg, w, be, g, experts, starts, names[2:])
+    if cfg.expert_biases:
+        d += _pair_bias(w, names[2], flat[order], cfg)
+    d *= weight.reshape(-1)[order][:, None]
+    # Each token's k results added in ascending expert order (as a loop over the experts adds them).
+    at = np.empty(T * k, np.int64)
+    at[order] = np.arange(T * k)
+    by_expert = np.take_along_axis(at.reshape(T, k), np.argsort(chosen, axis=1, kind="stable"), axis=1)
+    out = np.zeros_like(h)
+    for j in range(k):
+        out += d[by_expert[:, j]]
     if cfg.n_ff_shared:  # the shared expert, every token, scaled by its own sigmoid gate (Qwen3.5-MoE)
         gate, up = be.matmul_many(h, [w.tensor(blk + "ffn_gate_shexp"), w.tensor(blk + "ffn_up_shexp")])
         shared = be.matmul(be.act_mul(gate, up, cfg.act), w.tensor(blk + "ffn_down_shexp"))
@@ -61,8 +71,27 @@ def _feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk:
     return out
 
 
-def _expert_bias(w: Weights, name: str, e: int, cfg: ModelConfig) -> np.ndarray:
-    return w.bias(name).reshape(cfg.n_expert, -1)[e]
+def _experts(cfg: ModelConfig, w: Weights, be: Backend, x: np.ndarray, experts: np.ndarray, starts: np.ndarray,
+             names: list[str]) -> list[np.ndarray]:
+    """Each row of x times its group's expert's matrix of every stacked tensor named (group i: rows
+    starts[i]..starts[i+1], expert experts[i]): in one call per tensor where the backend has one, else expert by
+    expert."""
+    grouped = getattr(be, "expert_matmul", None)
+    if grouped is not None:
+        got = grouped(x, experts, starts, [w.tensor(n) for n in names], cfg.n_expert)
+        if got is not None:
+            return got
+    outs = [np.empty((len(x), w.tensor(n).rows // cfg.n_expert), np.float32) for n in names]
+    for i, e in enumerate(experts.tolist()):
+        rows = slice(starts[i], starts[i + 1])
+        for out, part in zip(outs, be.matmul_many(x[rows], [w.expert(n, e, cfg.n_expert) for n in names])):
+            out[rows] = part
+    return outs
+
+
+def _pair_bias(w: Weights, name: str, experts: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Each pair's expert's bias of a stacked tensor (gpt-oss), (pairs, rows per expert)."""
+    return w.bias(name).reshape(cfg.n_expert, -1)[experts]
 
 
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # gpt-oss's (llama.cpp fixes them too)

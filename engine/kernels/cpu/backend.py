@@ -19,7 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import decode_step, gemm8, layout, ops, packed, recurrent, step_compile, step_roles, step_tables
+from engine.kernels.cpu import decode_step, expert_matmul, gemm8, layout, ops, packed, recurrent, step_compile, step_roles
+from engine.kernels.cpu import step_tables
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
@@ -169,6 +170,18 @@ class CpuBackend:
             part = packed.slice_rows(w, r0, min(w.rows, r0 + HEAD_ROWS))
             out[:, r0 : r0 + part.rows] = self.kernels.matmul(x, part)
         return out
+
+    def expert_matmul(self, x: np.ndarray, experts: np.ndarray, starts: np.ndarray, stacks: Sequence[QTensor],
+                      n_expert: int) -> list[np.ndarray] | None:
+        """A MoE prompt tile's experts in one call per stacked tensor (kernels/cpu/expert_matmul.py): x's rows
+        grouped by expert (group i: rows starts[i]..starts[i+1], expert experts[i]), each times its expert's
+        matrix of every stack. None where it does not apply (the exact path; float experts; a type the self-test
+        stepped down): the caller goes expert by expert."""
+        tier = getattr(self.kernels, "tier", None)
+        if self.path != "fast" or tier is None or not all(
+                expert_matmul.usable(s) and int(s.ggml_type) not in self.stepped_down for s in stacks):
+            return None
+        return expert_matmul.expert_matmul(x, experts, starts, stacks, n_expert, tier)
 
     def embed(self, w: QTensor, ids) -> np.ndarray:
         return self.kernels.embed(w, ids)
