@@ -52,7 +52,8 @@ A thinking model's reasoning prints dimmed on stderr before its answer (--hide-t
 the answer goes to stdout and into the conversation.
 
 In the REPL: /retry (a new reply to the last message), /undo (drop the last exchange), /reset, /system TEXT,
-/temp T, /seed N, /max N, /think MODE, /quit. Ctrl-C stops a reply; Ctrl-D quits.
+/temp T, /seed N, /max N, /think MODE, /quit. Ctrl-C stops a reply; Ctrl-D quits. A --session file follows the
+conversation: rewritten after each reply and /undo, removed by /reset and /system.
 """
 
 REPL_HELP = ("/retry  /undo  /reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /effort low|medium|high  "
@@ -273,6 +274,11 @@ def _repl(llm, session: ChatState) -> None:
         elif line.startswith("/"):
             if _command(line, session):
                 return
+            if line.split(" ")[0] in ("/undo", "/reset", "/system"):  # the session file follows the conversation
+                if session.messages:
+                    _warm_next_turn(llm, session)
+                else:
+                    session.warm.forget_file()
             continue
         else:
             retried = None

@@ -106,6 +106,12 @@ class WarmConversation:
             except OSError as e:
                 self.warn(f"could not write {self.path}: {e}")
 
+    def forget_file(self) -> None:
+        """The conversation was cleared: its session file goes too (a resume would bring it back)."""
+        self.wait()
+        if self.path is not None and self._writable:
+            self.path.unlink(missing_ok=True)
+
     def wait(self) -> None:
         """Until the background evaluation (if any) is done."""
         if self._worker is not None:

@@ -83,6 +83,16 @@ def test_repl_session_file_resumes_the_conversation(tmp_path, smollm2_gguf):
                     stdin="What is my name?\n")
     assert again.returncode == 0, again.stderr
     assert "resumed 4 messages" in again.stderr
+    # the file follows the conversation: an undone exchange stays undone, a cleared conversation is gone
+    undone = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--temp", "0", "--max", "8",
+                     stdin="/undo\n/undo\n")
+    assert undone.returncode == 0, undone.stderr
+    assert "resumed 6 messages" in undone.stderr and undone.stderr.count("removed the last exchange") == 2
+    after = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), stdin="/reset\n")
+    assert "resumed 2 messages" in after.stderr and not saved.exists()
+    saved = tmp_path / "again.kvsession"
+    first = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--temp", "0", "--max", "24",
+                    stdin="My name is Ada. Remember it.\nWhat is the capital of France?\n")
     # a damaged file: one warning line, a new conversation, the file left as it was
     saved.write_bytes(saved.read_bytes()[:1000])
     damaged = goinfer("chat", "--model", str(smollm2_gguf), "--session", str(saved), "--temp", "0", "--max", "8",
