@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from engine.errors import FetchError, ModelLoadError, ModelNotFound, UnsupportedModel
 from engine.formats.gguf import GGUFFile, GGUFShards, open_gguf
-from engine.store import hf
+from engine.store import hf, hf_download
 from engine.store.resolve import resolve_model_ref
 from goinfer_cli.app import app
 import engine
@@ -56,7 +56,7 @@ def hub(fixtures, tmp_path, monkeypatch):
         monkeypatch.delenv("HF_TOKEN", raising=False)
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.setenv("GOINFER_HOME", str(tmp_path / "home"))
-        monkeypatch.setattr(hf, "RETRY_DELAYS", ())
+        monkeypatch.setattr(hf_download, "RETRY_DELAYS", ())
         yield hub
 
 

@@ -5,35 +5,31 @@
                      unsupported architecture, several quants and none named (AmbiguousModelRef lists them).
     pull(ref)        plan, then download every file into a staging directory (HTTP Range from what an
                      earlier, interrupted run left there), check size and sha256, write the manifest and
-                     publish with one atomic rename. Afterwards the reference resolves with no network.
+                     publish with one atomic rename (engine/store/hf_download.py). Afterwards the reference
+                     resolves with no network.
 
 huggingface_hub does the listing and the HEAD requests (HF_ENDPOINT, HF_TOKEN, its error types); the bytes
-move through httpx here because huggingface_hub deletes its partial file when a download fails, and a
-pull must resume across runs. HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are read at each call.
+move through httpx (hf_download.py says why). HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are read at each call.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import FetchError, ModelNotFound, UnsupportedModel
-from engine.files import fsync_dir, locked
+from engine.files import locked
 from engine.formats.gguf import SPLIT_NAME
-from engine.store.hfref import MANIFEST, HFRef, parse_hf_ref, quant_of, read_manifest
+from engine.store.hf_download import (download, hub_client, hub_endpoint, hub_file_url, hub_headers, hub_token,
+                                      prepare_staging, publish)
+from engine.store.hfref import HFRef, parse_hf_ref, quant_of, read_manifest
 
 __all__ = ["AmbiguousModelRef", "Plan", "PlannedFile", "cached_entry", "hub_offline", "plan_pull", "pull",
            "resolve_hf"]
 
 Progress = Callable[[str, int, "int | None"], None]
-CHUNK = 1 << 20
-RETRY_DELAYS = (0.5, 2.0)  # in-run retries of a dropped download (each resumes with Range)
 HEADER_PROBE = 1 << 16  # first read of a GGUF header; doubled until general.architecture is in it
 _SAFETENSORS_EXTRA = ("tokenizer.model", "merges.txt", "vocab.txt", "vocab.json")
 
@@ -68,22 +64,6 @@ class Plan:
 
 
 # --- environment --------------------------------------------------------------------------------------------
-
-
-def _endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-
-
-def _token() -> str | None:
-    """HF_TOKEN, else the token `hf auth login` stored (huggingface_hub's own lookup)."""
-    if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"]
-    try:
-        from huggingface_hub import get_token
-
-        return get_token() or None
-    except Exception:
-        return None
 
 
 def hub_offline() -> bool:
@@ -161,7 +141,7 @@ def _hub_call(what: str, fn, *args, **kwargs):
         raise ModelNotFound(f"{what}: offline mode (HF_HUB_OFFLINE) forbids contacting the hub") from None
     except Exception as exc:  # httpx connection errors and the like: still one line
         if type(exc).__module__.startswith(("httpx", "huggingface_hub")):
-            raise FetchError(f"{what}: cannot reach {_endpoint()}: {exc or type(exc).__name__}") from None
+            raise FetchError(f"{what}: cannot reach {hub_endpoint()}: {exc or type(exc).__name__}") from None
         raise
 
 
@@ -172,7 +152,7 @@ def plan_pull(ref: HFRef | str, *, progress: Progress | None = None) -> Plan:
     ref = parse_hf_ref(ref) if isinstance(ref, str) else ref
     if hub_offline():
         raise ModelNotFound(f"{ref.name}: offline mode (HF_HUB_OFFLINE) forbids contacting the hub")
-    endpoint, token = _endpoint(), _token()
+    endpoint, token = hub_endpoint(), hub_token()
     api = HfApi(endpoint=endpoint, token=token or False)
     info = _hub_call(ref.repo, api.model_info, ref.repo, revision=ref.revision, files_metadata=True)
     if getattr(info, "gated", False) and not token:
@@ -263,28 +243,6 @@ def _plan_safetensors(ref: HFRef, siblings: dict, planned, commit: str) -> Plan:
     return Plan(ref, commit, "safetensors", None, [planned(n) for n in sorted(set(wanted))])
 
 
-def _http_client():
-    import httpx
-
-    return httpx.Client(follow_redirects=True, trust_env=True, timeout=httpx.Timeout(60.0, connect=20.0))
-
-
-def _headers(extra: dict | None = None) -> dict:
-    from huggingface_hub.utils import build_hf_headers
-
-    token = _token()
-    headers = build_hf_headers(token=token or False, library_name="goinfer")
-    headers["Accept-Encoding"] = "identity"  # byte ranges must count bytes of the file itself
-    headers.update(extra or {})
-    return headers
-
-
-def _file_url(ref: HFRef, commit: str, path: str) -> str:
-    from huggingface_hub import hf_hub_url
-
-    return hf_hub_url(ref.repo, path, revision=commit, endpoint=_endpoint())
-
-
 def _remote_gguf_architecture(ref: HFRef, plan: Plan, endpoint: str, token: str | None) -> str:
     """general.architecture from the first bytes of the entry file (a Range request; weights stay put)."""
     import httpx
@@ -294,13 +252,13 @@ def _remote_gguf_architecture(ref: HFRef, plan: Plan, endpoint: str, token: str 
 
     size = next(f.size for f in plan.files if f.path == plan.entry)
     want = HEADER_PROBE
-    with _http_client() as client:
+    with hub_client() as client:
         while True:
             want = min(want, size) if size else want
             data = bytearray()
             try:  # streamed and cut at `want`: a server that ignores Range must not send us the weights
-                with client.stream("GET", _file_url(ref, plan.commit, plan.entry),
-                                   headers=_headers({"Range": f"bytes=0-{want - 1}"})) as r:
+                with client.stream("GET", hub_file_url(ref, plan.commit, plan.entry),
+                                   headers=hub_headers({"Range": f"bytes=0-{want - 1}"})) as r:
                     if r.status_code not in (200, 206):
                         raise FetchError(f"{ref.repo}/{plan.entry}: reading its header: HTTP {r.status_code}")
                     for chunk in r.iter_bytes():
@@ -322,8 +280,8 @@ def _remote_config_architecture(ref: HFRef, plan: Plan, endpoint: str, token: st
     import httpx
 
     try:
-        with _http_client() as client:
-            r = client.get(_file_url(ref, plan.commit, "config.json"), headers=_headers())
+        with hub_client() as client:
+            r = client.get(hub_file_url(ref, plan.commit, "config.json"), headers=hub_headers())
             r.raise_for_status()
             config = r.json()
     except (httpx.HTTPError, ValueError) as exc:
@@ -355,126 +313,10 @@ def pull(ref: HFRef | str, *, progress: Progress | None = None, plan: Plan | Non
         if done is not None:
             return done
         staging = ref.staging_dir
-        _prepare_staging(staging, plan)
-        with _http_client() as client:
+        prepare_staging(staging, plan)
+        with hub_client() as client:
             for f in plan.files:
-                _download(client, ref, plan, f, staging, progress)
-        return _publish(plan, staging)
+                download(client, ref, plan, f, staging, progress)
+        return publish(plan, staging)
 
 
-def _prepare_staging(staging: Path, plan: Plan) -> None:
-    # A partial from another commit cannot be resumed byte-wise: start over.
-    stamp = staging / ".plan.json"
-    wanted = {"ref": plan.ref.name, "kind": plan.kind, "commit": plan.commit, "files": [asdict(f) for f in plan.files]}
-    try:
-        previous = json.loads(stamp.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        previous = None
-    if previous != wanted:
-        shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(wanted), encoding="utf-8")
-    except OSError as exc:
-        raise FetchError(f"cannot create a staging directory {staging}: {exc}") from None
-
-
-def _download(client, ref: HFRef, plan: Plan, f: PlannedFile, staging: Path, progress: Progress | None) -> None:
-    """Download one file into staging, resuming from what is there; verify size and sha256."""
-    dest = staging / f.path
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    description = f"Downloading {Path(f.path).name}"
-    delays = list(RETRY_DELAYS)
-    while True:
-        try:
-            _download_once(client, ref, plan, f, dest, description, progress)
-            break
-        except _Transient as exc:
-            if not delays:
-                have = dest.stat().st_size if dest.exists() else 0
-                raise FetchError(f"downloading {ref.repo}/{f.path} failed: {exc} ({have} bytes kept; run the "
-                                 f"same pull again to resume)") from None
-            time.sleep(delays.pop(0))
-    size = dest.stat().st_size
-    if f.size is not None and size != f.size:
-        dest.unlink(missing_ok=True)
-        raise FetchError(f"{ref.repo}/{f.path}: got {size} bytes, the hub lists {f.size}")
-    if f.sha256:
-        digest = _sha256(dest)
-        if digest != f.sha256.lower():
-            dest.unlink(missing_ok=True)
-            raise FetchError(f"{ref.repo}/{f.path}: sha256 mismatch (hub {f.sha256[:16]}..., got {digest[:16]}...)")
-
-
-def _download_once(client, ref, plan, f: PlannedFile, dest: Path, description: str, progress) -> None:
-    import httpx
-
-    have = dest.stat().st_size if dest.exists() else 0
-    if f.size is not None and have == f.size:
-        if progress:
-            progress(description, have, f.size)
-        return
-    if f.size is not None and have > f.size:
-        dest.unlink()
-        have = 0
-    headers = _headers({"Range": f"bytes={have}-"} if have else None)
-    try:
-        with client.stream("GET", _file_url(ref, plan.commit, f.path), headers=headers) as r:
-            if r.status_code == 416 and have:  # the server has nothing past what we hold: start over
-                dest.unlink()
-                raise _Transient("range not satisfiable")
-            if r.status_code in (401, 403):
-                raise FetchError(f"{ref.repo}/{f.path}: access denied (HTTP {r.status_code}): set HF_TOKEN")
-            if r.status_code not in (200, 206):
-                message = f"{ref.repo}/{f.path}: HTTP {r.status_code}"
-                if r.status_code >= 500 or r.status_code == 429:
-                    raise _Transient(message)
-                raise FetchError(f"downloading failed: {message}")
-            if r.status_code == 200:
-                have = 0  # the server ignored the range: take the whole file
-            with open(dest, "ab" if have else "wb") as out:
-                done = have
-                if progress:
-                    progress(description, done, f.size)
-                for chunk in r.iter_bytes():  # as it arrives: what came before a drop is kept
-                    out.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        progress(description, done, f.size)
-                out.flush()
-                os.fsync(out.fileno())
-    except httpx.HTTPError as exc:
-        raise _Transient(str(exc) or type(exc).__name__) from None
-    if f.size is not None and dest.stat().st_size < f.size:
-        raise _Transient(f"got {dest.stat().st_size} of {f.size} bytes")
-
-
-def _publish(plan: Plan, staging: Path) -> Path:
-    ref = plan.ref
-    manifest = {"ref": ref.name, "repo": ref.repo, "revision": ref.revision, "commit": plan.commit,
-                "kind": plan.kind, "entry": plan.entry, "architecture": plan.architecture,
-                "files": [asdict(f) for f in plan.files], "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:
-        (staging / ".plan.json").unlink(missing_ok=True)
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        final = ref.published_dir
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists():  # a stale, incomplete leftover (published dirs always hold a manifest)
-            shutil.rmtree(final)
-        os.replace(staging, final)  # one atomic rename: readers see nothing or the whole verified set
-    except OSError as exc:
-        raise FetchError(f"publishing {ref.name} failed: {exc}") from None
-    fsync_dir(final.parent)  # make the rename durable
-    return final / plan.entry if plan.entry else final
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-class _Transient(Exception):
-    """A download failure worth retrying (with Range from what arrived)."""
