@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import FetchError, ModelNotFound, UnsupportedModel
@@ -24,7 +23,7 @@ from engine.files import locked
 from engine.formats.gguf import SPLIT_NAME
 from engine.store.hf_download import (download, hub_client, hub_endpoint, hub_file_url, hub_headers, hub_token,
                                       prepare_staging, publish)
-from engine.store.hfref import HFRef, parse_hf_ref, quant_of, read_manifest
+from engine.store.hfref import HFRef, Plan, PlannedFile, parse_hf_ref, quant_of, read_manifest
 
 __all__ = ["AmbiguousModelRef", "Plan", "PlannedFile", "cached_entry", "hub_offline", "plan_pull", "pull",
            "resolve_hf"]
@@ -40,27 +39,6 @@ class AmbiguousModelRef(ModelNotFound):
     def __init__(self, message: str, choices: list[str]):
         super().__init__(message)
         self.choices = choices
-
-
-@dataclass(frozen=True)
-class PlannedFile:
-    path: str  # inside the repo
-    size: int | None
-    sha256: str | None  # the hub gives it for LFS files
-
-
-@dataclass
-class Plan:
-    ref: HFRef  # with its selector decided
-    commit: str  # files are fetched at this commit, so a resume never mixes revisions
-    kind: str  # "gguf" or "safetensors"
-    entry: str | None  # the file to load (first shard), None for safetensors
-    files: list[PlannedFile] = field(default_factory=list)
-    architecture: str | None = None
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size or 0 for f in self.files)
 
 
 # --- environment --------------------------------------------------------------------------------------------

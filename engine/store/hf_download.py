@@ -16,14 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from engine.errors import FetchError
 from engine.files import fsync_dir
-from engine.store.hfref import MANIFEST, HFRef
-
-if TYPE_CHECKING:
-    from engine.store.hf import Plan, PlannedFile
+from engine.store.hfref import MANIFEST, HFRef, Plan, PlannedFile
 
 __all__ = ["download", "hub_client", "hub_endpoint", "hub_file_url", "hub_headers", "hub_token", "prepare_staging",
            "publish"]

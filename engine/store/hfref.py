@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ModelNotFound
 from engine.store.paths import locks_dir, models_dir, staging_dir
 
-__all__ = ["HFRef", "parse_hf_ref", "quant_of", "MANIFEST", "read_manifest"]
+__all__ = ["HFRef", "parse_hf_ref", "quant_of", "MANIFEST", "Plan", "PlannedFile", "read_manifest"]
 
 MANIFEST = "manifest.json"
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -104,3 +104,27 @@ def read_manifest(directory: Path) -> dict | None:
         return json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+# A pull's plan: what hf.plan_pull decided and hf_download fetches (the manifest records it).
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    path: str  # inside the repo
+    size: int | None
+    sha256: str | None  # the hub gives it for LFS files
+
+
+@dataclass
+class Plan:
+    ref: HFRef  # with its selector decided
+    commit: str  # files are fetched at this commit, so a resume never mixes revisions
+    kind: str  # "gguf" or "safetensors"
+    entry: str | None  # the file to load (first shard), None for safetensors
+    files: list[PlannedFile] = field(default_factory=list)
+    architecture: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size or 0 for f in self.files)
