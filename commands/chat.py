@@ -56,8 +56,8 @@ In the REPL: /retry (a new reply to the last message), /undo (drop the last exch
 conversation: rewritten after each reply and /undo, removed by /reset and /system.
 """
 
-REPL_HELP = ("/retry  /undo  /reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  /effort low|medium|high  "
-             "/verbose  /quit   (Ctrl-C stops a reply, Ctrl-D quits)")
+REPL_HELP = ("/retry  /undo  /reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  "
+             "/effort low|medium|high  /verbose  /quit   (Ctrl-C stops a reply, Ctrl-D quits)")
 
 
 @dataclass

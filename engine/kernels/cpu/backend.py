@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import decode_step, expert_matmul, gemm8, layout, ops, packed, recurrent, step_compile, step_roles
-from engine.kernels.cpu import step_tables
+from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, layout, ops, packed, recurrent, step_compile,
+                                step_roles, step_tables)
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
