@@ -9,35 +9,63 @@ import numpy as np
 import pytest
 
 from engine.kernels import reference
-from engine.kernels.cpu import gemm8, int8
-from engine.kernels.cpu.matmul import GEMM8_MIN_T, Int8Kernels
+from engine.kernels.cpu import gemm8, int8, ir
+from engine.kernels.cpu.matmul import Int8Kernels
 from engine.kernels.quant_types import GGMLType, QTensor
 from testdata import make_fixtures
 
-pytestmark = pytest.mark.skipif(not gemm8.available(), reason="this CPU has no 512-bit VNNI (the GEMM is not used)")
+pytestmark = pytest.mark.skipif(not gemm8.available(), reason="the generic tier has no int8 GEMM (sgemm instead)")
 G = GGMLType
+# each tier this CPU runs that has a form of the GEMM: avx2 (256-bit vpmaddubsw), vnni (512-bit vpdpbusd with
+# AVX-512, else the 256-bit form again)
+FORM_TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tiers(), reason=f"no {t} tier here"))
+              for t in ("avx2", "vnni")]
 
 
+@pytest.mark.parametrize("tier", FORM_TIERS)
 @pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K, G.Q6_K])
 @pytest.mark.parametrize("T,rows,K", [(13, 40, 512), (8, 16, 256), (30, 7, 768)])
-def test_a_prompt_sees_the_numbers_a_decoded_token_sees(t, T, rows, K):
+def test_a_prompt_sees_the_numbers_a_decoded_token_sees(t, T, rows, K, tier):
     # the decode matvec (int8.py) on the same input: the same integer math, summed in another order
     rng = np.random.default_rng(T * rows + K)
     w = QTensor("w", t, (rows, K), make_fixtures.random_weight(rng, rows, K, t))
     x = rng.standard_normal((T, K)).astype(np.float32) * rng.choice([0.01, 1.0, 20.0], size=(T, 1)).astype(np.float32)
     x[0, :256] = 0.0  # an all-zero super-block: scale 0
-    got = gemm8.matmul(gemm8.QuantizedInput(x), w)
-    want = int8.matvec(int8.prepare([w]), int8.quantize(x, [t]))
+    got = gemm8.matmul(gemm8.QuantizedInput(x), w, tier)
+    want = int8.matvec(int8.prepare([w]), int8.quantize(x, [t]), tier=tier)
     assert got.shape == (T, rows) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-def test_gemm_is_close_to_the_f32_product():
+# The quant bytes of each type's super-block (the rest: scales and minima): all bits set gives the largest u
+# (15, 31, 63), whose products with |x| = 127 the 256-bit form sums in int16 over a few groups before widening.
+QUANT_BYTES = {G.Q4_K: (144, slice(16, 144)), G.Q5_K: (176, slice(16, 176)), G.Q6_K: (210, slice(0, 192))}
+
+
+@pytest.mark.parametrize("tier", FORM_TIERS)
+@pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K, G.Q6_K])
+def test_the_largest_quants_against_the_largest_inputs_do_not_overflow(t, tier):
+    rng = np.random.default_rng(4)
+    rows, K = 9, 512
+    raw = make_fixtures.random_weight(rng, rows, K, t).copy()
+    size, quants = QUANT_BYTES[t]
+    blocks = raw.reshape(rows, K // 256, size)
+    blocks[:, :, quants] = 255
+    w = QTensor("w", t, (rows, K), raw)
+    x = np.full((9, K), 3.5, np.float32)
+    x[1::2] *= -1  # every input at +-127 after quantization, exactly
+    want = x @ reference.dequantize(w).reshape(w.shape).T
+    got = gemm8.matmul(gemm8.QuantizedInput(x), w, tier)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tier", FORM_TIERS)
+def test_gemm_is_close_to_the_f32_product(tier):
     rng = np.random.default_rng(1)
     w = QTensor("w", G.Q4_K, (64, 1024), make_fixtures.random_weight(rng, 64, 1024, G.Q4_K))
     x = rng.standard_normal((50, 1024)).astype(np.float32)
     exact = x @ reference.dequantize(w).reshape(w.shape).T
-    got = gemm8.matmul(gemm8.QuantizedInput(x), w)
+    got = gemm8.matmul(gemm8.QuantizedInput(x), w, tier)
     assert np.abs(got - exact).mean() <= 0.02 * np.abs(exact).mean()  # int8 activations: ~1 % here
 
 
@@ -46,9 +74,10 @@ def test_the_fast_backend_runs_prompts_over_k_quants_through_it(monkeypatch):
     kq = QTensor("kq", G.Q4_K, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q4_K))
     legacy = QTensor("l", G.Q4_0, (32, 512), make_fixtures.random_weight(rng, 32, 512, G.Q4_0))
     calls = []
-    monkeypatch.setattr(gemm8, "matmul", lambda qin, w: calls.append(w.name) or np.zeros((qin.T, w.rows), np.float32))
+    monkeypatch.setattr(gemm8, "matmul",
+                        lambda qin, w, tier=None: calls.append(w.name) or np.zeros((qin.T, w.rows), np.float32))
     k = Int8Kernels()
-    prompt, token = np.ones((GEMM8_MIN_T + 1, 512), np.float32), np.ones((1, 512), np.float32)
+    prompt, token = np.ones((k.gemm8_min_t + 1, 512), np.float32), np.ones((1, 512), np.float32)
     k.matmul(prompt, kq)
     k.matmul_many(prompt, [kq, kq])
     k.matmul(token, kq)  # decode: the matvec
@@ -67,11 +96,11 @@ def test_a_model_takes_it_only_where_it_carries_most_of_the_prompt_work(monkeypa
 
     calls = []
     real = gemm8.matmul
-    monkeypatch.setattr(gemm8, "matmul", lambda qin, w: calls.append(w.name) or real(qin, w))
+    monkeypatch.setattr(gemm8, "matmul", lambda qin, w, tier=None: calls.append(w.name) or real(qin, w, tier))
     kit = SHARED / "families" / "qwen2"
-    prompt = list(range(10, 60))
+    prompt = list(range(10, 90))  # a whole tile (64 rows) at least: every form takes it
     for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", True), ("tiny-qwen2-a.Q8_0.gguf", False)):
         calls.clear()
         model = engine.load_model(kit / name, selftest=False)
-        model.prefill(prompt, model.new_cache(64))
+        model.prefill(prompt, model.new_cache(128))
         assert bool(calls) == expected, name

@@ -317,13 +317,14 @@ def test_backend_is_registered():
 def test_backend_matmul_on_fixtures_both_paths(fixture_matrices, tier):
     be = Int8Kernels(tier)
     rng = np.random.default_rng(6)
-    for T in (1, 3, Q8_MATVEC_MAX_T, Q8_MATVEC_MAX_T + 1, 33):
+    for T in (1, 3, Q8_MATVEC_MAX_T, Q8_MATVEC_MAX_T + 1, 33, 64):
         for w in fixture_matrices:
             x = rng.standard_normal((T, w.cols)).astype(np.float32)
             got = be.matmul(x, w)
             # int8 activations (float weights keep f32 ones): decode, and prompts over K-quants on the int8 GEMM
-            prompt_gemm8 = tier == "vnni" and gemm8.available() and gemm8.usable(w)
-            if T <= Q8_MATVEC_MAX_T or prompt_gemm8:
+            # (its 512-bit form with the matvec under it; the AVX2 form from a whole tile, sgemm under it)
+            form = gemm8.variant(tier) if gemm8.usable(w) else None
+            if T <= Q8_MATVEC_MAX_T or form == "512" or (form == "256" and T >= 64):
                 x = int8.dequantized_input(int8.quantize(x, [w.ggml_type]), w.ggml_type)
             _assert_close(got, x, reference.dequantize(w))
 

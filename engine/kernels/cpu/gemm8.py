@@ -1,20 +1,23 @@
-"""Prompt matmuls (T input rows at once) in int8 with AVX512-VNNI: the fast path's prefill for K-quant matrices.
+"""Prompt matmuls (T input rows at once) in int8: the fast path's prefill for K-quant matrices.
 
-Why: a prompt through dequantized f32 weights and sgemm runs at the f32 FMA peak (16 MACs per instruction);
-`vpdpbusd` on 512 bits does 64 int8 MACs per instruction, and llama.cpp's prefill on K-quants is integer. Measured
-on the Qwen2.5-1.5B shape (mostly Q4_K), sgemm left goinfer's prefill at 0.8x llama.cpp's.
+Why: a prompt through dequantized f32 weights and sgemm runs at the f32 FMA peak (8 MACs per 256-bit FMA, 16 per
+512-bit); int8 does more per instruction (`vpdpbusd` on 512 bits: 64; AVX2's `vpmaddubsw`: 32 into int16 pairs),
+and llama.cpp's prefill on K-quants is integer. Measured on the Qwen2.5-1.5B shape (mostly Q4_K), sgemm left
+goinfer's prefill at 0.8x llama.cpp's.
 
 The math is the decode matvec's (kquant.py), so a prompt and a decoded token see the same numbers: the input
 quantized as Q8_K (int8 per 256 columns, quantize.py), the weights' own unsigned quants u and, per sub-block j,
 w = a_j u - b_j: Q4_K/Q5_K (4/5-bit u, sub-blocks of 32) a_j = d sc_j, b_j = dmin m_j; Q6_K (6-bit u, sub-blocks
 of 16) a_j = d sc_j, b_j = 32 d sc_j. Per row and token: sum_j [a_j (sum u x) - b_j (sum x)] dx.
-How, per matrix and prompt chunk (one parallel call, no BLAS, so no OpenMP workers spin against BLAS threads):
-- each group of 16 rows is unpacked into the layout the kernel reads: per 4 columns, 16 rows x 4 bytes of u (one
-  512-bit register), and per sub-block the 16 rows' a_j and b_j as f32;
-- the tile kernel (IR intrinsic) computes 16 rows x 8 tokens: per 4 columns one weight register and, per token,
-  vpdpbusd with the token's 4 bytes broadcast; per sub-block the integer sums times a_j dx, less b_j times the
-  token's scaled sum, accumulate in f32.
-tests/test_gemm8.py holds it to the decode matvec's result on the same input.
+How, per matrix and prompt chunk (one call split over plain threads, no BLAS, so no OpenMP workers spin against
+BLAS threads), in one of two forms (variant): R rows x TT tokens per tile, 16 x 8 with 512-bit VNNI, else 8 x 4:
+- each group of R rows is unpacked into the layout the kernel reads: per 4 columns, R rows x 4 bytes of u (one
+  register), and per sub-block the R rows' a_j and b_j as f32;
+- the tile kernel (IR intrinsic) computes R rows x TT tokens: per 4 columns one weight register and, per token,
+  its 4 bytes broadcast into vpdpbusd (512) or vpmaddubsw (256: the products' pairs summed in int16 over a few
+  groups, then vpmaddwd into int32); per sub-block the integer sums times a_j dx, less b_j times the token's
+  scaled sum, accumulate in f32.
+tests/test_gemm8.py holds both forms to the decode matvec's result on the same input.
 """
 
 from __future__ import annotations
@@ -33,18 +36,25 @@ from engine.kernels.cpu.ir import FLT, I32, Q5_K_CODE, Q6_K_CODE, V, Emitter, is
 from engine.kernels.cpu.quantize import QK_K, quantize_k_into
 from engine.kernels.quant_types import GGMLType, QTensor
 
-ROWS = 16  # rows per tile: one 512-bit register of int32 sums
-TOKENS = 8  # tokens per tile: 8 accumulators of each kind stay in registers
-GROUP_BYTES = ROWS * 4  # one group of 4 columns of the 16 rows
-SB_BYTES = (QK_K // 4) * GROUP_BYTES  # one super-block of the 16 rows: 4096
+# The two forms of the kernel: (rows, tokens) of a tile, by the token type that selects its code (see _tile_kernel)
+WIDE, NARROW = np.int32(0), np.int16(0)  # 512-bit vpdpbusd; 256-bit vpmaddubsw (AVX2)
+TILE = {"512": (16, 8), "256": (8, 4)}
+TOKENS = 8  # the input is padded to whole tiles of this many tokens (a multiple of both forms')
 BLOCK_BYTES = 256 * 1024  # unpacked rows a thread keeps (in L2) while every token tile passes over them
 TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 
 
-def available() -> bool:
-    """The CPU (as numba compiles for it) has 512-bit VNNI, and the vnni tier is in force."""
-    feats = kir.target_features()
-    return kir.TIER == "vnni" and {"avx512f", "avx512bw", "avx512vnni"} <= feats
+def variant(tier: str | None = None) -> str | None:
+    """The kernel form this CPU runs under `tier` (default: the one in force): "512" (512-bit VNNI), "256" (AVX2's
+    vpmaddubsw, and AVX-VNNI without AVX-512), or None (the generic tier: dequantize + sgemm)."""
+    tier = tier or kir.TIER
+    if tier == "vnni" and {"avx512f", "avx512bw", "avx512vnni"} <= kir.target_features():
+        return "512"
+    return "256" if tier in ("avx2", "vnni") else None
+
+
+def available(tier: str | None = None) -> bool:
+    return variant(tier) is not None
 
 
 def usable(w: QTensor) -> bool:
@@ -60,69 +70,94 @@ def carries_most(matrices: list[QTensor]) -> bool:
     return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w)) >= total
 
 
-def _tile_kernel(sub: int):
+def _tile_kernel(sub: int, chunk: int):
     """The tile intrinsic for sub-blocks of `sub` columns (32: Q4_K/Q5_K, 16: Q6_K):
-    (tile, nsb, xq, xoff, K, xd, xm, soff, ws, res) -> res (8, 16) f32 = 8 tokens (rows xoff / K .. of xq) x the
-    16 rows of tile (see module doc). ws: per sub-block, 16 f32 of its scale then 16 of its min term; xd (T, nsb)
-    scales and xm (T, nsb * 256 / sub) minus dx times the sum of each sub-block, both from token soff / nsb."""
+    (form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res) -> res (tokens, rows) f32 = a tile's tokens (rows xoff / K
+    .. of xq) x its rows (see module doc). ws: per sub-block, `rows` f32 of its scale then `rows` of its min term;
+    xd (T, nsb) scales and xm (T, nsb * 256 / sub) minus dx times the sum of each sub-block, from token soff / nsb.
+    form WIDE: 16 rows x 8 tokens, vpdpbusd on 512 bits. NARROW: 8 rows x 4 tokens, vpmaddubsw (u8 x s8 pairs into
+    i16) summed over `chunk` groups of 4 columns in i16 (chunk x 2 x max u x 127 < 2^15), then vpmaddwd into i32."""
     nsub = QK_K // sub
 
-    def impl(typingctx, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res):
-        if not (is_arr(tile, types.uint8) and is_arr(xq, types.int8) and is_arr(xd, types.float32)
-                and is_arr(xm, types.float32) and is_arr(ws, types.float32) and is_arr(res, types.float32)):
+    def impl(typingctx, form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res):
+        if not (isinstance(form, types.Integer) and form.bitwidth in (16, 32) and is_arr(tile, types.uint8)
+                and is_arr(xq, types.int8) and is_arr(xd, types.float32) and is_arr(xm, types.float32)
+                and is_arr(ws, types.float32) and is_arr(res, types.float32)):
             return None
-        sig = types.none(tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, res)
+        wide = form.bitwidth == 32
+        rows, tokens = TILE["512" if wide else "256"]
+        sig = types.none(form, tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, res)
 
         def codegen(context, builder, signature, args):
-            e = Emitter(context, builder, "vnni")
+            e = Emitter(context, builder, "vnni" if wide else "avx2")
             b = builder
             at = signature.args
-            tl, n, x, xo, k, d, m, so, w, r = args
-            tp, wp, rp = e.base(at[0], tl), e.base(at[8], w), e.base(at[9], r)
-            xp = b.gep(e.base(at[2], x), [xo], source_etype=kir.I8)
-            dp = b.gep(e.base(at[5], d), [e.mul(so, 4)], source_etype=kir.I8)
-            mp = b.gep(e.base(at[6], m), [e.mul(so, 4 * nsub)], source_etype=kir.I8)
-            v16, f16 = V(I32, 16), V(FLT, 16)
-            facc = [e.fvar(16) for _ in range(TOKENS)]
-            iacc = [cgutils.alloca_once(b, v16) for _ in range(TOKENS)]  # entry block: kept in registers
+            _, tl, n, x, xo, k, d, m, so, w, r = args
+            tp, wp, rp = e.base(at[1], tl), e.base(at[9], w), e.base(at[10], r)
+            xp = b.gep(e.base(at[3], x), [xo], source_etype=kir.I8)
+            dp = b.gep(e.base(at[6], d), [e.mul(so, 4)], source_etype=kir.I8)
+            mp = b.gep(e.base(at[7], m), [e.mul(so, 4 * nsub)], source_etype=kir.I8)
+            vi, vf = V(I32, rows), V(FLT, rows)
+            group = rows * 4  # bytes of one group of 4 columns
+            facc = [e.fvar(rows) for _ in range(tokens)]
+            iacc = [cgutils.alloca_once(b, vi) for _ in range(tokens)]  # entry block: kept in registers
             with e.loop(e.mul(n, nsub)) as lp:  # sub-blocks, over all super-blocks
                 j = lp.index
                 sb = b.udiv(j, e.i64(nsub))
-                for t in range(TOKENS):
-                    b.store(ir.Constant(v16, None), iacc[t])
-                for g in range(sub // 4):
-                    wv = e.ld(tp, e.add(e.mul(j, sub // 4 * GROUP_BYTES), g * GROUP_BYTES), v16)
-                    col = e.add(e.mul(j, sub), 4 * g)
-                    for t in range(TOKENS):
-                        xv = e.splat(e.ld(xp, e.add(col, e.mul(k, t)), I32), 16)
-                        b.store(e.call("llvm.x86.avx512.vpdpbusd.512", v16, [b.load(iacc[t]), wv, xv]), iacc[t])
-                scale = e.ld(wp, e.mul(j, 2 * ROWS * 4), f16)
-                mins = e.ld(wp, e.add(e.mul(j, 2 * ROWS * 4), ROWS * 4), f16)
-                for t in range(TOKENS):
-                    dx = e.splat(e.ld(dp, e.mul(e.add(e.mul(n, t), sb), 4), FLT), 16)
-                    xs = e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), FLT), 16)
-                    e.fmacc(facc[t], b.fmul(b.sitofp(b.load(iacc[t]), f16), scale), dx)
+                col0 = e.mul(j, sub)
+                if wide:
+                    for t in range(tokens):
+                        b.store(ir.Constant(vi, None), iacc[t])
+                    for g in range(sub // 4):
+                        wv = e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), vi)
+                        for t in range(tokens):
+                            xv = e.splat(e.ld(xp, e.add(e.add(col0, 4 * g), e.mul(k, t)), I32), rows)
+                            b.store(e.call("llvm.x86.avx512.vpdpbusd.512", vi, [b.load(iacc[t]), wv, xv]),
+                                    iacc[t])
+                    sums = [b.load(iacc[t]) for t in range(tokens)]
+                else:
+                    ones, v32 = e.splat_c(kir.I16, 1, 16), V(kir.I8, 32)
+                    sums = [None] * tokens
+                    for c0 in range(0, sub // 4, chunk):
+                        part = [None] * tokens
+                        for g in range(c0, c0 + chunk):
+                            wv = e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), v32)
+                            for t in range(tokens):
+                                xw = e.splat(e.ld(xp, e.add(e.add(col0, 4 * g), e.mul(k, t)), I32), rows)
+                                p = e.madd_u8s8(wv, b.bitcast(xw, v32))
+                                part[t] = p if part[t] is None else b.add(part[t], p)
+                        for t in range(tokens):
+                            s = e.madd_i16(part[t], ones)
+                            sums[t] = s if sums[t] is None else b.add(sums[t], s)
+                scale = e.ld(wp, e.mul(j, 2 * rows * 4), vf)
+                mins = e.ld(wp, e.add(e.mul(j, 2 * rows * 4), rows * 4), vf)
+                for t in range(tokens):
+                    dx = e.splat(e.ld(dp, e.mul(e.add(e.mul(n, t), sb), 4), FLT), rows)
+                    xs = e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), FLT), rows)
+                    e.fmacc(facc[t], b.fmul(b.sitofp(sums[t], vf), scale), dx)
                     e.fmacc(facc[t], mins, xs)
-            for t in range(TOKENS):
-                e.st(rp, t * ROWS * 4, b.load(facc[t]))
+            for t in range(tokens):
+                e.st(rp, t * rows * 4, b.load(facc[t]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    impl.__name__ = f"_tile{sub}"
+    impl.__name__ = f"_tile{sub}_{chunk}"
     return intrinsic(impl)
 
 
-_tile32, _tile16 = _tile_kernel(32), _tile_kernel(16)
+# Q4_K: u <= 15, 8 groups in i16; Q5_K: u <= 31, 4; Q6_K: u <= 63, 2 (|x| <= 127)
+_tile_q4, _tile_q5, _tile_q6 = _tile_kernel(32, 8), _tile_kernel(32, 4), _tile_kernel(16, 2)
 
 
 @njit(cache=True)
 def _unpack(raw, code, r0, rows, nsb, u, tile, ws):
-    """Rows [r0, r0 + 16) of raw (zeros past `rows`) -> tile (their quants u, layout above) and ws (sub-blocks, 2,
-    16) f32 (each sub-block's scale and min term); u: scratch of one row (K,) uint8."""
+    """Rows [r0, r0 + R) of raw (zeros past `rows`; R = ws.shape[2], the tile's rows) -> tile (their quants u,
+    layout above) and ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term); u: scratch (K,) uint8."""
     t32 = tile.view(np.uint32)
     u32 = u.view(np.uint32)
-    for r in range(ROWS):
+    R = ws.shape[2]
+    for r in range(R):
         if r0 + r >= rows:
             u[:] = 0
             ws[:, :, r] = 0.0
@@ -131,7 +166,7 @@ def _unpack(raw, code, r0, rows, nsb, u, tile, ws):
         else:
             _unpack_q45_k(raw[r0 + r], code, nsb, u, ws, r)
         for i in range(nsb * QK_K // 4):  # 4 columns at a time into their group
-            t32[i * ROWS + r] = u32[i]
+            t32[i * R + r] = u32[i]
 
 
 @njit(cache=True)
@@ -165,37 +200,43 @@ def _unpack_q6_k(src, nsb, u, ws, r):
             sc = d * np.float32((np.int32(src[o + 192 + g]) ^ 128) - 128)
             ws[sb * 16 + g, 0, r] = sc
             ws[sb * 16 + g, 1, r] = np.float32(32.0) * sc
-        for n in range(QK_K):
-            h, qt, c = n // 128, (n % 128) // 32, n % 32
-            low = (src[o + 64 * h + 32 * (qt % 2) + c] >> (4 * (qt // 2))) & 15
-            u[sb * QK_K + n] = low | (((src[o + 128 + 32 * h + c] >> (2 * qt)) & 3) << 4)
+        for h in range(2):  # weight 128 h + 32 qt + c; the runs of 32 in loops of their own, which vectorize
+            for qt in range(4):
+                lo, lo_shift, hi, hi_shift = o + 64 * h + 32 * (qt % 2), 4 * (qt // 2), o + 128 + 32 * h, 2 * qt
+                y = sb * QK_K + 128 * h + 32 * qt
+                for c in range(32):
+                    u[y + c] = ((src[lo + c] >> lo_shift) & 15) | (((src[hi + c] >> hi_shift) & 3) << 4)
 
 
 @njit(nogil=True, cache=True)
-def _gemm(raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
-    """Chunk ch of n_chunks (a range of row groups) of out = x @ W.T; the chunks run on plain threads."""
+def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
+    """Chunk ch of n_chunks (a range of row groups) of out = x @ W.T in tiles of R rows x TT tokens (the form's);
+    the chunks run on plain threads."""
     rows, K = raw.shape[0], xq.shape[1]
     nsb, T = K // QK_K, out.shape[0]
-    n_groups = (rows + ROWS - 1) // ROWS
-    per_block = max(1, BLOCK_BYTES // (nsb * SB_BYTES))  # groups whose tiles stay in L2 while the tokens pass
+    n_groups = (rows + R - 1) // R
+    sb_bytes = QK_K * R  # one super-block of the group's rows
+    per_block = max(1, BLOCK_BYTES // (nsb * sb_bytes))  # groups whose tiles stay in L2 while the tokens pass
     u = np.empty(K, np.uint8)
-    tiles = np.empty((per_block, nsb * SB_BYTES), np.uint8)
-    ws = np.empty((per_block, nsb * (QK_K // 16), 2, ROWS), np.float32)  # room for 16 sub-blocks (Q6_K)
-    res = np.empty((TOKENS, ROWS), np.float32)
+    tiles = np.empty((per_block, nsb * sb_bytes), np.uint8)
+    ws = np.empty((per_block, nsb * (QK_K // 16), 2, R), np.float32)  # room for 16 sub-blocks (Q6_K)
+    res = np.empty((TT, R), np.float32)
     g_end = (ch + 1) * n_groups // n_chunks
     for g0 in range(ch * n_groups // n_chunks, g_end, per_block):
         ng = min(per_block, g_end - g0)
         for j in range(ng):
-            _unpack(raw, code, (g0 + j) * ROWS, rows, nsb, u, tiles[j], ws[j])
-        for t0 in range(0, xq.shape[0], TOKENS):  # one tile of tokens (L1) against every group of the block
+            _unpack(raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j])
+        for t0 in range(0, xq.shape[0], TT):  # one tile of tokens (L1) against every group of the block
             for j in range(ng):
-                r0 = (g0 + j) * ROWS
+                r0 = (g0 + j) * R
                 if code == Q6_K_CODE:  # sub-blocks of 16
-                    _tile16(tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], res)
+                    _tile_q6(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], res)
+                elif code == Q5_K_CODE:
+                    _tile_q5(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], res)
                 else:
-                    _tile32(tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], res)
-                for t in range(min(TOKENS, T - t0)):
-                    for r in range(min(ROWS, rows - r0)):
+                    _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], res)
+                for t in range(min(TT, T - t0)):
+                    for r in range(min(R, rows - r0)):
                         out[t0 + t, r0 + r] = res[t, r]
 
 
@@ -217,13 +258,18 @@ class QuantizedInput:
         self.xm16 = (-self.xd[:, :, None] * sums[:, :, 8:]).reshape(Tp, nsb * 16).astype(np.float32)
 
 
-def matmul(qin: QuantizedInput, w: QTensor) -> np.ndarray:
-    """(T, rows) f32 = x @ W.T for a usable(w) matrix, with the decode matvec's integer math.
+def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarray:
+    """(T, rows) f32 = x @ W.T for a usable(w) matrix, with the decode matvec's integer math, in the form the CPU
+    runs under `tier` (variant; the caller checks available(tier)).
 
     Split over plain threads (the kernel releases the GIL), not numba's OpenMP pool: OpenMP workers spin for a
     while after a parallel region, and the sgemm calls between these (attention, other matrix types) then run
     several times slower against them (measured on Gemma 3: prompts 1.5x slower with a parallel region here)."""
+    form = variant(tier)
+    R, TT = TILE[form]
     out = np.empty((qin.T, w.rows), np.float32)
-    n = max(1, min(-(-w.rows // ROWS), numba.get_num_threads()))
-    plain_threads.split(_gemm, (w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm32, qin.xm16, out, n), n)
+    n = max(1, min(-(-w.rows // R), numba.get_num_threads()))
+    args = (WIDE if form == "512" else NARROW, R, TT, w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm32,
+            qin.xm16, out, n)
+    plain_threads.split(_gemm, args, n)
     return out

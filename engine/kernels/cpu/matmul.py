@@ -213,6 +213,12 @@ Q8_MATVEC_MAX_T = 12
 # 2048, Q4_K) 1.10 vs 1.38 ms at T=32, 1.55 vs 1.99 at T=48; a 4096 x 2048 Q4_K 2.81 vs 2.74 ms at T=32, 4.05 vs
 # 3.29 at T=48. A MoE prompt routes a few tokens to each expert: most of its expert products fall under it.
 GEMM8_MIN_T = 32
+# The 256-bit (AVX2) form of the GEMM has a larger fixed cost for less speed: it pays off from a whole prompt tile
+# (64 rows), and under it dequantize + sgemm beats both it and the matvec above Q8_MATVEC_MAX_T. Measured on the
+# AVX2 VM (Zen 3, no VNNI), 2 threads, ms, GEMM / matvec / sgemm: a 1536 x 1536 Q4_K at T=32 3.3 / 3.8 / 2.2, at
+# T=64 4.5-4.9 / 7.3-7.5 / 2.9, at T=512 11.1 / - / 20.9; an 8960 x 1536 Q4_K at T=48 21.8 / 20.5 / 13.8, at T=64
+# 14.3 / 24.6 / 19.3, at T=512 58.4 / - / 114.0.
+GEMM8_MIN_T_256 = PROMPT_TILE - 1
 
 
 class Int8Kernels(ExactKernels):
@@ -223,9 +229,10 @@ class Int8Kernels(ExactKernels):
         ir.tier_token(tier)  # refuses an unknown tier, or one this CPU cannot run (also from GOINFER_CPU_TIER)
         self.tier = tier or ir.TIER
         self._groups: dict[tuple[int, ...], tuple] = {}
-        # Prompts over K-quant matrices: the int8 GEMM (gemm8.py) where the CPU has 512-bit VNNI, else sgemm;
-        # a backend turns it off for a model where it would carry little of the work (use_prompt_gemm8).
-        self._gemm8 = self.tier == "vnni" and gemm8.available()
+        # Prompts over K-quant matrices: the int8 GEMM (gemm8.py) where the tier has one (AVX2 and up), else
+        # sgemm; a backend turns it off for a model where it would carry little of the work (use_prompt_gemm8).
+        self._gemm8 = gemm8.available(self.tier)
+        self.gemm8_min_t = GEMM8_MIN_T if gemm8.variant(self.tier) == "512" else GEMM8_MIN_T_256  # more rows: GEMM
 
     def _group(self, ws: Sequence[QTensor]) -> tuple[int8.PreparedWeights | None, list[slice]]:
         """Checked once per weight group: (Prepared, column slice of each matrix), or (None, ...) when a float
@@ -243,19 +250,21 @@ class Int8Kernels(ExactKernels):
 
     def use_prompt_gemm8(self, on: bool) -> None:
         """Run prompts over K-quant matrices on the int8 GEMM (where the CPU can), or on dequantize + sgemm."""
-        self._gemm8 = on and self.tier == "vnni" and gemm8.available()
+        self._gemm8 = on and gemm8.available(self.tier)
 
     def _prompt_gemm8(self, x: np.ndarray, ws: Sequence[QTensor]) -> bool:
-        return self._gemm8 and x.shape[0] > GEMM8_MIN_T and all(gemm8.usable(w) for w in ws)
+        return self._gemm8 and x.shape[0] > self.gemm8_min_t and all(gemm8.usable(w) for w in ws)
 
     def _matvec_max_t(self, ws: Sequence[QTensor]) -> int:
         """The most input rows the integer matvec takes for these matrices (more: the GEMM or sgemm)."""
-        return GEMM8_MIN_T if self._gemm8 and all(gemm8.usable(w) for w in ws) else Q8_MATVEC_MAX_T
+        if self._gemm8 and self.gemm8_min_t == GEMM8_MIN_T and all(gemm8.usable(w) for w in ws):
+            return GEMM8_MIN_T  # the 512-bit form's fixed cost: the matvec up to it
+        return Q8_MATVEC_MAX_T
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         x = as_input(x, w)  # (T, cols)
         if self._prompt_gemm8(x, (w,)):
-            return gemm8.matmul(gemm8.QuantizedInput(x), w)
+            return gemm8.matmul(gemm8.QuantizedInput(x), w, self.tier)
         if w.packed is not None and x.shape[0] <= Q8_MATVEC_MAX_T:
             return packed.matvec(w, x, self.tier)
         p = self._group((w,))[0] if x.shape[0] <= self._matvec_max_t((w,)) else None
@@ -271,7 +280,7 @@ class Int8Kernels(ExactKernels):
         x = as_input(x, ws[0])
         if self._prompt_gemm8(x, ws):
             qin = gemm8.QuantizedInput(x)  # quantized once for all of them
-            return [gemm8.matmul(qin, w) for w in ws]
+            return [gemm8.matmul(qin, w, self.tier) for w in ws]
         if any(w.packed is not None for w in ws) and x.shape[0] <= Q8_MATVEC_MAX_T:
             return [self.matmul(x, w) for w in ws]
         p, slices = self._group(ws) if x.shape[0] <= self._matvec_max_t(ws) else (None, None)
