@@ -14,9 +14,10 @@ BLAS threads), in one of two forms (variant): R rows x TT tokens per tile, 16 x 
 - each group of R rows is unpacked into the layout the kernel reads: per 4 columns, R rows x 4 bytes of u (one
   register), and per sub-block the R rows' a_j and b_j as f32;
 - the tile kernel (IR intrinsic) computes R rows x TT tokens: per 4 columns one weight register and, per token,
-  its 4 bytes broadcast into vpdpbusd (512) or vpmaddubsw (256: the products' pairs summed in int16 over a few
-  groups, then vpmaddwd into int32); per sub-block the integer sums times a_j dx, less b_j times the token's
-  scaled sum, accumulate in f32.
+  its 4 bytes broadcast into vpdpbusd (512: per sub-block the integer sums times a_j dx accumulate in f32) or
+  vpmaddubsw (256: the products' pairs summed in int16 over a few groups, then vpmaddwd by the sub-block's integer
+  scale into int32 over the whole super-block, times d dx once per super-block); b_j times the token's scaled
+  sum of the sub-block is subtracted in f32.
 tests/test_gemm8.py holds both forms to the decode matvec's result on the same input.
 """
 
@@ -72,28 +73,32 @@ def carries_most(matrices: list[QTensor]) -> bool:
 
 def _tile_kernel(sub: int, chunk: int):
     """The tile intrinsic for sub-blocks of `sub` columns (32: Q4_K/Q5_K, 16: Q6_K):
-    (form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res) -> res (tokens, rows) f32 = a tile's tokens (rows xoff / K
-    .. of xq) x its rows (see module doc). ws: per sub-block, `rows` f32 of its scale then `rows` of its min term;
-    xd (T, nsb) scales and xm (T, nsb * 256 / sub) minus dx times the sum of each sub-block, from token soff / nsb.
-    form WIDE: 16 rows x 8 tokens, vpdpbusd on 512 bits. NARROW: 8 rows x 4 tokens, vpmaddubsw (u8 x s8 pairs into
-    i16) summed over `chunk` groups of 4 columns in i16 (chunk x 2 x max u x 127 < 2^15), then vpmaddwd into i32."""
+    (form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, wi, wd, res) -> res (tokens, rows) f32 = a tile's tokens (rows
+    xoff / K .. of xq) x its rows (see module doc). ws: per sub-block, `rows` f32 of its scale a_j then `rows` of
+    its min term b_j; xd (T, nsb) scales and xm (T, nsb * 256 / sub) minus dx times the sum of each sub-block, from
+    token soff / nsb. wi (sub-blocks, rows) i32 and wd (nsb, rows) f32: a_j split into an integer scale (twice,
+    as two i16) and the super-block's d, for the 256-bit form.
+    form WIDE: 16 rows x 8 tokens, vpdpbusd on 512 bits, a_j applied per sub-block in f32. NARROW: 8 rows x 4
+    tokens, vpmaddubsw (u8 x s8 pairs into i16) summed over `chunk` groups of 4 columns in i16 (chunk x 2 x max u x
+    127 < 2^15), then vpmaddwd by the integer scale into i32, summed over the super-block; d once per super-block."""
     nsub = QK_K // sub
 
-    def impl(typingctx, form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, res):
+    def impl(typingctx, form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, wi, wd, res):
         if not (isinstance(form, types.Integer) and form.bitwidth in (16, 32) and is_arr(tile, types.uint8)
                 and is_arr(xq, types.int8) and is_arr(xd, types.float32) and is_arr(xm, types.float32)
-                and is_arr(ws, types.float32) and is_arr(res, types.float32)):
+                and is_arr(ws, types.float32) and is_arr(wi, types.int32) and is_arr(wd, types.float32)
+                and is_arr(res, types.float32)):
             return None
         wide = form.bitwidth == 32
         rows, tokens = TILE["512" if wide else "256"]
-        sig = types.none(form, tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, res)
+        sig = types.none(form, tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, wi, wd, res)
 
         def codegen(context, builder, signature, args):
             e = Emitter(context, builder, "vnni" if wide else "avx2")
             b = builder
             at = signature.args
-            _, tl, n, x, xo, k, d, m, so, w, r = args
-            tp, wp, rp = e.base(at[1], tl), e.base(at[9], w), e.base(at[10], r)
+            _, tl, n, x, xo, k, d, m, so, w, wint, wdd, r = args
+            tp, wp, rp = e.base(at[1], tl), e.base(at[9], w), e.base(at[12], r)
             xp = b.gep(e.base(at[3], x), [xo], source_etype=kir.I8)
             dp = b.gep(e.base(at[6], d), [e.mul(so, 4)], source_etype=kir.I8)
             mp = b.gep(e.base(at[7], m), [e.mul(so, 4 * nsub)], source_etype=kir.I8)
@@ -101,41 +106,59 @@ def _tile_kernel(sub: int, chunk: int):
             group = rows * 4  # bytes of one group of 4 columns
             facc = [e.fvar(rows) for _ in range(tokens)]
             iacc = [cgutils.alloca_once(b, vi) for _ in range(tokens)]  # entry block: kept in registers
-            with e.loop(e.mul(n, nsub)) as lp:  # sub-blocks, over all super-blocks
-                j = lp.index
-                sb = b.udiv(j, e.i64(nsub))
-                col0 = e.mul(j, sub)
-                if wide:
+
+            def weights(j, g, ty):  # group g of sub-block j: 4 columns of the tile's rows
+                return e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), ty)
+
+            def inputs(j, g, t):  # token t's 4 bytes at group g of sub-block j, in every lane
+                return e.splat(e.ld(xp, e.add(e.add(e.mul(j, sub), 4 * g), e.mul(k, t)), I32), rows)
+
+            def dx_of(t, sb):
+                return e.splat(e.ld(dp, e.mul(e.add(e.mul(n, t), sb), 4), FLT), rows)
+
+            def min_terms(j):  # facc += b_j times the token's -dx (sum of the sub-block's x)
+                mins = e.ld(wp, e.add(e.mul(j, 2 * rows * 4), rows * 4), vf)
+                for t in range(tokens):
+                    e.fmacc(facc[t], mins, e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), FLT), rows))
+
+            if wide:
+                with e.loop(e.mul(n, nsub)) as lp:  # sub-blocks, over all super-blocks
+                    j = lp.index
+                    sb = b.udiv(j, e.i64(nsub))
                     for t in range(tokens):
                         b.store(ir.Constant(vi, None), iacc[t])
                     for g in range(sub // 4):
-                        wv = e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), vi)
+                        wv = weights(j, g, vi)
                         for t in range(tokens):
-                            xv = e.splat(e.ld(xp, e.add(e.add(col0, 4 * g), e.mul(k, t)), I32), rows)
-                            b.store(e.call("llvm.x86.avx512.vpdpbusd.512", vi, [b.load(iacc[t]), wv, xv]),
+                            b.store(e.call("llvm.x86.avx512.vpdpbusd.512", vi, [b.load(iacc[t]), wv, inputs(j, g, t)]),
                                     iacc[t])
-                    sums = [b.load(iacc[t]) for t in range(tokens)]
-                else:
-                    ones, v32 = e.splat_c(kir.I16, 1, 16), V(kir.I8, 32)
-                    sums = [None] * tokens
-                    for c0 in range(0, sub // 4, chunk):
-                        part = [None] * tokens
-                        for g in range(c0, c0 + chunk):
-                            wv = e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), v32)
+                    scale = e.ld(wp, e.mul(j, 2 * rows * 4), vf)
+                    for t in range(tokens):
+                        e.fmacc(facc[t], b.fmul(b.sitofp(b.load(iacc[t]), vf), scale), dx_of(t, sb))
+                    min_terms(j)
+            else:
+                v32, v16 = V(kir.I8, 32), V(kir.I16, 16)
+                wip, wdp = e.base(at[10], wint), e.base(at[11], wdd)
+                with e.loop(n) as lp:  # super-blocks
+                    sb = lp.index
+                    for t in range(tokens):
+                        b.store(ir.Constant(vi, None), iacc[t])
+                    with e.loop(nsub) as lj:  # a loop, not unrolled: unrolled, LLVM's schedule spilled (1.5x slower)
+                        j = e.add(e.mul(sb, nsub), lj.index)
+                        scale = b.bitcast(e.ld(wip, e.mul(j, rows * 4), vi), v16)  # (sc, sc) per row
+                        for c0 in range(0, sub // 4, chunk):
+                            part = [None] * tokens
+                            for g in range(c0, c0 + chunk):
+                                wv = weights(j, g, v32)
+                                for t in range(tokens):
+                                    p = e.madd_u8s8(wv, b.bitcast(inputs(j, g, t), v32))
+                                    part[t] = p if part[t] is None else b.add(part[t], p)
                             for t in range(tokens):
-                                xw = e.splat(e.ld(xp, e.add(e.add(col0, 4 * g), e.mul(k, t)), I32), rows)
-                                p = e.madd_u8s8(wv, b.bitcast(xw, v32))
-                                part[t] = p if part[t] is None else b.add(part[t], p)
-                        for t in range(tokens):
-                            s = e.madd_i16(part[t], ones)
-                            sums[t] = s if sums[t] is None else b.add(sums[t], s)
-                scale = e.ld(wp, e.mul(j, 2 * rows * 4), vf)
-                mins = e.ld(wp, e.add(e.mul(j, 2 * rows * 4), rows * 4), vf)
-                for t in range(tokens):
-                    dx = e.splat(e.ld(dp, e.mul(e.add(e.mul(n, t), sb), 4), FLT), rows)
-                    xs = e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), FLT), rows)
-                    e.fmacc(facc[t], b.fmul(b.sitofp(sums[t], vf), scale), dx)
-                    e.fmacc(facc[t], mins, xs)
+                                b.store(b.add(b.load(iacc[t]), e.madd_i16(part[t], scale)), iacc[t])
+                        min_terms(j)
+                    dv = e.ld(wdp, e.mul(sb, rows * 4), vf)
+                    for t in range(tokens):
+                        e.fmacc(facc[t], b.fmul(b.sitofp(b.load(iacc[t]), vf), dv), dx_of(t, sb))
             for t in range(tokens):
                 e.st(rp, t * rows * 4, b.load(facc[t]))
             return context.get_dummy_value()
@@ -151,7 +174,7 @@ _tile_q4, _tile_q5, _tile_q6 = _tile_kernel(32, 8), _tile_kernel(32, 4), _tile_k
 
 
 @njit(cache=True)
-def _unpack(raw, code, r0, rows, nsb, u, tile, ws):
+def _unpack(raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
     """Rows [r0, r0 + R) of raw (zeros past `rows`; R = ws.shape[2], the tile's rows) -> tile (their quants u,
     layout above) and ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term); u: scratch (K,) uint8."""
     t32 = tile.view(np.uint32)
@@ -161,24 +184,28 @@ def _unpack(raw, code, r0, rows, nsb, u, tile, ws):
         if r0 + r >= rows:
             u[:] = 0
             ws[:, :, r] = 0.0
+            wi[:, r] = 0
+            wd[:, r] = 0.0
         elif code == Q6_K_CODE:
-            _unpack_q6_k(raw[r0 + r], nsb, u, ws, r)
+            _unpack_q6_k(raw[r0 + r], nsb, u, ws, wi, wd, r)
         else:
-            _unpack_q45_k(raw[r0 + r], code, nsb, u, ws, r)
+            _unpack_q45_k(raw[r0 + r], code, nsb, u, ws, wi, wd, r)
         for i in range(nsb * QK_K // 4):  # 4 columns at a time into their group
             t32[i * R + r] = u32[i]
 
 
 @njit(cache=True)
-def _unpack_q45_k(src, code, nsb, u, ws, r):
+def _unpack_q45_k(src, code, nsb, u, ws, wi, wd, r):
     """Q4_K/Q5_K: w = d sc_j u - dmin m_j per sub-block j of 32 (u: 4 bits, Q5_K's fifth from qh)."""
     bb = 176 if code == Q5_K_CODE else 144  # bytes per super-block
     qs = 48 if code == Q5_K_CODE else 16  # where the 4-bit quants start
     for sb in range(nsb):
         o = sb * bb
         d, dmin = f16_at(src, o), f16_at(src, o + 2)
+        wd[sb, r] = d
         for j in range(8):  # sub-block j: nibble j % 2 of the 32 bytes at qs + 32 (j // 2)
             sc, m = k_scale_min(src, o + 4, j)
+            wi[sb * 8 + j, r] = sc | (sc << 16)
             ws[sb * 8 + j, 0, r] = d * np.float32(sc)
             ws[sb * 8 + j, 1, r] = dmin * np.float32(m)
             q0, sh, y = o + qs + 32 * (j // 2), 4 * (j % 2), sb * QK_K + 32 * j
@@ -190,14 +217,17 @@ def _unpack_q45_k(src, code, nsb, u, ws, r):
 
 
 @njit(cache=True)
-def _unpack_q6_k(src, nsb, u, ws, r):
+def _unpack_q6_k(src, nsb, u, ws, wi, wd, r):
     """Q6_K: w = d sc_g (u - 32) per sub-block g of 16 (u: 6 bits; reference.py gives the weight order), so the
     scale is d sc_g and the min term 32 d sc_g."""
     for sb in range(nsb):
         o = sb * 210  # ql[128] | qh[64] | i8 scales[16] | f16 d
         d = f16_at(src, o + 208)
+        wd[sb, r] = d
         for g in range(16):
-            sc = d * np.float32((np.int32(src[o + 192 + g]) ^ 128) - 128)
+            isc = (np.int32(src[o + 192 + g]) ^ 128) - 128
+            wi[sb * 16 + g, r] = np.int32((isc & 0xFFFF) | (isc << 16))  # the i8 scale in both i16 halves
+            sc = d * np.float32(isc)
             ws[sb * 16 + g, 0, r] = sc
             ws[sb * 16 + g, 1, r] = np.float32(32.0) * sc
         for h in range(2):  # weight 128 h + 32 qt + c; the runs of 32 in loops of their own, which vectorize
@@ -220,21 +250,23 @@ def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
     u = np.empty(K, np.uint8)
     tiles = np.empty((per_block, nsb * sb_bytes), np.uint8)
     ws = np.empty((per_block, nsb * (QK_K // 16), 2, R), np.float32)  # room for 16 sub-blocks (Q6_K)
+    wi = np.empty((per_block, nsb * (QK_K // 16), R), np.int32)
+    wd = np.empty((per_block, nsb, R), np.float32)
     res = np.empty((TT, R), np.float32)
     g_end = (ch + 1) * n_groups // n_chunks
     for g0 in range(ch * n_groups // n_chunks, g_end, per_block):
         ng = min(per_block, g_end - g0)
         for j in range(ng):
-            _unpack(raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j])
+            _unpack(raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j], wi[j], wd[j])
         for t0 in range(0, xq.shape[0], TT):  # one tile of tokens (L1) against every group of the block
             for j in range(ng):
                 r0 = (g0 + j) * R
                 if code == Q6_K_CODE:  # sub-blocks of 16
-                    _tile_q6(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], res)
+                    _tile_q6(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], wi[j], wd[j], res)
                 elif code == Q5_K_CODE:
-                    _tile_q5(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], res)
+                    _tile_q5(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], wi[j], wd[j], res)
                 else:
-                    _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], res)
+                    _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], wi[j], wd[j], res)
                 for t in range(min(TT, T - t0)):
                     for r in range(min(R, rows - r0)):
                         out[t0 + t, r0 + r] = res[t, r]
