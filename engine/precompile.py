@@ -3,10 +3,10 @@
 What a first `goinfer chat` starts in the background (engine/kernels/cpu/step_compile.py says why), beside its own
 self-test: load the model the way the foreground does (no self-test), generate two tokens of a short chat through
 the prompt pass (the kernels the foreground needs after its self-test; whichever process compiles a kernel first
-leaves it in the cache for the other), then run one decode step, which compiles the step (a minute or two) and
-writes it to the cache. Niced, so the foreground's answer comes first; under the step-compile lock, so a second one
-started meanwhile leaves at once. Run by hand (or in a container image's build, or CI) it compiles all but the
-self-test's kernels in the foreground.
+leaves it in the cache for the other) and the int8 GEMM of longer prompts where the model uses it, then run one
+decode step, which compiles the step (a minute or two) and writes it to the cache. Niced, so the foreground's
+answer comes first; under the step-compile lock, so a second one started meanwhile leaves at once. Run by hand (or
+in a container image's build, or CI) it compiles all but the self-test's kernels in the foreground.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def main(argv: list[str]) -> int:
                 pass
         finally:
             model.backend.step = step
+        warm = getattr(model.backend.kernels, "warm_prompt_gemm", None)
+        if warm is not None:  # the int8 GEMM of longer prompts (the warm-up chat is shorter than a prompt tile)
+            warm()
         model.decode(ids[-1:], [model.new_cache(1)])  # the step
     return 0
 

@@ -104,3 +104,21 @@ def test_a_model_takes_it_only_where_it_carries_most_of_the_prompt_work(monkeypa
         model = engine.load_model(kit / name, selftest=False)
         model.prefill(prompt, model.new_cache(128))
         assert bool(calls) == expected, name
+
+
+def test_precompile_compiles_it_for_a_model_that_takes_it(monkeypatch):
+    # the warm-up chat of engine/precompile.py is shorter than a prompt tile, so the GEMM is warmed on its own
+    import engine
+    from tests.conftest import SHARED
+
+    kit = SHARED / "families" / "qwen2"
+    warmed = []
+    monkeypatch.setattr(gemm8, "warm", lambda tier=None: warmed.append(tier))
+    for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", True), ("tiny-qwen2-a.Q8_0.gguf", False)):
+        warmed.clear()
+        engine.load_model(kit / name, selftest=False).backend.kernels.warm_prompt_gemm()
+        assert bool(warmed) == expected, name
+    real = QTensor("w", G.Q4_K, (16, 256), np.zeros((16, 144), np.uint8))
+    monkeypatch.undo()
+    gemm8.warm()  # compiles (or finds in the cache) and runs on zeros
+    assert not gemm8.matmul(gemm8.QuantizedInput(np.ones((8, 256), np.float32)), real).any()

@@ -305,3 +305,14 @@ def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarr
             qin.xm16, out, n)
     plain_threads.split(_gemm, args, n)
     return out
+
+
+def warm(tier: str | None = None) -> None:
+    """Compile the GEMM for the form this CPU runs into numba's on-disk cache (a few seconds, once per machine),
+    on one tile of zeros: engine/precompile.py calls it for a model that uses it, so a first long prompt does not
+    wait for it. One call compiles all three types' kernels (the type is a run-time argument)."""
+    if not available(tier):
+        return
+    rows = TILE[variant(tier)][0]
+    w = QTensor("warm", GGMLType.Q4_K, (rows, QK_K), np.zeros((rows, 144), np.uint8))
+    matmul(QuantizedInput(np.zeros((TOKENS, QK_K), np.float32)), w, tier)

@@ -252,6 +252,11 @@ class Int8Kernels(ExactKernels):
         """Run prompts over K-quant matrices on the int8 GEMM (where the CPU can), or on dequantize + sgemm."""
         self._gemm8 = on and gemm8.available(self.tier)
 
+    def warm_prompt_gemm(self) -> None:
+        """Compile the int8 GEMM now where this model's prompts will take it (engine/precompile.py)."""
+        if self._gemm8:
+            gemm8.warm(self.tier)
+
     def _prompt_gemm8(self, x: np.ndarray, ws: Sequence[QTensor]) -> bool:
         return self._gemm8 and x.shape[0] > self.gemm8_min_t and all(gemm8.usable(w) for w in ws)
 
