@@ -213,11 +213,12 @@ Q8_MATVEC_MAX_T = 12
 # 2048, Q4_K) 1.10 vs 1.38 ms at T=32, 1.55 vs 1.99 at T=48; a 4096 x 2048 Q4_K 2.81 vs 2.74 ms at T=32, 4.05 vs
 # 3.29 at T=48. A MoE prompt routes a few tokens to each expert: most of its expert products fall under it.
 GEMM8_MIN_T = 32
-# The 256-bit (AVX2) form of the GEMM has a larger fixed cost for less speed: it pays off from a whole prompt tile
-# (64 rows), and under it dequantize + sgemm beats both it and the matvec above Q8_MATVEC_MAX_T. Measured on the
-# AVX2 VM (Zen 3, no VNNI), 2 threads, ms, GEMM / matvec / sgemm: a 1536 x 1536 Q4_K at T=32 3.3 / 3.8 / 2.2, at
-# T=64 4.5-4.9 / 7.3-7.5 / 2.9, at T=512 11.1 / - / 20.9; an 8960 x 1536 Q4_K at T=48 21.8 / 20.5 / 13.8, at T=64
-# 14.3 / 24.6 / 19.3, at T=512 58.4 / - / 114.0.
+# The 256-bit (AVX2) form of the GEMM has a larger fixed cost (its unpack) for less speed: it takes a whole prompt
+# tile (64 rows) or more, and under it dequantize + sgemm, which is about even with it at 32-64 rows, beats the
+# matvec above Q8_MATVEC_MAX_T. Measured on the AVX2 VM (Zen 3, no VNNI; noisy), 2 threads, ms, GEMM / matvec /
+# sgemm: a 1536 x 1536 Q4_K at T=48 3.8 / 5.5 / 3.2, T=64 4.6 / 7.3 / 2.7, T=128 7.2 / 10.4 / 5.0, T=512
+# 15.5 / 38.0 / 20.6; an 8960 x 1536 Q4_K at T=48 15.8 / 16.9 / 12.8, T=64 9.7 / 17.4 / 16.0, T=512 64.7 / 177 / 125;
+# a 1536 x 8960 Q6_K at T=64 19.0 / 20.6 / 15.8, T=128 23.4 / 41.3 / 30.0.
 GEMM8_MIN_T_256 = PROMPT_TILE - 1
 
 
@@ -232,7 +233,8 @@ class Int8Kernels(ExactKernels):
         # Prompts over K-quant matrices: the int8 GEMM (gemm8.py) where the tier has one (AVX2 and up), else
         # sgemm; a backend turns it off for a model where it would carry little of the work (use_prompt_gemm8).
         self._gemm8 = gemm8.available(self.tier)
-        self.gemm8_min_t = GEMM8_MIN_T if gemm8.variant(self.tier) == "512" else GEMM8_MIN_T_256  # more rows: GEMM
+        self._gemm8_form = gemm8.variant(self.tier)  # "512", "256" or None
+        self.gemm8_min_t = GEMM8_MIN_T if self._gemm8_form == "512" else GEMM8_MIN_T_256  # more rows: the GEMM
 
     def _group(self, ws: Sequence[QTensor]) -> tuple[int8.PreparedWeights | None, list[slice]]:
         """Checked once per weight group: (Prepared, column slice of each matrix), or (None, ...) when a float
@@ -262,7 +264,7 @@ class Int8Kernels(ExactKernels):
 
     def _matvec_max_t(self, ws: Sequence[QTensor]) -> int:
         """The most input rows the integer matvec takes for these matrices (more: the GEMM or sgemm)."""
-        if self._gemm8 and self.gemm8_min_t == GEMM8_MIN_T and all(gemm8.usable(w) for w in ws):
+        if self._gemm8 and self._gemm8_form == "512" and all(gemm8.usable(w) for w in ws):
             return GEMM8_MIN_T  # the 512-bit form's fixed cost: the matvec up to it
         return Q8_MATVEC_MAX_T
 
