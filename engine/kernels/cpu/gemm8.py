@@ -12,7 +12,7 @@ of 16) a_j = d sc_j, b_j = 32 d sc_j. Per row and token: sum_j [a_j (sum u x) - 
 How, per matrix and prompt chunk (one call split over plain threads, no BLAS, so no OpenMP workers spin against
 BLAS threads), in one of two forms (variant): R rows x TT tokens per tile, 16 x 8 with 512-bit VNNI, else 8 x 4:
 - each group of R rows is unpacked into the layout the kernel reads: per 4 columns, R rows x 4 bytes of u (one
-  register), and per sub-block the R rows' a_j and b_j as f32;
+  register), and per sub-block the R rows' a_j and b_j as f32 (and a_j as an integer scale and d, for the 256);
 - the tile kernel (IR intrinsic) computes R rows x TT tokens: per 4 columns one weight register and, per token,
   its 4 bytes broadcast into vpdpbusd (512: per sub-block the integer sums times a_j dx accumulate in f32) or
   vpmaddubsw (256: the products' pairs summed in int16 over a few groups, then vpmaddwd by the sub-block's integer
@@ -176,7 +176,8 @@ _tile_q4, _tile_q5, _tile_q6 = _tile_kernel(32, 8), _tile_kernel(32, 4), _tile_k
 @njit(cache=True)
 def _unpack(raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
     """Rows [r0, r0 + R) of raw (zeros past `rows`; R = ws.shape[2], the tile's rows) -> tile (their quants u,
-    layout above) and ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term); u: scratch (K,) uint8."""
+    layout above), ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term), wi (sub-blocks, R) i32 (its
+    integer scale as two i16) and wd (nsb, R) f32 (each super-block's d); u: scratch (K,) uint8."""
     t32 = tile.view(np.uint32)
     u32 = u.view(np.uint32)
     R = ws.shape[2]
