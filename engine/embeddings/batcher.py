@@ -4,7 +4,7 @@ A server's handler threads each bring a request's token lists; one worker thread
 pass runs, the requests that arrive wait in the queue, and the next pass takes all of them together (up to
 MAX_PASS_TOKENS), so a burst of small requests costs a few batched passes instead of one pass each. Nothing waits
 on purpose: a request that finds the worker idle runs at once. Every request gets exactly the vectors it would get
-alone (the model batches inputs by length and masks padding; tests/test_embeddings.py checks batch == alone).
+alone (the model batches inputs by length, unpadded; tests/test_embeddings.py checks batch == alone).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""The BERT encoder (sentence-transformers checkpoints such as all-MiniLM-L6-v2): a padded batch of token ids in,
-the last layer's hidden states out.
+"""The BERT encoder (sentence-transformers checkpoints such as all-MiniLM-L6-v2): a batch of token-id sequences in
+(one after another, unpadded), the last layer's hidden states out.
 
     embeddings  word + absolute position + token type (0), then LayerNorm
     each layer  self-attention over the unmasked keys (no causal mask), output projection, residual, LayerNorm;
                 GELU (exact, erf) feed-forward, residual, LayerNorm (post-LN, as BERT is)
 
-f32 by default: the matrices are BLAS sgemm calls over the whole batch's real tokens (no padding), attention a
-batched matmul per layer over the sequences padded to the longest; the elementwise work between them (GELU,
-residual + LayerNorm, the masked softmax, the split into heads) is compiled (encoder_ops.py). A padded key weighs 0
-in the softmax, as transformers' additive mask of f32's smallest value makes it. quant "q8" keeps the four
+f32 by default: the matrices are BLAS sgemm calls over the whole batch's real tokens (no padding); attention runs
+per (sequence, head) over that sequence's own keys, read in place from the q|k|v rows, and the elementwise work
+(GELU, residual + LayerNorm) is compiled (encoder_ops.py). A sequence never sees another's keys, as transformers'
+additive mask of f32's smallest value gives for a padded batch. quant "q8" keeps the four
 matrices per layer (q|k|v, output, up, down) as Q8_0 blocks (a quarter of the bytes; see Q8Matrix); everything
 else stays f32.
 """
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.embeddings.encoder_ops import (gelu_inplace, masked_softmax_inplace, merge_heads, residual_layer_norm,
-                                          split_heads)
+from engine.embeddings.encoder_ops import attention, gelu_inplace, residual_layer_norm
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T
 from engine.kernels.quant_types import GGMLType, QTensor
@@ -134,22 +133,17 @@ class BertEncoder:
         """A batch of sequences one after another, unpadded: ids (tokens,) int, lengths (batch,) int (each >= 1,
         summing to tokens) -> the last layer's hidden states (tokens, hidden), in the same order.
 
-        The matrices run over the real tokens only; attention pads each sequence to the batch's longest (zeros,
-        keys masked), so a mix of lengths wastes work only there (a few % of the FLOPs)."""
+        Nothing is padded: the matrices run over the real tokens, attention over each sequence's own."""
         c = self.config
         n, heads = c.hidden, c.heads
         lengths = np.asarray(lengths, np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        tokens = int(lengths.sum())
         positions = np.concatenate([np.arange(m) for m in lengths])
         x = residual_layer_norm(self.word[ids], self._zeros, self.position[positions] + self.token_type[0],
                                 *self.embed_norm, c.eps)
         scale = 1.0 / math.sqrt(n // heads)
         for qkv_w, qkv_b, o_w, o_b, norm1, up_w, up_b, down_w, down_b, norm2 in self.layers:
-            q, k, v = split_heads(qkv_w.apply(x), qkv_b, starts, lengths, heads)  # k as (b, heads, d, t)
-            scores = q @ k
-            masked_softmax_inplace(scores, lengths, scale)
-            attended = merge_heads(scores @ v, starts, lengths, tokens)
+            attended = attention(qkv_w.apply(x), qkv_b, starts, lengths, heads, scale)
             x = residual_layer_norm(o_w.apply(attended), o_b, x, *norm1, c.eps)
             h = up_w.apply(x)
             gelu_inplace(h, up_b)

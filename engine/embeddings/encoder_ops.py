@@ -1,8 +1,11 @@
-"""The encoder's elementwise work between its BLAS matrix products, compiled and split over rows: exact-form GELU,
-residual + LayerNorm in one pass, the masked attention softmax, and q|k|v's bias and split into heads. Measured on
-a 130 x 40-token batch of all-MiniLM-L6-v2 (2 cores): numpy's passes took 0.68 s (GELU via math.erf, an opaque
-libm call per element), 0.17 s (LayerNorm) and 0.14 s (softmax) of 2.6 s; these are plain arithmetic LLVM
-vectorizes.
+"""The encoder's work between its BLAS matrix products, compiled: exact-form GELU, residual + LayerNorm in one
+pass, and self-attention (q|k|v's bias, scores, softmax, the weighted values) read in place from the q|k|v matmul's
+rows. Measured on a 130 x 40-token batch of all-MiniLM-L6-v2 (2 cores): numpy's passes took 0.68 s (GELU via
+math.erf, an opaque libm call per element), 0.17 s (LayerNorm) and 0.14 s (softmax) of 2.6 s; these are plain
+arithmetic LLVM vectorizes.
+
+Kernels with a division in a loop compile with error_model="numpy": numba's default (Python's) checks every
+division for a zero divisor, and that branch kept LLVM from vectorizing GELU (5.6 -> 0.8 ns an element).
 
 The kernels run on plain threads (kernels/cpu/plain_threads.py), not numba parallel regions: between sgemm calls
 numba's OpenMP workers and OpenBLAS's threads spin against each other on a machine with as many threads as cores.
@@ -22,11 +25,11 @@ from engine.kernels.cpu import plain_threads
 from engine.kernels.cpu.threads import get_threads
 from engine.kernels.cpu.vmath import exp_inplace
 
-__all__ = ["gelu_inplace", "residual_layer_norm", "masked_softmax_inplace", "merge_heads", "split_heads"]
+__all__ = ["attention", "gelu_inplace", "residual_layer_norm"]
 
 _A = (np.float32(0.0705230784), np.float32(0.0422820123), np.float32(0.0092705272), np.float32(0.0001520143),
       np.float32(0.0002765672), np.float32(0.0000430638))
-_FAST = {"reassoc", "contract", "nsz", "arcp"}  # not ninf/nnan: masks carry -inf-like values
+_FAST = {"reassoc", "contract", "nsz", "arcp"}  # not ninf/nnan: a NaN input stays visible downstream
 
 
 _SPLIT_MIN = 64 * 384  # elements of work below which one thread does it all
@@ -43,7 +46,7 @@ def _chunk_nb(jobs, n, ch):
     return jobs * ch // n, jobs * (ch + 1) // n
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def _gelu(x, bias, n, ch):
     a1, a2, a3, a4, a5, a6 = _A
     r0, r1 = _chunk_nb(x.shape[0], n, ch)
@@ -93,89 +96,66 @@ def residual_layer_norm(h: np.ndarray, bias: np.ndarray, residual: np.ndarray, w
     return out
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _softmax(scores, lengths, scale, n_, ch):
-    b, heads, t, _ = scores.shape
-    j0, j1 = _chunk_nb(b * heads, n_, ch)
-    scratch = np.empty(t, np.int32)
-    for job in range(j0, j1):
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
+def _attention(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
+    b = lengths.shape[0]
+    w = qkv.shape[1] // 3
+    d = w // heads
+    longest = 0
+    for s in range(b):
+        longest = max(longest, lengths[s])
+    kt = np.empty((d, longest), np.float32)  # the head's keys, transposed: a query's scores are axpys over keys
+    vh = np.empty((longest, d), np.float32)
+    q = np.empty(d, np.float32)
+    acc = np.empty(d, np.float32)
+    p = np.empty(longest, np.float32)
+    scratch = np.empty(longest, np.int32)
+    for job in range(ch, b * heads, n_):  # round robin: a batch sorted by length would give one chunk the long ones
         s, h = job // heads, job % heads
-        n = lengths[s]
-        for q in range(t):
-            row = scores[s, h, q]
+        n, r0, c = lengths[s], starts[s], h * d
+        for t in range(n):
+            row = qkv[r0 + t]
+            for i in range(d):
+                kt[i, t] = row[w + c + i] + bias[w + c + i]
+                vh[t, i] = row[2 * w + c + i] + bias[2 * w + c + i]
+        for t in range(n):
+            row = qkv[r0 + t]
+            for i in range(d):
+                q[i] = (row[c + i] + bias[c + i]) * scale
+            for k in range(n):
+                p[k] = np.float32(0.0)
+            for i in range(d):
+                qi, keys = q[i], kt[i]  # a 1D row: its loop vectorizes where kt[i, k] did not
+                for k in range(n):
+                    p[k] += qi * keys[k]
             top = np.float32(-3.4e38)
             for k in range(n):
-                row[k] *= scale
-                top = max(top, row[k])
+                top = max(top, p[k])
             for k in range(n):
-                row[k] -= top
-            exp_inplace(row[:n], scratch)
+                p[k] -= top
+            exp_inplace(p[:n], scratch)
             total = np.float32(0.0)
             for k in range(n):
-                total += row[k]
+                total += p[k]
             inv = np.float32(1.0) / total
-            for k in range(n):
-                row[k] *= inv
-            for k in range(n, t):
-                row[k] = np.float32(0.0)
-
-
-def masked_softmax_inplace(scores: np.ndarray, lengths: np.ndarray, scale: float) -> None:
-    """scores (batch, heads, t, t) float32, C-contiguous: each row softmax(scale * row) over the first lengths[b]
-    keys of its sequence; padded keys get 0 (as the additive mask of f32's smallest value gives)."""
-    _run(_softmax, (scores, lengths, np.float32(scale)), scores.shape[0] * scores.shape[1], scores.size)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _split(qkv, bias, starts, lengths, q, k, v, n_, ch):
-    b, heads, t, d = q.shape
-    j0, j1 = _chunk_nb(b * t, n_, ch)
-    w = heads * d
-    for job in range(j0, j1):
-        s, p = job // t, job % t
-        if p >= lengths[s]:  # a padded position: zeros, so padded queries stay finite (their rows are dropped)
-            for h in range(heads):
-                for i in range(d):
-                    q[s, h, p, i] = np.float32(0.0)
-                    k[s, h, i, p] = np.float32(0.0)
-                    v[s, h, p, i] = np.float32(0.0)
-            continue
-        row = qkv[starts[s] + p]
-        for h in range(heads):
             for i in range(d):
-                c = h * d + i
-                q[s, h, p, i] = row[c] + bias[c]
-                k[s, h, i, p] = row[w + c] + bias[w + c]
-                v[s, h, p, i] = row[2 * w + c] + bias[2 * w + c]
-
-
-def split_heads(qkv: np.ndarray, bias: np.ndarray, starts: np.ndarray, lengths: np.ndarray, heads: int):
-    """qkv (tokens, 3 hidden) without its bias, the batch's sequences one after another (sequence s from row
-    starts[s], lengths[s] rows) -> q (b, heads, t, d), k (b, heads, d, t), v (b, heads, t, d) with t the longest
-    sequence, each C-contiguous with the bias added and zeros past each sequence's end: the layouts attention's
-    batched matmuls read."""
-    b, t, d = len(lengths), int(lengths.max()), qkv.shape[1] // (3 * heads)
-    q, v = np.empty((b, heads, t, d), np.float32), np.empty((b, heads, t, d), np.float32)
-    k = np.empty((b, heads, d, t), np.float32)
-    _run(_split, (qkv, bias, starts, lengths, q, k, v), b * t, q.size * 3)
-    return q, k, v
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _merge(attended, starts, lengths, out, n_, ch):
-    b, heads, t, d = attended.shape
-    j0, j1 = _chunk_nb(b, n_, ch)
-    for s in range(j0, j1):
-        for p in range(lengths[s]):
-            row = out[starts[s] + p]
-            for h in range(heads):
+                acc[i] = np.float32(0.0)
+            for k in range(n):
+                pk, value = p[k] * inv, vh[k]
                 for i in range(d):
-                    row[h * d + i] = attended[s, h, p, i]
+                    acc[i] += pk * value[i]
+            o = out[r0 + t]
+            for i in range(d):
+                o[c + i] = acc[i]
 
 
-def merge_heads(attended: np.ndarray, starts: np.ndarray, lengths: np.ndarray, tokens: int) -> np.ndarray:
-    """split_heads' inverse for attention's output: (b, heads, t, d) -> (tokens, hidden), padded rows dropped."""
-    b, heads, t, d = attended.shape
-    out = np.empty((tokens, heads * d), np.float32)
-    _run(_merge, (attended, starts, lengths, out), b, attended.size)
+def attention(qkv: np.ndarray, bias: np.ndarray, starts: np.ndarray, lengths: np.ndarray, heads: int,
+              scale: float) -> np.ndarray:
+    """Self-attention of each sequence over its own tokens (no causal mask, no padding): qkv (tokens, 3 hidden)
+    without its bias, the batch's sequences one after another (sequence s from row starts[s], lengths[s] rows) ->
+    (tokens, hidden), each head's softmax(scale q k^T) v in its columns. One job per (sequence, head) reads its
+    rows of qkv in place: no split into head-major arrays, no padded scores."""
+    tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
+    out = np.empty((tokens, hidden), np.float32)
+    _run(_attention, (qkv, bias, starts, lengths, heads, np.float32(scale), out), len(lengths) * heads, qkv.size)
     return out

@@ -5,8 +5,7 @@ modules.json with its pooling and normalisation) loaded and run: texts or token 
     model.tokenize(texts)              token ids per text ([CLS] ... [SEP] as the tokenizer's post-processor adds)
     model.embed(token_lists)           (n, dimension) float32, pooled as the checkpoint declares, L2-normalised
 
-Inputs are run in batches sorted by length, unpadded through the matrices; attention pads each batch to its
-longest, at most MAX_BATCH_TOKENS padded tokens per forward pass.
+Inputs are run in batches sorted by length, unpadded, at most MAX_BATCH_TOKENS tokens per forward pass.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from engine.models.base import COMPUTE
 __all__ = ["EmbeddingModel", "POOLINGS", "load_embedding_model"]
 
 POOLINGS = ("mean", "cls", "last")
-MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: bounds the attention scores and activations
+MAX_BATCH_TOKENS = 8192  # tokens per forward pass: bounds the activations (the FFN's are 4 hidden wide)
 _BERT_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining", None}
 # The process-wide compute lock the generation models take: an encoder's parallel kernels take turns with theirs
 # (numba's workqueue layer aborts on concurrent launches).
@@ -57,10 +56,9 @@ class EmbeddingModel:
         order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
         start = 0
         while start < len(order):
-            end = start + 1
-            # sorted ascending: the batch's longest is its last; grow while attention's padded batch stays in
-            # bounds (the matrices see only real tokens)
-            while end < len(order) and (end - start + 1) * len(token_lists[order[end]]) <= MAX_BATCH_TOKENS:
+            end, size = start + 1, len(token_lists[order[start]])
+            while end < len(order) and size + len(token_lists[order[end]]) <= MAX_BATCH_TOKENS:
+                size += len(token_lists[order[end]])
                 end += 1
             batch = order[start:end]
             lengths = np.array([len(token_lists[i]) for i in batch], np.int64)
