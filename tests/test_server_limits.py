@@ -1,7 +1,8 @@
 """Server limits as a hostile or careless client meets them (a real `goinfer serve`, the real default model): a
 cap on open connections (503 with Retry-After beyond it), a deadline for a request's headers and body
 (slowloris), a bound on chunked trailers, a Host check on a keyless loopback server (DNS rebinding), and
-admission before a request's tokenising (a request that gets a 429 costs no prompt work)."""
+admission before a request's tokenising (a request that gets a 429 costs no prompt work), and answers sent without
+waiting on the client's delayed ACK (TCP_NODELAY)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,28 @@ def test_an_api_key_file_holds_several_keys(tmp_path, smollm2_gguf):
     r = goinfer("serve", "--api-key-file", str(empty), "--addr", "0.0.0.0:0")
     assert r.returncode == 2 and "--api-key-file" in r.stderr and r.stderr.strip().count("\n") == 0
     assert ServerConfig(host="0.0.0.0", api_key_file=keys).check() is None  # a key file makes a public address ok
+
+
+def test_connections_send_without_waiting_for_the_clients_ack(monkeypatch, smollm2_gguf):
+    """Every accepted connection has TCP_NODELAY: without it Nagle's algorithm holds an answer's body until the
+    client ACKs its headers, which clients delay by up to 40 ms, so every request took >= 40 ms."""
+    import engine.server.handler as handler
+
+    flags = []
+    real_setup = handler.Handler.setup
+
+    def setup(self):
+        real_setup(self)
+        flags.append(self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    monkeypatch.setattr(handler.Handler, "setup", setup)
+    server = Server([ServedModel.of("m", engine.load_model(smollm2_gguf), 512)], ServerConfig(port=0),
+                    log=lambda line: None)
+    server.start()
+    try:
+        with httpx.Client(timeout=30) as c:
+            assert c.get(server.url + "/v1/models").status_code == 200
+            assert c.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+    assert flags and all(flags)
