@@ -203,19 +203,23 @@ def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarra
     return packed.dequantize_rows(w, r0, r1, out)
 
 
-# Up to this many input rows the integer matvec beats dequantize + sgemm: its cost grows with T (each row is
-# decoded once per input vector, from L1) while the sgemm path pays a whole dequantization first. Measured on
-# the Zen 3 dev box, 1 thread, 6 layers: SmolLM2 Q4_1 int8 13.8 vs 16.4 ms at T=16, 33.8 vs 24.7 at T=32;
-# Gemma (Q5_0/Q4_K/Q6_K) 33.4 vs 29.8 ms at T=16, 45.6 vs 42.1 at T=24; at T=8 int8 is 1.9x faster.
-Q8_MATVEC_MAX_T = 12
+# Up to this many input rows (a prompt's partial tile: whole tiles take the GEMM or sgemm) the integer matvec
+# beats dequantize + sgemm: its cost grows with T (each row is decoded once per input vector, from L1) while the
+# sgemm path pays a whole dequantization first, and its sgemm of a few rows runs far from BLAS peak. Whole
+# models, the AVX2 VM (Zen 3, 2 threads, no VNNI), a T-token prompt's time to its first token, best of 5, matvec
+# vs dequantize + sgemm: SmolLM2 Q4_1 T=16 78 vs 119 ms, T=32 96 vs 184, T=63 169 vs 268; Gemma 3 270M T=16 75 vs
+# 131, T=32 111 vs 160, T=48 162 vs 160, T=63 179 vs 225; a Qwen2.5-1.5B-shape Q4_K_M T=16 0.57 vs 1.39 s, T=32
+# 1.21 vs 1.77, T=63 2.31 vs 2.54. (It was 12, from single-threaded timings of 6 layers on another box, where
+# sgemm won from T=32: SmolLM2 33.8 vs 24.7 ms.)
+Q8_MATVEC_MAX_T = PROMPT_TILE - 1
 # Over K-quants with the int8 GEMM available (gemm8.py), the matvec (the same integer math) still beats the GEMM's
 # fixed cost up to this many rows. Same box (AVX512-VNNI), 2 threads: a Qwen3-30B-A3B expert's gate+up (2 x 768 x
 # 2048, Q4_K) 1.10 vs 1.38 ms at T=32, 1.55 vs 1.99 at T=48; a 4096 x 2048 Q4_K 2.81 vs 2.74 ms at T=32, 4.05 vs
 # 3.29 at T=48. A MoE prompt routes a few tokens to each expert: most of its expert products fall under it.
 GEMM8_MIN_T = 32
 # The 256-bit (AVX2) form of the GEMM has a larger fixed cost (its unpack) for less speed: it takes a whole prompt
-# tile (64 rows) or more, and under it dequantize + sgemm, which is about even with it at 32-64 rows, beats the
-# matvec above Q8_MATVEC_MAX_T. Measured on the AVX2 VM (Zen 3, no VNNI; noisy), 2 threads, ms, GEMM / matvec /
+# tile (64 rows) or more, and the matvec the rows under it (in whole models; one matrix alone, sgemm looked about
+# even with either at 32-64 rows). Measured on the AVX2 VM (Zen 3, no VNNI; noisy), 2 threads, ms, GEMM / matvec /
 # sgemm: a 1536 x 1536 Q4_K at T=48 3.8 / 5.5 / 3.2, T=64 4.6 / 7.3 / 2.7, T=128 7.2 / 10.4 / 5.0, T=512
 # 15.5 / 38.0 / 20.6; an 8960 x 1536 Q4_K at T=48 15.8 / 16.9 / 12.8, T=64 9.7 / 17.4 / 16.0, T=512 64.7 / 177 / 125;
 # a 1536 x 8960 Q6_K at T=64 19.0 / 20.6 / 15.8, T=128 23.4 / 41.3 / 30.0.
