@@ -321,8 +321,8 @@ def test_backend_matmul_on_fixtures_both_paths(fixture_matrices, tier):
         for w in fixture_matrices:
             x = rng.standard_normal((T, w.cols)).astype(np.float32)
             got = be.matmul(x, w)
-            # int8 activations (float weights keep f32 ones): decode, and prompts over K-quants on the int8 GEMM
-            # (its 512-bit form with the matvec under it; the AVX2 form from a whole tile, sgemm under it)
+            # int8 activations (float weights keep f32 ones): decode and a prompt's partial tile (the matvec, or
+            # over K-quants the int8 GEMM past a few rows), and whole tiles over K-quants (the GEMM; sgemm for others)
             form = gemm8.variant(tier) if gemm8.usable(w) else None
             if T <= Q8_MATVEC_MAX_T or form == "512" or (form == "256" and T >= 64):
                 x = int8.dequantized_input(int8.quantize(x, [w.ggml_type]), w.ggml_type)

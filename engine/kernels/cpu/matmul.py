@@ -203,8 +203,8 @@ def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarra
     return packed.dequantize_rows(w, r0, r1, out)
 
 
-# Up to this many input rows (a prompt's partial tile: whole tiles take the GEMM or sgemm) the integer matvec
-# beats dequantize + sgemm: its cost grows with T (each row is decoded once per input vector, from L1) while the
+# Up to this many input rows (a prompt's partial tile: whole tiles take the GEMM or sgemm; over K-quants the GEMM
+# takes over sooner where the CPU has it, GEMM8_MIN_T*) the integer matvec beats dequantize + sgemm: its cost grows with T (each row is decoded once per input vector, from L1) while the
 # sgemm path pays a whole dequantization first, and its sgemm of a few rows runs far from BLAS peak. Whole
 # models, the AVX2 VM (Zen 3, 2 threads, no VNNI), a T-token prompt's time to its first token, best of 5, matvec
 # vs dequantize + sgemm: SmolLM2 Q4_1 T=16 78 vs 119 ms, T=32 96 vs 184, T=63 169 vs 268; Gemma 3 270M T=16 75 vs
@@ -217,13 +217,14 @@ Q8_MATVEC_MAX_T = PROMPT_TILE - 1
 # 2048, Q4_K) 1.10 vs 1.38 ms at T=32, 1.55 vs 1.99 at T=48; a 4096 x 2048 Q4_K 2.81 vs 2.74 ms at T=32, 4.05 vs
 # 3.29 at T=48. A MoE prompt routes a few tokens to each expert: most of its expert products fall under it.
 GEMM8_MIN_T = 32
-# The 256-bit (AVX2) form of the GEMM has a larger fixed cost (its unpack) for less speed: it takes a whole prompt
-# tile (64 rows) or more, and the matvec the rows under it (in whole models; one matrix alone, sgemm looked about
-# even with either at 32-64 rows). Measured on the AVX2 VM (Zen 3, no VNNI; noisy), 2 threads, ms, GEMM / matvec /
-# sgemm: a 1536 x 1536 Q4_K at T=48 3.8 / 5.5 / 3.2, T=64 4.6 / 7.3 / 2.7, T=128 7.2 / 10.4 / 5.0, T=512
-# 15.5 / 38.0 / 20.6; an 8960 x 1536 Q4_K at T=48 15.8 / 16.9 / 12.8, T=64 9.7 / 17.4 / 16.0, T=512 64.7 / 177 / 125;
-# a 1536 x 8960 Q6_K at T=64 19.0 / 20.6 / 15.8, T=128 23.4 / 41.3 / 30.0.
-GEMM8_MIN_T_256 = PROMPT_TILE - 1
+# The 256-bit (AVX2) form of the GEMM has a larger fixed cost (its unpack) for less speed: the matvec keeps up to
+# this many rows. Whole models on the AVX2 VM (Zen 3, no VNNI; noisy), 2 threads, a T-token prompt's time to its
+# first token, best of 3, the matvec vs this GEMM: a Qwen2.5-1.5B-shape Q4_K_M T=16 407 vs 502 ms, T=24 602 vs 574,
+# T=32 794 vs 631, T=48 1198 vs 750, T=63 1549 vs 881 (dequantize + sgemm, the way before: 2.54 s at T=63). One
+# matrix alone, GEMM / matvec / sgemm in ms, sgemm had looked ahead under a whole tile: a 1536 x 1536 Q4_K at T=48
+# 3.8 / 5.5 / 3.2, T=64 4.6 / 7.3 / 2.7, T=512 15.5 / 38.0 / 20.6; an 8960 x 1536 Q4_K at T=48 15.8 / 16.9 / 12.8,
+# T=512 64.7 / 177 / 125; a 1536 x 8960 Q6_K at T=64 19.0 / 20.6 / 15.8, T=128 23.4 / 41.3 / 30.0.
+GEMM8_MIN_T_256 = 23
 
 
 class Int8Kernels(ExactKernels):
