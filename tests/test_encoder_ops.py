@@ -1,6 +1,6 @@
 """The encoder's compiled kernels (engine/embeddings/encoder_ops.py) against float64 numpy: attention over
-unpadded sequences for head widths on both of its paths (a multiple of the decode kernels' 16-wide tile, and not),
-and the exact-form GELU. The whole encoder is checked against the reference vectors in test_embeddings.py."""
+unpadded sequences, for head widths that are a multiple of the decode kernels' 16-wide tile and one that is not
+(padded with zeros), and the exact-form GELU. The whole encoder is checked against the reference vectors in test_embeddings.py."""
 
 from __future__ import annotations
 

@@ -98,112 +98,56 @@ def residual_layer_norm(h: np.ndarray, bias: np.ndarray, residual: np.ndarray, w
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
+def _softmax(p, scratch):
+    """p (a contiguous row of scores) -> softmax(p), in place."""
+    n = p.shape[0]
+    top = np.float32(-3.4e38)
+    for k in range(n):
+        top = max(top, p[k])
+    for k in range(n):
+        p[k] -= top
+    exp_inplace(p, scratch)
+    total = np.float32(0.0)
+    for k in range(n):
+        total += p[k]
+    inv = np.float32(1.0) / total
+    for k in range(n):
+        p[k] *= inv
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def _attention(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
-    b = lengths.shape[0]
-    w = qkv.shape[1] // 3
+    """attention()'s jobs ch, ch + n_, ... on the decode step's register-blocked products (kernels/cpu/attention.py):
+    a sequence's queries of one head are that kernel's group of query heads, its keys the cache's tiles of TILE
+    positions (each a row of TILE per head dim), its values rows of the head width padded to a multiple of TILE
+    (zeros: they add nothing to the scores and their outputs are dropped)."""
+    b, w, longest = lengths.shape[0], qkv.shape[1] // 3, lengths.max()
     d = w // heads
-    longest = 0
-    for s in range(b):
-        longest = max(longest, lengths[s])
-    kt = np.empty((d, longest), np.float32)  # the head's keys, transposed: a query's scores are axpys over keys
-    vh = np.empty((longest, d), np.float32)
-    q = np.empty(d, np.float32)
-    acc = np.empty(d, np.float32)
-    p = np.empty(longest, np.float32)
-    scratch = np.empty(longest, np.int32)
-    for job in range(ch, b * heads, n_):  # round robin: a batch sorted by length would give one chunk the long ones
-        s, h = job // heads, job % heads
-        n, r0, c = lengths[s], starts[s], h * d
-        for t in range(n):
-            row = qkv[r0 + t]
-            for i in range(d):
-                kt[i, t] = row[w + c + i] + bias[w + c + i]
-                vh[t, i] = row[2 * w + c + i] + bias[2 * w + c + i]
-        for t in range(n):
-            row = qkv[r0 + t]
-            for i in range(d):
-                q[i] = (row[c + i] + bias[c + i]) * scale
-            for k in range(n):
-                p[k] = np.float32(0.0)
-            for i in range(d):
-                qi, keys = q[i], kt[i]  # a 1D row: its loop vectorizes where kt[i, k] did not
-                for k in range(n):
-                    p[k] += qi * keys[k]
-            top = np.float32(-3.4e38)
-            for k in range(n):
-                top = max(top, p[k])
-            for k in range(n):
-                p[k] -= top
-            exp_inplace(p[:n], scratch)
-            total = np.float32(0.0)
-            for k in range(n):
-                total += p[k]
-            inv = np.float32(1.0) / total
-            for i in range(d):
-                acc[i] = np.float32(0.0)
-            for k in range(n):
-                pk, value = p[k] * inv, vh[k]
-                for i in range(d):
-                    acc[i] += pk * value[i]
-            o = out[r0 + t]
-            for i in range(d):
-                o[c + i] = acc[i]
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def _softmax_rows(s, stride, n, scratch):
-    """Each of the first n rows of s (rows `stride` apart, n scores each) -> its softmax, in place."""
-    for t in range(n):
-        p = s[t * stride : t * stride + n]
-        top = np.float32(-3.4e38)
-        for k in range(n):
-            top = max(top, p[k])
-        for k in range(n):
-            p[k] -= top
-        exp_inplace(p, scratch)
-        total = np.float32(0.0)
-        for k in range(n):
-            total += p[k]
-        inv = np.float32(1.0) / total
-        for k in range(n):
-            p[k] *= inv
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def _attention_tiled(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
-    """_attention for a head width that is a multiple of TILE, on the decode step's register-blocked products
-    (kernels/cpu/attention.py): a sequence's queries of one head are that kernel's group of query heads, its
-    keys the cache's tiles of TILE positions (each d rows of TILE), its values rows of d."""
-    b = lengths.shape[0]
-    w = qkv.shape[1] // 3
-    d = w // heads
-    longest = 0
-    for s in range(b):
-        longest = max(longest, lengths[s])
-    tiles = (longest + TILE - 1) // TILE
-    keys = np.empty(tiles * d * TILE, np.float32)
-    values = np.empty(longest * d, np.float32)
-    queries = np.empty(longest * d, np.float32)
+    dp = (d + TILE - 1) // TILE * TILE
+    keys = np.zeros((longest + TILE - 1) // TILE * dp * TILE, np.float32)
+    values = np.zeros(longest * dp, np.float32)
+    queries = np.zeros(longest * dp, np.float32)
     weights = np.empty(longest * longest, np.float32)  # scores, then softmax: a row per query, `longest` apart
-    attended = np.empty(longest * d, np.float32)
+    attended = np.empty(longest * dp, np.float32)
     scratch = np.empty(longest, np.int32)
     for job in range(ch, b * heads, n_):  # round robin: a batch sorted by length would give one chunk the long ones
         s, h = job // heads, job % heads
         n, r0, c = lengths[s], starts[s], h * d
         for t in range(n):
             row = qkv[r0 + t]
-            at = t // TILE * d * TILE + t % TILE
+            at = t // TILE * dp * TILE + t % TILE
             for i in range(d):
-                queries[t * d + i] = row[c + i] + bias[c + i]
+                queries[t * dp + i] = row[c + i] + bias[c + i]
                 keys[at + i * TILE] = row[w + c + i] + bias[w + c + i]
-                values[t * d + i] = row[2 * w + c + i] + bias[2 * w + c + i]
-        scores(n, keys, 0, queries, 0, d, n, scale, weights, 0, longest, values, 0)
-        _softmax_rows(weights, longest, n, scratch)
-        weighted_values(n, values, 0, d, n, weights, 0, longest, attended, 0)
+                values[t * dp + i] = row[2 * w + c + i] + bias[2 * w + c + i]
+        scores(n, keys, 0, queries, 0, dp, n, scale, weights, 0, longest, values, 0)
+        for t in range(n):
+            _softmax(weights[t * longest : t * longest + n], scratch)
+        weighted_values(n, values, 0, dp, n, weights, 0, longest, attended, 0)
         for t in range(n):
             o = out[r0 + t]
             for i in range(d):
-                o[c + i] = attended[t * d + i]
+                o[c + i] = attended[t * dp + i]
 
 
 def attention(qkv: np.ndarray, bias: np.ndarray, starts: np.ndarray, lengths: np.ndarray, heads: int,
@@ -214,6 +158,5 @@ def attention(qkv: np.ndarray, bias: np.ndarray, starts: np.ndarray, lengths: np
     rows of qkv in place: no split into head-major arrays, no padded scores."""
     tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
     out = np.empty((tokens, hidden), np.float32)
-    kernel = _attention_tiled if (hidden // heads) % TILE == 0 else _attention
-    _run(kernel, (qkv, bias, starts, lengths, heads, np.float32(scale), out), len(lengths) * heads, qkv.size)
+    _run(_attention, (qkv, bias, starts, lengths, heads, np.float32(scale), out), len(lengths) * heads, qkv.size)
     return out
