@@ -16,7 +16,7 @@ SCHEMA = {"type": "object", "properties": {
     "category": {"type": "string", "enum": ["billing", "shipping", "technical"]},
     "urgent": {"type": "boolean"}, "priority": {"type": "integer"},
     "fixed": {"type": "string", "enum": ["only"]}, "note": {"type": "string", "maxLength": 30},
-    "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}}},
+    "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "maxItems": 3}},
     "required": ["category", "urgent", "priority", "fixed", "note", "tags"], "additionalProperties": False,
     "$defs": {"tag": {"type": "string", "enum": ["refund", "delay", "bug"]}}}
 BODY = {"messages": [{"role": "user", "content": "My package is late and I want a refund! Classify this ticket."}],
@@ -60,12 +60,19 @@ def test_enum_boolean_and_integer_fields_are_reported_and_forced_or_free_text_on
     assert plain.text == answered.text and plain.confidence is None  # the answer itself is unchanged
 
 
-def test_the_enum_distribution_is_the_models_own_next_token_probabilities(smol, answered):
+def test_the_enum_distribution_is_the_models_own_next_token_probabilities(smollm2_gguf):
     """At the position that decided `category`, the model's probabilities (an independent pass) of the tokens that
-    spell each option, renormalised over the options, equal the record's distribution."""
-    from engine.prompts import encode_prompt, render_request
+    spell each option, renormalised over the options, equal the record's distribution. On the exact (f32) path: the
+    fast path's int8 activations round a one-shot prompt pass and the generation's prompt + decode steps apart, and at
+    this near-tie that moved the options' shares by up to 0.03 (the exact path's lay between the two; its own two
+    agree to 1e-4)."""
+    from engine import load_model
     from engine.api.openai import parse_request
+    from engine.prompts import encode_prompt, render_request
+    from engine.requests import execute
 
+    smol = load_model(str(smollm2_gguf), quant="f32")
+    answered = execute(smol, parse_request("/v1/chat/completions", {**BODY, "goinfer_confidence": True}))
     req = parse_request("/v1/chat/completions", BODY)
     prompt = encode_prompt(smol, render_request(smol, req).text)
     text = answered.text
@@ -89,7 +96,7 @@ def test_the_enum_distribution_is_the_models_own_next_token_probabilities(smol, 
     record = next(r for r in answered.confidence if r["path"] == "category")["distribution"]
     decided = sum(record[o] for o in mass)
     for option in mass:
-        assert record[option] / decided == pytest.approx(mass[option] / total, abs=0.02)
+        assert record[option] / decided == pytest.approx(mass[option] / total, abs=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------- over HTTP
