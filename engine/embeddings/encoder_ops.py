@@ -90,9 +90,10 @@ def _layer_norm(h, bias, residual, weight, beta, eps, out, n_, ch):
 
 
 def residual_layer_norm(h: np.ndarray, bias: np.ndarray, residual: np.ndarray, weight: np.ndarray,
-                        beta: np.ndarray, eps: float) -> np.ndarray:
-    """LayerNorm(h + bias + residual) * weight + beta, row by row: (rows, n) float32 in, a new array out."""
-    out = np.empty(h.shape, np.float32)
+                        beta: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """LayerNorm(h + bias + residual) * weight + beta, row by row: (rows, n) float32 in, out (a new array if None;
+    it may be h itself: each element of h is read before its place in out is written) returned."""
+    out = np.empty(h.shape, np.float32) if out is None else out
     _run(_layer_norm, (h, bias, residual, weight, beta, np.float32(eps), out), h.shape[0], h.size)
     return out
 
@@ -151,12 +152,13 @@ def _attention(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
 
 
 def attention(qkv: np.ndarray, bias: np.ndarray, starts: np.ndarray, lengths: np.ndarray, heads: int,
-              scale: float) -> np.ndarray:
+              scale: float, out: np.ndarray | None = None) -> np.ndarray:
     """Self-attention of each sequence over its own tokens (no causal mask, no padding): qkv (tokens, 3 hidden)
     without its bias, the batch's sequences one after another (sequence s from row starts[s], lengths[s] rows) ->
     (tokens, hidden), each head's softmax(scale q k^T) v in its columns. One job per (sequence, head) reads its
-    rows of qkv in place: no split into head-major arrays, no padded scores."""
+    rows of qkv in place: no split into head-major arrays, no padded scores. out: where to write (a new array if
+    None)."""
     tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
-    out = np.empty((tokens, hidden), np.float32)
+    out = np.empty((tokens, hidden), np.float32) if out is None else out
     _run(_attention, (qkv, bias, starts, lengths, heads, np.float32(scale), out), len(lengths) * heads, qkv.size)
     return out
