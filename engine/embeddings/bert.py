@@ -175,4 +175,4 @@ class BertEncoder:
             last = i == len(self.layers) - 1
             d = down_w.apply(h, np.empty_like(x) if last else spare)  # the result outlives the workspace
             x, spare = residual_layer_norm(d, down_b, x, *norm2, c.eps, out=d), x
-        return x
+        return x if self.layers else x.copy()  # never a view of the workspace
