@@ -123,8 +123,8 @@ def _attention(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
     a sequence's queries of one head are that kernel's group of query heads, its keys the cache's tiles of TILE
     positions (each a row of TILE per head dim), its values rows of the head width padded to a multiple of TILE
     (zeros: they add nothing to the scores and their outputs are dropped). The copies in and out index with unsigned
-    integers: with signed ones numba adds a wraparound select per element and the loops stayed scalar (1,000
-    sentences of all-MiniLM-L6-v2, one layer on one thread: 180-255 -> 140-190 ms, the VM's spread)."""
+    integers: with signed ones numba adds a wraparound select per element in these short loops (1,000 sentences
+    of all-MiniLM-L6-v2, one layer on one thread: 180-255 -> 140-190 ms, the VM's spread)."""
     b, w, longest = lengths.shape[0], qkv.shape[1] // 3, lengths.max()
     d = w // heads
     dp = (d + TILE - 1) // TILE * TILE
@@ -137,8 +137,7 @@ def _attention(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
     for job in range(ch, b * heads, n_):  # round robin: a batch sorted by length would give one chunk the long ones
         s, h = job // heads, job % heads
         n, r0, c = lengths[s], starts[s], h * d
-        # Unsigned indices: numba wraps a negative signed index around, a select per element that kept these
-        # copies from vectorizing.
+        # Unsigned indices: numba wraps a negative signed index around, a select per element (slower copies).
         cq, ck, cv = np.uint64(c), np.uint64(w + c), np.uint64(2 * w + c)
         for t in range(n):
             r, o = np.uint64(r0 + t), np.uint64(t * dp)
