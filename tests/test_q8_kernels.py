@@ -214,11 +214,24 @@ def test_integer_dots_match_reference(t, tier):
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 @pytest.mark.parametrize("t", LEGACY + KQUANT + FLOATS, ids=_ids(LEGACY + KQUANT + FLOATS))
 def test_matvec_matches_reference(t, tier):
-    for seed, (rows, K, M) in enumerate([(37, 512, 1), (5, 768, 3)] if t in KQUANT else
+    for seed, (rows, K, M) in enumerate([(37, 512, 1), (5, 768, 3), (6, 512, 7)] if t in KQUANT else
                                         [(37, 96, 1), (5, 32, 2), (13, 576, 3), (8, 640, 1)]):
         w = _sane(t, rows, K, seed)
         qin = int8.quantize(_inputs(M, K, seed), [t])
         _assert_close(int8.matvec([w], qin, tier=tier), int8.dequantized_input(qin, t), reference.dequantize(w))
+
+
+@pytest.mark.parametrize("tier", TIER_PARAMS)
+@pytest.mark.parametrize("t", KQUANT, ids=_ids(KQUANT))
+def test_kquant_rows_give_each_vector_its_own_result_bit_for_bit(t, tier):
+    # K-quant rows meet the vectors four, then two, then one at a time (kquant.rows_*): for every count the results
+    # are each vector's as if it came alone.
+    w = _sane(t, 11, 512, seed=3)
+    x = _inputs(9, 512, seed=4)
+    alone = np.concatenate([int8.matvec([w], int8.quantize(x[m:m + 1], [t]), tier=tier) for m in range(9)])
+    for M in range(1, 10):
+        got = int8.matvec([w], int8.quantize(x[:M], [t]), tier=tier)
+        np.testing.assert_array_equal(got.view(np.uint32), alone[:M].view(np.uint32), err_msg=f"M={M}")
 
 
 def test_matvec_detects_a_changed_weight():

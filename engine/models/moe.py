@@ -27,12 +27,16 @@ def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return chosen, (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
 def feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str) -> np.ndarray:
     """The MoE MLP of block `blk` ("blk.3.") over normed h (T, n_embd), one prompt tile at a time: an expert's
     matmul then sees the same rows whatever chunk the tile came in (Backend.prompt_tile), so a reused prompt
     prefix continues with the numbers a cold prefill gets."""
     tile = be.prompt_tile
-    if len(h) <= tile:
+    takes = getattr(be, "takes_experts", None)  # a kernel computing each row on its own: any grouping will do
+    if len(h) <= tile or (takes is not None and takes([w.tensor(blk + n) for n in _STACKS])):
         return _feed_forward(cfg, w, be, h, blk)
     return np.concatenate([_feed_forward(cfg, w, be, h[t0 : t0 + tile], blk) for t0 in range(0, len(h), tile)])
 
@@ -48,7 +52,7 @@ def _feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk:
     order = np.argsort(flat, kind="stable")
     experts, counts = np.unique(flat[order], return_counts=True)
     starts = np.concatenate(([0], np.cumsum(counts)))
-    names = [blk + n for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    names = [blk + n for n in _STACKS]
     gate, up = _experts(cfg, w, be, h[order // k], experts, starts, names[:2])
     if cfg.expert_biases:
         gate, up = gate + _pair_bias(w, names[0], flat[order], cfg), up + _pair_bias(w, names[1], flat[order], cfg)

@@ -177,11 +177,17 @@ class CpuBackend:
         grouped by expert (group i: rows starts[i]..starts[i+1], expert experts[i]), each times its expert's
         matrix of every stack. None where it does not apply (the exact path; float experts; a type the self-test
         stepped down): the caller goes expert by expert."""
-        tier = getattr(self.kernels, "tier", None)
-        if self.path != "fast" or tier is None or not all(
-                expert_matmul.usable(s) and int(s.ggml_type) not in self.stepped_down for s in stacks):
+        if not self.takes_experts(stacks):
             return None
-        return expert_matmul.expert_matmul(x, experts, starts, stacks, n_expert, tier)
+        return expert_matmul.expert_matmul(x, experts, starts, stacks, n_expert, self.kernels.tier)
+
+    def takes_experts(self, stacks: Sequence[QTensor]) -> bool:
+        """Whether expert_matmul runs these stacked tensors. Its rows are computed each on its own (the integer
+        row kernels give a row the same numbers whatever else is in its group), so a prompt's MoE layers can
+        group a whole chunk's tokens at once: more tokens per expert, more of them through the kernels' 4-vector
+        form, and each expert's weights read once per chunk."""
+        return self.path == "fast" and getattr(self.kernels, "tier", None) is not None and all(
+            expert_matmul.usable(s) and int(s.ggml_type) not in self.stepped_down for s in stacks)
 
     def embed(self, w: QTensor, ids) -> np.ndarray:
         return self.kernels.embed(w, ids)

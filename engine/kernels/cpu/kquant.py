@@ -41,15 +41,16 @@ def _k4_scales(e: Emitter, wp, o) -> ir.Value:
     return b.zext(b.bitcast(v, V(I8, 16)), V(I16, 16))
 
 
-def _k_isums(e: Emitter, code, wp, o, xp, xo, bp, bo):
-    """One super-block at byte o against Q8_K activations at xo (sums at byte bo of bp):
-    (<8 x i32> summing to the scaled integer dot, <4 x i32> summing to the min term, or None)."""
+def _k_isums(e: Emitter, code, wp, o, xs_at, bsums):
+    """One super-block at byte o against n vectors of Q8_K activations, its weights decoded once for all of them:
+    xs_at(v, j) loads vector v's 32 int8 activations j (0..7), bsums(v, off, ty) its block sums at byte off.
+    Per vector (<8 x i32> summing to the scaled integer dot, <4 x i32> summing to the min term, or None)."""
     b = e.b
-    xs = [e.ld(xp, e.add(xo, 32 * j), V(I8, 32)) for j in range(8)]
+    n = len(bsums)
     if code == Q6_K_CODE:
         sc = b.sext(e.ld(wp, e.add(o, 192), V(I8, 16)), V(I16, 16))
-        bs16 = e.ld(bp, e.add(bo, 16), V(I16, 16))  # the 16 sums over 16 weights
-        isum = b.mul(e.madd_i16(sc, bs16), e.splat_c(I32, -32, 8))  # the -32 offset of every weight
+        m32 = e.splat_c(I32, -32, 8)
+        isums = [b.mul(e.madd_i16(sc, bsums[v](16, V(I16, 16))), m32) for v in range(n)]  # every weight's -32
         for h in range(2):
             ql0, ql1 = e.ld(wp, e.add(o, 64 * h), V(I8, 32)), e.ld(wp, e.add(o, 64 * h + 32), V(I8, 32))
             qh = e.ld(wp, e.add(o, 128 + 32 * h), V(I8, 32))
@@ -59,69 +60,83 @@ def _k_isums(e: Emitter, code, wp, o, xp, xo, bp, bo):
                 high = b.and_(b.lshr(qh, e.splat_c(I8, 2 * t, 32)), three) if t else b.and_(qh, three)
                 q = b.or_(low, b.shl(high, e.splat_c(I8, 4, 32)))
                 g = 8 * h + 2 * t  # scales of weights 0-15 and 16-31 of this 32
-                p = e.madd_u8s8(q, xs[4 * h + t])
-                isum = b.add(isum, e.madd_i16(p, e.shuf(sc, None, [g] * 8 + [g + 1] * 8)))
-        return isum, None
+                gsc = e.shuf(sc, None, [g] * 8 + [g + 1] * 8)
+                for v in range(n):
+                    isums[v] = b.add(isums[v], e.madd_i16(e.madd_u8s8(q, xs_at(v, 4 * h + t)), gsc))
+        return [(isum, None) for isum in isums]
     scm = _k4_scales(e, wp, o)
-    mins = e.madd_i16(e.shuf(scm, None, range(8, 16)), e.ld(bp, bo, V(I16, 8)))  # m_s * bsum32_s
+    msc = e.shuf(scm, None, range(8, 16))
+    mins = [e.madd_i16(msc, bsums[v](0, V(I16, 8))) for v in range(n)]  # m_s * bsum32_s
     qs = 16 if code == Q4_K_CODE else 48
     qh = e.ld(wp, e.add(o, 16), V(I8, 32)) if code == Q5_K_CODE else None
-    isum = None
+    isums = [None] * n
     for c in range(4):  # 64-weight chunk c: low nibbles = sub-block 2c, high nibbles = 2c + 1
         q = e.ld(wp, e.add(o, qs + 32 * c), V(I8, 32))
-        for s, v in ((2 * c, e.nib_lo(q)), (2 * c + 1, e.nib_hi(q))):
+        for s, u in ((2 * c, e.nib_lo(q)), (2 * c + 1, e.nib_hi(q))):
             if qh is not None:  # the fifth bit of weight l of sub-block s is bit s of qh[l]
                 bit = b.and_(b.lshr(qh, e.splat_c(I8, s, 32)), e.splat_c(I8, 1, 32))
-                v = b.or_(v, b.shl(bit, e.splat_c(I8, 4, 32)))
-            part = e.madd_i16(e.madd_u8s8(v, xs[s]), e.shuf(scm, None, [s] * 16))
-            isum = part if isum is None else b.add(isum, part)
-    return isum, mins
+                u = b.or_(u, b.shl(bit, e.splat_c(I8, 4, 32)))
+            ssc = e.shuf(scm, None, [s] * 16)
+            for v in range(n):
+                part = e.madd_i16(e.madd_u8s8(u, xs_at(v, s)), ssc)
+                isums[v] = part if isums[v] is None else b.add(isums[v], part)
+    return list(zip(isums, mins))
 
 
-def _k_rowdot(code):
-    """Intrinsic (raw, roff, nsb, xq, xoff, xd, doff, xb, boff, tier) -> float32 for one row of nsb super-blocks
-    (doff: f32 element offset into xd; boff: int16 element offset into xb)."""
+def _k_rowdot(code, n):
+    """Intrinsic (raw, roff, nsb, xq, xd, xb, m, tier) -> n float32 (a float for n = 1, else a tuple): one row of
+    nsb super-blocks at byte roff of raw against activation vectors m .. m + n - 1 (rows of xq (M, K), their scales
+    xd (M, K/256) and sums xb (M, K/256, 24)). Each super-block is decoded once for the n vectors: its nibble and
+    scale unpacking is a third to a half of a single vector's work (the integer sums stay per vector)."""
     bb = _KBB[code]
 
-    def impl(typingctx, raw, roff, nsb, xq, xoff, xd, doff, xb, boff, tier):
+    def impl(typingctx, raw, roff, nsb, xq, xd, xb, m, tier):
         t = tier_of(tier)
         if not (is_arr(raw, types.uint8) and is_arr(xq, types.int8) and is_arr(xd, types.float32)
                 and is_arr(xb, types.int16) and t):
             return None
-        sig = types.float32(raw, types.intp, types.intp, xq, types.intp, xd, types.intp, xb, types.intp, tier)
+        ret = types.float32 if n == 1 else types.UniTuple(types.float32, n)
+        sig = ret(raw, types.intp, types.intp, xq, xd, xb, types.intp, tier)
 
         def codegen(context, builder, signature, args):
             e = Emitter(context, builder, t)
             b = builder
             at = signature.args
-            r, ro, n, x, xo, d, do, xb_, bo, _ = args
+            r, ro, ns, x, d, xb_, m, _ = args
             wp = b.gep(e.base(at[0], r), [ro], source_etype=I8)
-            xp = b.gep(e.base(at[3], x), [xo], source_etype=I8)
-            dp = b.gep(e.base(at[5], d), [e.mul(do, 4)], source_etype=I8)
-            bp = b.gep(e.base(at[7], xb_), [e.mul(bo, 2)], source_etype=I8)
-            acc, accm = e.fvar(8), e.fvar(4)
-            with e.loop(n) as lp:
+            vecs = [e.add(m, v) for v in range(n)]
+            xps = [b.gep(e.base(at[3], x), [e.mul(e.mul(vm, ns), QK_K)], source_etype=I8) for vm in vecs]
+            dps = [b.gep(e.base(at[4], d), [e.mul(e.mul(vm, ns), 4)], source_etype=I8) for vm in vecs]
+            bps = [b.gep(e.base(at[5], xb_), [e.mul(e.mul(vm, ns), 2 * KB_SUMS)], source_etype=I8) for vm in vecs]
+            accs = [(e.fvar(8), e.fvar(4)) for _ in range(n)]
+            with e.loop(ns) as lp:
                 i = lp.index
                 o = e.mul(i, bb)
                 for line in range(0, bb, 64):
                     e.prefetch(wp, e.add(o, PREFETCH_BYTES + line))
-                isum, mins = _k_isums(e, code, wp, o, xp, e.mul(i, QK_K), bp, e.mul(i, 2 * KB_SUMS))
-                dx = e.ld(dp, e.mul(i, 4), FLT, align=4)
+                xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
+                xs_at = lambda v, j: e.ld(xps[v], e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
+                bsums = [lambda off, ty, v=v: e.ld(bps[v], e.add(bo, off), ty) for v in range(n)]
                 if code == Q6_K_CODE:
-                    dd = b.fmul(e.halves(e.ld(wp, e.add(o, 208), V(I16, 1))), e.splat(dx, 1))
-                    e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), e.shuf(dd, None, [0] * 8))
+                    dw = e.halves(e.ld(wp, e.add(o, 208), V(I16, 1)))
                 else:  # f16 d, f16 dmin at o
-                    dd = b.fmul(e.halves(e.ld(wp, o, V(I16, 2))), e.splat(dx, 2))
+                    dw = e.halves(e.ld(wp, o, V(I16, 2)))
+                for v, (isum, mins) in enumerate(_k_isums(e, code, wp, o, xs_at, bsums)):
+                    acc, accm = accs[v]
+                    dx = e.ld(dps[v], e.mul(i, 4), FLT, align=4)
+                    dd = b.fmul(dw, e.splat(dx, dw.type.count))
                     e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), e.shuf(dd, None, [0] * 8))
-                    e.fmacc(accm, b.sitofp(mins, V(FLT, 4)), e.shuf(dd, None, [1] * 4))
-            res = e.hsum_f(b.load(acc))
-            if code != Q6_K_CODE:
-                res = b.fsub(res, e.hsum_f(b.load(accm)))
-            return res
+                    if mins is not None:
+                        e.fmacc(accm, b.sitofp(mins, V(FLT, 4)), e.shuf(dd, None, [1] * 4))
+            res = []
+            for acc, accm in accs:
+                r_ = e.hsum_f(b.load(acc))
+                res.append(r_ if code == Q6_K_CODE else b.fsub(r_, e.hsum_f(b.load(accm))))
+            return res[0] if n == 1 else context.make_tuple(b, signature.return_type, res)
 
         return sig, codegen
 
-    impl.__name__ = f"_rowdot_{type_name(code).lower()}"
+    impl.__name__ = f"_rowdot{n}_{type_name(code).lower()}"
     return intrinsic(impl)
 
 
@@ -148,7 +163,10 @@ def _k_idots(code):
             op = b.gep(e.base(at[7], out_), [e.mul(oo, 4)], source_etype=I8)
             with e.loop(n) as lp:
                 i = lp.index
-                isum, mins = _k_isums(e, code, wp, e.mul(i, bb), xp, e.mul(i, QK_K), bp, e.mul(i, 2 * KB_SUMS))
+                xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
+                xs_at = lambda v, j: e.ld(xp, e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
+                bsums = [lambda off, ty: e.ld(bp, e.add(bo, off), ty)]
+                [(isum, mins)] = _k_isums(e, code, wp, e.mul(i, bb), xs_at, bsums)
                 e.st(op, e.mul(i, 8), e.hsum_i(isum))
                 e.st(op, e.add(e.mul(i, 8), 4), ir.Constant(I32, 0) if mins is None else e.hsum_i(mins))
             return context.get_dummy_value()
@@ -159,7 +177,9 @@ def _k_idots(code):
     return intrinsic(impl)
 
 
-_rd_q4_k, _rd_q5_k, _rd_q6_k = (_k_rowdot(c) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
+_rd1_q4_k, _rd1_q5_k, _rd1_q6_k = (_k_rowdot(c, 1) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
+_rd2_q4_k, _rd2_q5_k, _rd2_q6_k = (_k_rowdot(c, 2) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
+_rd4_q4_k, _rd4_q5_k, _rd4_q6_k = (_k_rowdot(c, 4) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
 idots_q4_k, idots_q5_k, idots_q6_k = (_k_idots(c) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
 
 
@@ -167,33 +187,55 @@ idots_q4_k, idots_q5_k, idots_q6_k = (_k_idots(c) for c in (Q4_K_CODE, Q5_K_CODE
 # Row functions: rows [r0, r1) of one matrix against all M activation vectors, into out[:, c0 + r]
 # =========================================================================================================
 
-# One function per type, not a factory (see legacy.py): closures would never hit numba's cache.
+# One function per type, not a factory (see legacy.py): closures would never hit numba's cache. Each row meets the
+# vectors four at a time (then two, then one): a prompt's short tiles, a MoE expert's tokens and batched decode
+# all run M > 1, and the weights' unpacking is then shared. The results are those of one vector at a time, bit
+# for bit (the same integer sums and the same float operations per vector).
 
 
 @njit(cache=True)
 def rows_q4_k(raw, base, rb, r0, r1, xq, xd, xb, out, c0, tier):
-    K = xq.shape[1]
-    nsb = K // 256
+    nsb, M = xq.shape[1] // 256, out.shape[0]
     for r in range(r0, r1):
-        for m in range(out.shape[0]):
-            out[m, c0 + r] = _rd_q4_k(raw, base + r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
+        ro, col, m = base + r * rb, c0 + r, 0
+        while m + 4 <= M:
+            out[m, col], out[m + 1, col], out[m + 2, col], out[m + 3, col] = _rd4_q4_k(raw, ro, nsb, xq, xd, xb, m,
+                                                                                     tier)
+            m += 4
+        if m + 2 <= M:
+            out[m, col], out[m + 1, col] = _rd2_q4_k(raw, ro, nsb, xq, xd, xb, m, tier)
+            m += 2
+        if m < M:
+            out[m, col] = _rd1_q4_k(raw, ro, nsb, xq, xd, xb, m, tier)
 
 
 @njit(cache=True)
 def rows_q5_k(raw, base, rb, r0, r1, xq, xd, xb, out, c0, tier):
-    K = xq.shape[1]
-    nsb = K // 256
+    nsb, M = xq.shape[1] // 256, out.shape[0]
     for r in range(r0, r1):
-        for m in range(out.shape[0]):
-            out[m, c0 + r] = _rd_q5_k(raw, base + r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
+        ro, col, m = base + r * rb, c0 + r, 0
+        while m + 4 <= M:
+            out[m, col], out[m + 1, col], out[m + 2, col], out[m + 3, col] = _rd4_q5_k(raw, ro, nsb, xq, xd, xb, m,
+                                                                                     tier)
+            m += 4
+        if m + 2 <= M:
+            out[m, col], out[m + 1, col] = _rd2_q5_k(raw, ro, nsb, xq, xd, xb, m, tier)
+            m += 2
+        if m < M:
+            out[m, col] = _rd1_q5_k(raw, ro, nsb, xq, xd, xb, m, tier)
 
 
 @njit(cache=True)
 def rows_q6_k(raw, base, rb, r0, r1, xq, xd, xb, out, c0, tier):
-    K = xq.shape[1]
-    nsb = K // 256
+    nsb, M = xq.shape[1] // 256, out.shape[0]
     for r in range(r0, r1):
-        for m in range(out.shape[0]):
-            out[m, c0 + r] = _rd_q6_k(raw, base + r * rb, nsb, xq, m * K, xd, m * nsb, xb, m * nsb * 24, tier)
-
-
+        ro, col, m = base + r * rb, c0 + r, 0
+        while m + 4 <= M:
+            out[m, col], out[m + 1, col], out[m + 2, col], out[m + 3, col] = _rd4_q6_k(raw, ro, nsb, xq, xd, xb, m,
+                                                                                     tier)
+            m += 4
+        if m + 2 <= M:
+            out[m, col], out[m + 1, col] = _rd2_q6_k(raw, ro, nsb, xq, xd, xb, m, tier)
+            m += 2
+        if m < M:
+            out[m, col] = _rd1_q6_k(raw, ro, nsb, xq, xd, xb, m, tier)
