@@ -224,7 +224,10 @@ GEMM8_MIN_T = 32
 # matrix alone, GEMM / matvec / sgemm in ms, sgemm had looked ahead under a whole tile: a 1536 x 1536 Q4_K at T=48
 # 3.8 / 5.5 / 3.2, T=64 4.6 / 7.3 / 2.7, T=512 15.5 / 38.0 / 20.6; an 8960 x 1536 Q4_K at T=48 15.8 / 16.9 / 12.8,
 # T=512 64.7 / 177 / 125; a 1536 x 8960 Q6_K at T=64 19.0 / 20.6 / 15.8, T=128 23.4 / 41.3 / 30.0.
-GEMM8_MIN_T_256 = 23
+# It was 23 until the K-quant rows met the vectors four at a time (kquant.py, 1.2-1.8x on the matvec); then, the
+# same model on a slower sitting of the VM, best of 6 alternating, matvec vs GEMM: T=24 516 vs 742 ms, T=32 700 vs
+# 1019, T=40 792 vs 1026, T=48 1046 vs 904, T=63 1332 vs 1082 (a second run: T=40 1118 vs 1157, T=48 1219 vs 1322).
+GEMM8_MIN_T_256 = 40
 
 
 class Int8Kernels(ExactKernels):
