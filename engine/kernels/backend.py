@@ -118,7 +118,8 @@ class Backend(Protocol):
     stepped_down: frozenset[int]  # GGML type codes whose fast kernels the self-test found wrong (reference tier)
     # A prompt's rows get the same numbers however the prompt is cut into chunks, when the cuts fall on multiples
     # of this many positions (a reused prefix ends on one: engine/sessions.py). An op that groups a chunk's rows
-    # (MoE routing) groups them tile by tile.
+    # (MoE routing) groups them tile by tile, unless its kernel computes each row on its own (the CPU backend's
+    # takes_experts).
     prompt_tile: int
 
     def describe(self) -> str:

@@ -5,8 +5,9 @@ shared expert every token runs (`ffn_*_shexp`), scaled by sigmoid(`ffn_gate_inp_
 router and the experts and a clamped SwiGLU.
 
 Prompts group a tile's (token, expert) pairs by expert, so each chosen expert's weights are read once per tile for
-all of its tokens (on the fast path in one compiled call per stacked tensor: Backend.expert_matmul); an expert no
-token chose is not read at all (a decoded token reads only its k experts).
+all of its tokens (on the fast path in one compiled call per stacked tensor: Backend.expert_matmul, which groups a
+whole chunk at once since its rows do not depend on their group); an expert no token chose is not read at all (a
+decoded token reads only its k experts).
 """
 
 from __future__ import annotations

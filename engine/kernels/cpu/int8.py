@@ -5,8 +5,9 @@ algebra per block. This module holds the drivers over rows and matrices, the f32
 
 Rows are spread over plain threads in ranges (plain_threads.py: a parallel region here fought the BLAS threads
 of the prompt pass around it); each row is read from memory once per call and reused
-from L1 for every one of the M activation vectors (compute grows with M; decoding a block once for several
-vectors is left for batched decode). Each row loop prefetches PREFETCH_BYTES ahead.
+from L1 for every one of the M activation vectors (compute grows with M; K-quant rows decode each super-block
+once for four vectors at a time, kquant.py; legacy rows still decode a block per vector). Each row loop prefetches
+PREFETCH_BYTES ahead.
 Measured (Zen 3, AVX2, 2 threads, quiet box, DRAM read ~34 GB/s): one SmolLM2 token's 211 matvecs 4.4 ms
 (22 GB/s; exact f32 path 13.3 ms), Gemma-3-270M's 9.3 ms (26 GB/s; f32 path 20.9 ms).
 
