@@ -173,7 +173,7 @@ class CpuBackend:
 
     def expert_matmul(self, x: np.ndarray, experts: np.ndarray, starts: np.ndarray, stacks: Sequence[QTensor],
                       n_expert: int) -> list[np.ndarray] | None:
-        """A MoE prompt tile's experts in one call per stacked tensor (kernels/cpu/expert_matmul.py): x's rows
+        """A MoE prompt chunk's experts in one call per stacked tensor (kernels/cpu/expert_matmul.py): x's rows
         grouped by expert (group i: rows starts[i]..starts[i+1], expert experts[i]), each times its expert's
         matrix of every stack. None where it does not apply (the exact path; float experts; a type the self-test
         stepped down): the caller goes expert by expert."""

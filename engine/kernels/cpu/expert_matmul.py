@@ -1,15 +1,16 @@
-"""A MoE layer's experts over a prompt tile on the fast path: every chosen expert's rows against all the tile's
+"""A MoE layer's experts over a prompt chunk on the fast path: every chosen expert's rows against all the chunk's
 tokens that chose it, in one compiled call per stacked tensor (gate, up, down), on plain threads.
 
-The tile's (token, expert) pairs come grouped by expert (group i: input rows starts[i]..starts[i+1], all for
+The chunk's (token, expert) pairs come grouped by expert (group i: input rows starts[i]..starts[i+1], all for
 expert experts[i]). Each thread takes the same share of every expert's rows, so the work is balanced however the
-tokens spread over experts, and each weight row is read once per tile for all of its tokens. Before it, a MoE
+tokens spread over experts, and each weight row is read once per call for all of its tokens. Before it, a MoE
 prompt made a Python call (and a quantization, a gather, a scatter) per expert: a 64-token tile of a 128-expert
 model routes its 512 pairs to ~80 experts, ~1,000 calls a layer.
 
-Activations are quantized once per tile (int8, as the int8 matvec and llama.cpp's mul_mat_id do); a row's result
+Activations are quantized once per call (int8, as the int8 matvec and llama.cpp's mul_mat_id do); a row's result
 depends only on that row and the expert's weights, never on which other rows share its group, so a prompt's numbers
-do not depend on how it was cut into chunks (Backend.prompt_tile).
+do not depend on how it was cut into chunks (Backend.prompt_tile), and moe.py groups a whole chunk at once: more
+tokens per expert, so more of them go through the K-quant rows' four-vector form (kquant.py).
 """
 
 from __future__ import annotations
