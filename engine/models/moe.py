@@ -34,7 +34,8 @@ _STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 def feed_forward(cfg: ModelConfig, w: Weights, be: Backend, h: np.ndarray, blk: str) -> np.ndarray:
     """The MoE MLP of block `blk` ("blk.3.") over normed h (T, n_embd), one prompt tile at a time: an expert's
     matmul then sees the same rows whatever chunk the tile came in (Backend.prompt_tile), so a reused prompt
-    prefix continues with the numbers a cold prefill gets."""
+    prefix continues with the numbers a cold prefill gets. Where the backend's grouped kernel takes the experts
+    (takes_experts: each row computed on its own), the whole chunk goes at once, with the same numbers."""
     tile = be.prompt_tile
     takes = getattr(be, "takes_experts", None)  # a kernel computing each row on its own: any grouping will do
     if len(h) <= tile or (takes is not None and takes([w.tensor(blk + n) for n in _STACKS])):
