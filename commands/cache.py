@@ -1,10 +1,11 @@
-"""`goinfer cache` (list what is on disk) and `goinfer cache rm NAME`."""
+"""`goinfer cache` (list what is on disk), `goinfer cache rm NAME` and `goinfer cache warm [MODEL]`."""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+import time
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -12,11 +13,12 @@ from rich.text import Text
 from rich.table import Table
 
 from commands.errors import user_errors
-from commands.ui import say
+from commands.options import QuantOption
+from commands.ui import FetchProgress, say
 
-HELP = """List the models in the local cache: name (what to pass to --model), size, complete or not.
+HELP = """List the models in the local cache: name (what to pass to --model), size, complete or not; and the compiled CPU kernels (the entry named kernels).
 
-An incomplete entry is a pull that was interrupted: run the same `goinfer pull` to resume it. The cache lives in $GOINFER_HOME (default ~/.cache/goinfer).
+An incomplete entry is a pull that was interrupted: run the same `goinfer pull` to resume it. The cache lives in $GOINFER_HOME (default ~/.cache/goinfer). `goinfer cache rm kernels` removes the compiled kernels (they compile again on next use); `goinfer cache warm MODEL` compiles a model's ahead.
 
 Examples:
 
@@ -35,7 +37,22 @@ Examples:
 
   goinfer cache rm smollm2-135m
 
+  goinfer cache rm kernels
+
   goinfer cache rm hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
+
+  goinfer cache rm kernels
+"""
+
+WARM_HELP = """Compile every CPU kernel a model runs into the kernel cache now, its decode step included (a minute or two on 2 cores), so that its first chat or served request finds them compiled: for container images and CI.
+
+Kernels compile once per machine and goinfer version, per tensor type and family: a model compiles what it runs, nothing else.
+
+Examples:
+
+  goinfer cache warm                       # the default model (smollm2-135m)
+
+  goinfer cache warm gemma3-270m
 """
 
 app = typer.Typer(help=HELP, add_completion=False, pretty_exceptions_enable=False)
@@ -77,3 +94,21 @@ def rm(name: Annotated[str, typer.Argument(metavar="NAME", help="A name as `goin
         removed = remove(name)
     for path in removed:
         say(f"goinfer: removed {path}")
+
+
+@app.command(name="warm", help=WARM_HELP)
+def warm(model: Annotated[Optional[str], typer.Argument(
+             metavar="[MODEL]", help="A .gguf path, checkpoint directory, built-in name or hf: reference (default: "
+                                     "the default model).", show_default=False)] = None,
+         quant: QuantOption = "auto") -> None:
+    from engine.precompile import compile_ahead, kernel_directory
+
+    start = time.monotonic()
+    with user_errors():
+        progress = FetchProgress()
+        try:
+            llm = compile_ahead(model, quant, progress=progress)
+        finally:
+            progress.close()
+    where = kernel_directory() or "numba's cache beside the sources (NUMBA_CACHE_DIR)"
+    say(f"goinfer: {llm.name}'s kernels are compiled ({time.monotonic() - start:.0f} s), in {where}")

@@ -23,6 +23,7 @@ from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
+from engine.precompile import announce_running
 from engine.reasoning import ThinkingSettings
 from engine.speculation import Speculation
 from engine.prompts import answer_at_once, encode_prompt, message_starts, reply_plan, thinking_of
@@ -177,11 +178,13 @@ def chat(
                 raise fail("the prompt is empty")
             session.messages.append({"role": "user", "content": text})
             _reply(llm, session)
+            announce_running(lambda line: say(f"goinfer: {line}"))  # a first run's compile that goes on
             return
     try:
         _repl(llm, session)
     finally:
         session.warm.wait()  # the last turn's cache evaluated and written
+        announce_running(lambda line: say(f"goinfer: {line}"))
 
 
 def _schema_grammar(path: Path) -> Grammar:

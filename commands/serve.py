@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -24,8 +25,9 @@ from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, N
                               backend_choice, lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
-from engine.load import QUANT_MODES
+from engine.load import QUANT_MODES, check_model_file
 from engine.decisions.calibration import calibration_for
+from engine.decisions.calibration import read_file as read_calibration
 from engine.decisions.prompts import TEMPLATES as DECISION_TEMPLATES
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
@@ -33,6 +35,8 @@ from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAU
                            ServerConfig, parse_addr, parse_model_spec, split_model_options)
 from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
+from engine.precompile import stop_running, warm_prompt_pass
+from engine.server.state import session_budget_bytes
 from engine.sessions import DEFAULT_SESSIONS
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
@@ -148,6 +152,7 @@ def serve(
         help="A calibration.json from `goinfer decisions-calibrate`: its temperatures calibrate /v1/systemone on the "
              "model it was fitted for (refused for another model or template).")] = None,
 ) -> None:
+    started = time.monotonic()
     if ctx < 16:
         raise fail(f"--ctx must be >= 16, got {ctx}")
     if embed_quant not in EMBED_QUANTS:
@@ -178,27 +183,69 @@ def serve(
         dupes = sorted({n for n in names if n is not None and names.count(n) > 1})
         if dupes:
             raise fail(f"--model: the name {dupes[0]!r} is given twice (give each model its own NAME=)")
+        for _, ref, _ in specs:  # what can be told before listening: a bad file or calibration, in one line
+            check_model_file(ref)
+        if decisions_calibration is not None:
+            read_calibration(decisions_calibration, decisions_template)
+        server = Server([], config, loading=True)  # listening now: /health says "loading" until the models are in
+    _banner_limits(server, config)
+    loader = _Loader(server, specs, names, embed_specs, embed_quant, not no_selftest, decisions_calibration,
+                     decisions_template, config, started)
+    _run_until_signal(server, loader)
+
+
+class _Loader(threading.Thread):
+    """Loads the served models while the server already listens (engine/server/loading.py): each one's kernels
+    compiled or loaded and its prompt pass run once before it is served, its decode step compiled by a process
+    tied to this one where it is not cached yet (requests decode through the prompt pass meanwhile)."""
+
+    def __init__(self, server: Server, specs, names, embed_specs, embed_quant: str, selftest: bool,
+                 calibration: Path | None, template: str, config: ServerConfig, started: float):
+        super().__init__(name="goinfer-load", daemon=True)  # daemon: a signal mid-compile must not wait for it
+        self.server, self.specs, self.names, self.embed_specs = server, specs, names, embed_specs
+        self.embed_quant, self.selftest, self.calibration, self.template = embed_quant, selftest, calibration, template
+        self.config, self.started = config, started
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which exits with it
+            self.error = e
+            self.server.finish_loading(str(e) or type(e).__name__)
+        finally:
+            self.done.set()
+
+    def _load(self) -> None:
         served = []
-        for (name, ref, own), default in zip(specs, names):
-            llm = _load(ref, own["quant"], not no_selftest, own["ctx"], own["backend"], own["lora"])
+        for (name, ref, own), default in zip(self.specs, self.names):
+            llm = _load(ref, own["quant"], self.selftest, own["ctx"], own["backend"], own["lora"])
             if own["lora"] and name is None:  # the adapted model is not the base: not under the base's name
                 default = f"{default or llm.name}+{Path(own['lora'][0][0]).name}"
+            warm_prompt_pass(llm)  # its prompt kernels now, not in the first request
             served.append(ServedModel.of(default or llm.name, llm, own["ctx"]))
-        embedders = [_load_embedder(ref, name, embed_quant) for name, ref in embed_specs]
+        embedders = [_load_embedder(ref, name, self.embed_quant) for name, ref in self.embed_specs]
         names = [s.name for s in served] + [e.name for e in embedders]
         if len(set(names)) < len(names):
             raise fail("--model/--embed-model: two models get the same name; name them: NAME=REF")
-        if decisions_calibration is not None:
-            name, temperatures = calibration_for(decisions_calibration, {s.name: s.model for s in served},
-                                                 decisions_template)
-            config.decisions_temperatures = {name: temperatures}
-            _note(f"decisions on {name}: calibrated ({', '.join(f'{k} T={t:.3f}' for k, t in temperatures.items())})")
-        server = Server(served, config, embedders=embedders)
-    _banner(server, served, config)
-    for e in embedders:
-        _note(f"embedding model {e.name}: {e.path.name} ({e.dimension} dimensions, {e.pooling} pooling"
-              f"{', normalised' if e.normalize else ''}), context {e.context}")
-    _run_until_signal(server)
+        temperatures = None
+        if self.calibration is not None:
+            temperatures = calibration_for(self.calibration, {s.name: s.model for s in served}, self.template)
+        for s in served:
+            self.server.add_model(s)
+        for e in embedders:
+            self.server.add_embedder(e)
+        if temperatures is not None:
+            name, fitted = temperatures
+            self.server.state.decisions.temperatures[name] = dict(fitted)
+            _note(f"decisions on {name}: calibrated ({', '.join(f'{k} T={t:.3f}' for k, t in fitted.items())})")
+        _banner_models(served, self.config)
+        for e in embedders:
+            _note(f"embedding model {e.name}: {e.path.name} ({e.dimension} dimensions, {e.pooling} pooling"
+                  f"{', normalised' if e.normalize else ''}), context {e.context}")
+        self.server.finish_loading()
+        _note(f"ready: answering requests ({time.monotonic() - self.started:.1f} s after start)")
 
 
 def _model_options(ref: str | None, ctx: int, quant: str, backend: str) -> tuple[str | None, dict]:
@@ -245,7 +292,7 @@ def _load(ref: str | None, quant: str, selftest: bool = True, ctx: int | None = 
     progress = FetchProgress()
     try:  # ctx past a model's default window switches one with long-context RoPE factors to them (Phi-3)
         return load_model(ref, quant=quant, progress=progress, selftest=selftest, context=ctx, backend=backend,
-                          lora=lora)
+                          lora=lora, background_compile="tied")
     finally:
         progress.close()
 
@@ -254,7 +301,7 @@ def _note(text: str) -> None:
     print(f"goinfer serve: {text}", file=sys.stderr, flush=True)
 
 
-def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> None:
+def _banner_models(served: list[ServedModel], config: ServerConfig) -> None:
     for s in served:
         m = s.model
         weights = _weight_type(m)
@@ -263,23 +310,25 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
         _note(f"model {s.name}: {Path(m.path).name}{lora} ({m.config.arch}, {weights}), quant {m.quant} "
               f"({m.backend.describe()}), {limit}, {_threads(config)} threads, "
               f"{placement_text(m.placement)}")  # last: a fallback's reason may hold commas
+    if not served:
+        return  # embeddings only: no generation, no warm sessions
+    if config.kv_sessions > 0:
+        budget = session_budget_bytes(config)
+        kept = f", written to {config.session_dir}" if config.session_dir else ""
+        _note(f"prompt-prefix reuse: up to {config.kv_sessions} warm sessions per model in {_size(budget)} of "
+              f"KV{kept}")
+    else:
+        _note("prompt-prefix reuse: off (--kv-sessions 0)")
+    spec = config.speculation
+    _note(f"speculative decoding: prompt lookup, drafts of up to {spec.draft_max} tokens (the same replies; "
+          "--speculate off to decode one token a step)" if spec else "speculative decoding: off")
+
+
+def _banner_limits(server: Server, config: ServerConfig) -> None:
     _note(f"limits: request body {_size(server.body_cap)}, {config.max_concurrent} sequences at once and "
           f"queue {config.max_queue} per model, prompt chunks of {config.prefill_chunk}, "
           f"{config.max_connections} connections, {config.read_deadline_s:g} s to send a request, "
           f"SSE keep-alive after {config.keepalive_s:g} s of silence")
-    pools = [sch.sessions for sch in server.state.schedulers.values() if sch.sessions is not None]
-    if not served:
-        pass  # embeddings only: no generation, no warm sessions
-    elif pools:
-        kept = f", written to {config.session_dir}" if config.session_dir else ""
-        _note(f"prompt-prefix reuse: up to {config.kv_sessions} warm sessions per model in "
-              f"{_size(pools[0].budget_bytes)} of KV{kept}")
-    else:
-        _note("prompt-prefix reuse: off (--kv-sessions 0)")
-    if served:
-        spec = config.speculation
-        _note(f"speculative decoding: prompt lookup, drafts of up to {spec.draft_max} tokens (the same replies; "
-              "--speculate off to decode one token a step)" if spec else "speculative decoding: off")
     if config.api_keys:
         _note("auth: API key required on every route (Authorization: Bearer KEY or x-api-key: KEY)")
     else:
@@ -288,7 +337,6 @@ def _banner(server: Server, served: list[ServedModel], config: ServerConfig) -> 
     if not config.loopback and not config.tls:
         _note("warning: serving a non-loopback address without TLS: the key and every prompt travel in clear "
               "text; use --tls-cert/--tls-key or a TLS proxy")
-    _note(f"listening on {server.url} (OpenAI base URL {server.url}/v1); Ctrl-C stops")
 
 
 def _weight_type(m) -> str:
@@ -306,8 +354,10 @@ def _size(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
-def _run_until_signal(server: Server) -> None:
-    """Serve until SIGINT or SIGTERM; then stop cleanly (exit 0). A second signal quits at once."""
+def _run_until_signal(server: Server, loader: _Loader) -> None:
+    """Listen at once, load the models meanwhile (/health: 503 "loading", then 200), serve until SIGINT or
+    SIGTERM; then stop cleanly (exit 0), mid-load too. A second signal quits at once. A model that fails to load
+    ends the command with its one-line error."""
     stop = threading.Event()
     received: list[str] = []
 
@@ -321,11 +371,24 @@ def _run_until_signal(server: Server) -> None:
     previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
-        while not stop.wait(0.5):
-            pass
+        _note(f"listening on {server.url} (OpenAI base URL {server.url}/v1); loading the models (/health answers "
+              "503 until they can answer); Ctrl-C stops")
+        loader.start()
+        while not stop.wait(0.2):
+            if loader.error is not None:
+                break
+        if loader.error is not None and not stop.is_set():
+            server.stop("the models could not be loaded")
+            stop_running()
+            with user_errors():
+                raise loader.error
         _note(f"{received[0]}: shutting down")
         in_flight = server.stop()
+        stop_running()  # a decode step still compiling for this server ends with it
         _note(f"stopped ({in_flight} requests in flight were cancelled)" if in_flight else "stopped")
+        if not loader.done.is_set():  # mid-load (a compile holds that thread): leave without waiting for it
+            sys.stderr.flush()
+            os._exit(0)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

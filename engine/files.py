@@ -1,4 +1,5 @@
-"""File-system helpers shared by the model store and the batch runner: exclusive locks and directory fsync.
+"""File-system helpers shared by the model store, the kernel cache and the batch runner: the goinfer home,
+exclusive locks and directory fsync.
 
 Why they exist: two processes must not write one model (a fetch or a pull) or one batch output at once,
 so each takes an exclusive fcntl lock first; and a rename or a newly created file is durable only once its
@@ -21,7 +22,21 @@ try:
 except ImportError:  # not POSIX: no cross-process locks
     fcntl = None
 
-__all__ = ["fsync_dir", "lock_exclusive", "locked"]
+__all__ = ["fsync_dir", "goinfer_home", "kernels_dir", "lock_exclusive", "locked"]
+
+
+def goinfer_home() -> Path:
+    """Where goinfer keeps what it fetches and builds (models, compiled kernels): $GOINFER_HOME, else
+    ~/.cache/goinfer. Read at each call, so tests and users can change it."""
+    value = os.environ.get("GOINFER_HOME")
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "goinfer"
+
+
+def kernels_dir() -> Path:
+    """The compiled kernels of every version and CPU (engine/kernels/cpu/kernel_cache.py lays it out)."""
+    return goinfer_home() / "kernels"
 
 
 def lock_exclusive(file: int | IO, *, blocking: bool = True) -> bool:

@@ -34,7 +34,7 @@ QUANT_MODES = {"auto": "fast", "f32": "exact"}
 
 
 def load_model(ref: str | Path | None = None, quant: str | None = None, *, progress=None,
-               selftest: bool = True, context: int | None = None, background_compile: bool = False,
+               selftest: bool = True, context: int | None = None, background_compile: bool | str = False,
                backend: str = "cpu", lora: Sequence[tuple[str | Path, float]] = ()) -> Model:
     """Load a model from a .gguf path, a Hugging Face checkpoint directory, a built-in name or an hf: reference
     (None: the default built-in model).
@@ -43,7 +43,8 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     the caller means to use; past the model's default one, a model with long-context RoPE factors (Phi-3's
     LongRoPE) switches to them for good (models/config.py: with_context). background_compile: where the compiled
     decode step is not in numba's cache yet, a detached process compiles it and the model decodes without it
-    until then (kernels/cpu/step_compile.py; a first `goinfer chat` answers without the minute or two of compile).
+    until then (kernels/cpu/step_compile.py; a first `goinfer chat` answers without the minute or two of compile);
+    True or "detached": that process may outlive this one (a one-shot chat), "tied": it ends with this one (a server).
     backend: cpu | webgpu | auto (engine/placement.py); the model's `placement` says what it got and why.
     lora: (PEFT adapter directory, multiplier) pairs merged into the weights at load (models/lora.py).
     """
@@ -98,7 +99,11 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
             model.placement = placement
             model.adapters = [a.identity() for a in adapters]
             return model
-    compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant] if background_compile else None
+    compile_command = None
+    if background_compile:
+        compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant]
+        if background_compile == "tied":
+            compile_command += ["--tied", str(os.getpid())]
     cpu = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
     cpu.prepare(config, weights, None if fam.step_flags is None else fam.step_flags(config), matrices)
     model = Model(path=path, config=config, weights=weights, forward=fam.forward, backend=cpu,
@@ -106,6 +111,21 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     model.placement = placement
     model.adapters = [a.identity() for a in adapters]
     return model
+
+
+def check_model_file(ref: str | Path | None) -> None:
+    """The cheap checks of a local .gguf reference (the file, its header, its architecture and tensor types,
+    whether it fits in memory), without loading it: for a server that reports a bad model before it listens.
+    Other references (built-in names, hf:, checkpoint directories) are checked as they load."""
+    if ref is None or Path(ref).suffix != ".gguf" or str(ref).lower().startswith("hf:"):
+        return
+    source = open_gguf(Path(ref))
+    meta = source.metadata
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(meta.get(f"{source.architecture}.vocab_size", 0))
+    family(config_from_gguf(meta, vocab).arch)
+    source.check_tensor_types()
+    check_memory(Path(ref), sum(e.nbytes or 0 for e in source.entries.values()))
 
 
 def check_memory(path: Path, weights_bytes: int) -> None:

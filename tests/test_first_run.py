@@ -37,12 +37,13 @@ def uncompiled_step(monkeypatch, private_lock):
     state = {"compiled": False, "commands": [], "processes": []}
     real = step_compile.load_cached
     monkeypatch.setattr(step_compile, "load_cached", lambda disp, sig: state["compiled"] and real(disp, sig))
-    monkeypatch.setattr(cpu_backend, "kernels_uncompiled", lambda: True)
+    monkeypatch.setattr(cpu_backend, "step_uncached", lambda: True)
 
     def spawn(command):
         state["commands"].append(command)
         process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
         state["processes"].append(process)
+        step_compile._running.append((process, time.monotonic()))
         return process
 
     def finish(compiled: bool):
@@ -55,14 +56,16 @@ def uncompiled_step(monkeypatch, private_lock):
     state["finish"] = finish
     yield state
     finish(state["compiled"])
+    step_compile._running.clear()
 
 
-def test_a_first_chat_answers_while_the_step_compiles_elsewhere(uncompiled_step, smollm2_gguf, capsys):
+def test_a_first_chat_answers_while_the_step_compiles_elsewhere(uncompiled_step, smollm2_gguf):
     model = engine.load_model(smollm2_gguf, background_compile=True)
-    note = capsys.readouterr().err
-    assert "first run" in note and "background" in note
     # one compile started, before the self-test: the model's own load, as the foreground's
     assert uncompiled_step["commands"] == [[sys.executable, "-m", "engine.precompile", str(smollm2_gguf), "auto"]]
+    notes = []
+    step_compile.announce_running(notes.append)  # what a one-shot says as it returns, the compile still running
+    assert len(notes) == 1 and "still compiling in the background" in notes[0] and "4 min at most" in notes[0]
     assert not model.backend.has_decode_step
     first = _reply(model)  # token by token through the prompt pass
     assert not model.backend.has_decode_step

@@ -55,8 +55,9 @@ def start_server(log: Path, *args: str, timeout: float = 180) -> Served:
                                 env=_env())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = re.search(r"listening on (https?://127\.0\.0\.1:\d+)", log.read_text())
-        if m:
+        text = log.read_text()
+        m = re.search(r"listening on (https?://127\.0\.0\.1:\d+)", text)
+        if m and "ready: answering requests" in text:  # listening from the start; its models loaded
             return Served(proc, m.group(1), log)
         if proc.poll() is not None:
             pytest.fail(f"goinfer serve exited with {proc.returncode}:\n{log.read_text()}")

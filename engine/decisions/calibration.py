@@ -150,8 +150,9 @@ def model_identity(model) -> dict:
     return {"file": path.name, "bytes": target.stat().st_size, "sha256_head": digest.hexdigest()}
 
 
-def apply_file(path: str | Path, model, template: str) -> dict[str, float]:
-    """The per-kind temperatures of a calibration file, refused when it was fitted for another model or template."""
+def read_file(path: str | Path, template: str) -> dict:
+    """A calibration file's object, refused when it is not one or was fitted under another template (what can be
+    told before any model is loaded)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -162,6 +163,13 @@ def apply_file(path: str | Path, model, template: str) -> dict[str, float]:
     if data.get("template") != template:
         raise CalibrationError(f"--decisions-calibration {path}: fitted under template {data.get('template')!r}, "
                                f"but the server shows questions with {template!r}")
+    return data
+
+
+def apply_file(path: str | Path, model, template: str) -> dict[str, float]:
+    """The per-kind temperatures of a calibration file, refused when it was fitted for another model or template."""
+    path = Path(path)
+    data = read_file(path, template)
     if data.get("model") != model_identity(model):
         raise CalibrationError(f"--decisions-calibration {path}: fitted for {data.get('model', {}).get('file')!r}, "
                                f"not for the served {Path(model.path).name!r}")

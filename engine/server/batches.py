@@ -30,6 +30,7 @@ from engine.batch.io import errors_path, read_input
 from engine.batch.runner import run_batch
 from engine.errors import BatchFileError, RequestError
 from engine.files import write_atomic
+from engine.server.intake import HTTPError
 from engine.server.files import FileStore
 
 __all__ = ["BATCHES_URL", "BatchRunner", "ENDPOINTS"]
@@ -200,6 +201,10 @@ class BatchRunner:
         return lambda: self._stopping or batch_id in self._cancel
 
     def _run(self, batch: dict) -> None:
+        try:
+            self.state.wait_loaded()  # a batch resumed at start runs once the models it names are loaded
+        except HTTPError:
+            return  # closing (or the load failed): the batch stays as it is, resumed at the next start
         out = self.dir / f"{batch['id']}.output.jsonl"
         if batch["status"] == "cancelling":
             return self._finish(batch, "cancelled", out)

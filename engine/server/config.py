@@ -172,9 +172,15 @@ class ServedModel:
 
 def body_cap(config: ServerConfig, models: list[ServedModel]) -> int:
     """The request-body limit: --max-body-bytes, or derived from the largest context window (>= 4 MiB)."""
+    return body_cap_for(config, max((m.window for m in models), default=0))
+
+
+def body_cap_for(config: ServerConfig, window: int) -> int:
+    """The request-body limit for a largest context window of `window` tokens (before the models have loaded:
+    --ctx, which their windows are held to)."""
     if config.max_body_bytes:
         return config.max_body_bytes
-    return max(MIN_BODY_CAP, BODY_BYTES_PER_TOKEN * max((m.window for m in models), default=0))
+    return max(MIN_BODY_CAP, BODY_BYTES_PER_TOKEN * window)
 
 
 def embeddings_body_cap(config: ServerConfig) -> int:

@@ -194,7 +194,8 @@ class Handler(ResourceRoutes, AnswerWriter, BaseHTTPRequestHandler):
     def _route(self, path: str) -> None:
         if path == "/health":
             self._only("GET")
-            self._send_json(200 if not self.state.closing else 503, self.state.health())
+            health = self.state.health()  # 503 while loading (loading.py) or closing: not ready for requests
+            self._send_json(200 if health["status"] == "ok" else 503, health)
         elif path == "/v1/models":
             self._only("GET")
             self._send_json(200, {**model_list(list(self.state.model_entries().values())),
@@ -283,6 +284,8 @@ class Handler(ResourceRoutes, AnswerWriter, BaseHTTPRequestHandler):
         data = intake.read_body(self.headers, self.rfile, self._body_cap())
         self._body_read = True
         self._request_read()
+        if urlsplit(self.path).path != FILES_URL:  # (an upload needs no model) read, then held while loading
+            self.state.wait_loaded()
         return intake.decoded_body(self.headers, data, self._body_cap())
 
     def _body_cap(self) -> int:

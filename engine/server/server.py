@@ -66,12 +66,14 @@ class Server:
     """Serve `models` as configured. start() binds and serves in a background thread; stop() ends it."""
 
     def __init__(self, models: list[ServedModel], config: ServerConfig, *, log: Callable[[str], None] = _stderr,
-                 embedders: list = ()):
-        if not models and not embedders:
+                 embedders: list = (), loading: bool = False):
+        """loading: the models come once the server listens (add_model, add_embedder, then finish_loading);
+        meanwhile /health says "loading" and requests wait (loading.py)."""
+        if not models and not embedders and not loading:
             raise ServerConfigError("no model to serve")
         config.check()
         self.config = config
-        self.state = ServerState(models, config, log, embedders)
+        self.state = ServerState(models, config, log, embedders, loading=loading)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         server_class = type("GoinferHTTPServer", (_HTTPServer,), {"address_family": family})
         try:
@@ -108,6 +110,15 @@ class Server:
     @property
     def body_cap(self) -> int:
         return self.state.body_cap
+
+    def add_model(self, served: ServedModel) -> None:
+        self.state.add_model(served)
+
+    def add_embedder(self, embedder) -> None:
+        self.state.add_embedder(embedder)
+
+    def finish_loading(self, error: str | None = None) -> None:
+        self.state.finish_loading(error)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},

@@ -19,10 +19,12 @@ from engine.errors import RequestError
 from engine.files import lock_exclusive
 from engine.server.admin import ModelAdmin
 from engine.server.batches import BatchRunner
-from engine.server.config import ServedModel, ServerConfig, ServerConfigError, body_cap, embeddings_body_cap
+from engine.server.config import (ServedModel, ServerConfig, ServerConfigError, body_cap, body_cap_for,
+                                  embeddings_body_cap)
 from engine.server.cors import CorsPolicy
 from engine.server.deciding import DecisionDesk
 from engine.server.files import FileStore
+from engine.server.loading import Loading
 from engine.scheduler import Scheduler
 from engine.session_store import SessionDir
 from engine.sessions import SessionPool, default_budget_bytes
@@ -32,7 +34,9 @@ class ServerState:
     """What every handler thread shares: the models, their schedulers, the limits, the counters."""
 
     def __init__(self, models: list[ServedModel], config: ServerConfig, log: Callable[[str], None],
-                 embedders: list = ()):
+                 embedders: list = (), loading: bool = False):
+        # loading: the models come after the server listens (add_model, add_embedder, then finish_loading)
+        self.loading = Loading(config.max_concurrent + config.max_queue, done=not loading)
         self.models = {m.name: m for m in models}
         self.embedders = {m.name: m for m in embedders}  # /v1/embeddings' models (engine/embeddings)
         # concurrent requests to one embedding model share its forward passes
@@ -42,7 +46,7 @@ class ServerState:
         self.cors = CorsPolicy(config.cors_origins)
         self.web = config.web  # the built-in chat page at / (serve --no-web turns it off)
         self.guard = None  # the server's ConnectionGuard (set by Server), for the handlers' request deadlines
-        self.body_cap = body_cap(config, models)
+        self.body_cap = body_cap(config, models) if not loading else body_cap_for(config, config.ctx)
         self.embeddings_body_cap = embeddings_body_cap(config)
         self.keepalive_s = config.keepalive_s
         self.max_queue = config.max_queue
@@ -84,6 +88,21 @@ class ServerState:
         self.decisions.add_model(served.name)
         self.models = {**self.models, served.name: served}  # one assignment: readers see before or after
 
+    def add_embedder(self, embedder) -> None:
+        self.embed_queues = {**self.embed_queues, embedder.name: EmbeddingQueue(embedder)}
+        self.embedders = {**self.embedders, embedder.name: embedder}
+
+    def finish_loading(self, error: str | None = None) -> None:
+        """Every model given at start is loaded (or `error` says why not): the limits follow the models loaded,
+        and the requests waiting meanwhile go on."""
+        if error is None:
+            self.body_cap = body_cap(self._config, list(self.models.values()))
+        self.loading.finish(error)
+
+    def wait_loaded(self) -> None:
+        """Hold a request until the models given at start are loaded (loading.py)."""
+        self.loading.wait(lambda: self.closing)
+
     def remove_model(self, name: str) -> Scheduler | None:
         """Stop routing to a model (admin.py unloads it); its scheduler, still running what it holds."""
         if name not in self.models:
@@ -99,8 +118,7 @@ class ServerState:
         """A model's warm sessions, those its --session-dir holds restored."""
         if config.kv_sessions < 1:
             return None
-        budget = default_budget_bytes(_available_bytes()) if config.session_memory_mib is None \
-            else config.session_memory_mib << 20
+        budget = session_budget_bytes(config)
         store = None
         if config.session_dir is not None:
             store = self.session_dirs[served.name] = SessionDir(config.session_dir, served.model,
@@ -186,7 +204,9 @@ class ServerState:
         return self._active
 
     def health(self) -> dict:
-        return {"status": "shutting_down" if self.closing else "ok",
+        status = "shutting_down" if self.closing else "ok" if self.loading.done and self.loading.error is None \
+            else "loading" if not self.loading.done else "load_failed"
+        return {"status": status,
                 "uptime_s": round(time.time() - self.started, 1),
                 "limits": {"max_body_bytes": self.body_cap, "max_embeddings_body_bytes": self.embeddings_body_cap,
                            "max_queue": self.max_queue,
@@ -206,6 +226,13 @@ def _backend_fields(placement: dict) -> dict:
     read as the device doing the work; /health carries the whole placement, reason included."""
     adapter = (placement.get("adapter") or {}).get("adapter") if placement["backend"] == "webgpu" else None
     return {"backend": placement["backend"], **({"adapter": adapter} if adapter else {})}
+
+
+def session_budget_bytes(config: ServerConfig) -> int:
+    """The KV memory a model's warm sessions may hold: --session-memory, else derived from what is available."""
+    if config.session_memory_mib is not None:
+        return config.session_memory_mib << 20
+    return default_budget_bytes(_available_bytes())
 
 
 def _available_bytes() -> int | None:

@@ -2,7 +2,8 @@
 
 Complete entries are the published built-in files (or directories) and hf: pulls (a directory with manifest.json);
 incomplete ones are pulls left in staging by an interrupted run (the next pull of the same reference
-resumes them). Nothing here touches the network.
+resumes them). One more entry, "kernels", is the compiled CPU kernels (engine/kernels/cpu/kernel_cache.py): every
+version and CPU, removed whole (they compile again on next use). Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 from engine.errors import ModelNotFound
 from engine.store import builtin
 from engine.store.hfref import MANIFEST, parse_hf_ref, read_manifest
+from engine.files import kernels_dir
 from engine.store.paths import models_dir, staging_dir
+
+KERNELS = "kernels"  # the kernel cache's name in the listing and for `cache rm`
 
 __all__ = ["CacheEntry", "list_cache", "remove"]
 
@@ -70,14 +74,26 @@ def list_cache() -> list[CacheEntry]:
             ref = plan.get("ref")
             if ref:
                 entries.append(CacheEntry(ref, plan.get("kind", "gguf"), _dir_size(d), False, str(d)))
+    if _has_kernels():
+        kernels = kernels_dir()
+        entries.append(CacheEntry(KERNELS, KERNELS, _dir_size(kernels, hidden=True), True, str(kernels)))
     return entries
+
+
+def _has_kernels() -> bool:
+    """Compiled kernels are there (numba makes its directories as soon as the kernel modules are imported)."""
+    return kernels_dir().is_dir() and any(p.is_file() for p in kernels_dir().rglob("*"))
 
 
 def remove(name: str) -> list[str]:
     """Delete a cached model (complete or not) by the name `cache` lists; returns the paths removed."""
     removed: list[str] = []
     model = builtin.lookup(name)
-    if model is not None:
+    if name == KERNELS:
+        if _has_kernels():
+            removed.append(str(kernels_dir()))
+        shutil.rmtree(kernels_dir(), ignore_errors=True)
+    elif model is not None:
         target = builtin.model_path(model).parent
         if target.is_dir():
             shutil.rmtree(target)

@@ -5,22 +5,17 @@
     <home>/staging/<name>.<random>/           downloads in progress (wheels, the file or directory being built)
     <home>/locks/<name>.lock                  fcntl locks: one fetch per model at a time across processes
 
-<home> is $GOINFER_HOME, else ~/.cache/goinfer. Read at each call, so tests and users can change it.
+<home> is $GOINFER_HOME, else ~/.cache/goinfer (engine/files.py). Read at each call, so tests and users can change
+it. Compiled kernels live beside the models, in <home>/kernels (engine/kernels/cpu/kernel_cache.py).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from engine.files import goinfer_home
+
 __all__ = ["goinfer_home", "models_dir", "staging_dir", "locks_dir"]
-
-
-def goinfer_home() -> Path:
-    value = os.environ.get("GOINFER_HOME")
-    if value:
-        return Path(value).expanduser()
-    return Path.home() / ".cache" / "goinfer"
 
 
 def models_dir() -> Path:

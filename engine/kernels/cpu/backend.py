@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, layout, ops, packed, recurrent, step_compile,
-                                step_roles, step_tables)
+from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, kernel_cache, layout, ops, packed, recurrent,
+                                step_compile, step_roles, step_tables)
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
@@ -32,6 +32,9 @@ assert PROMPT_TILE % ops.ATTN_BLOCK == 0, "prompt tiles must hold whole attentio
 
 HEAD_ROWS = 32768  # vocabulary rows per matmul of a prompt's head: bounds the dequantization scratch
 KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix kernels (matmul.py)
+# What a model's first load compiles in the foreground (its prompt pass and self-test kernels), measured on the
+# 2-core dev VM (docs/benchmarks.md, the first-contact entry); the decode step's own is step_compile.STEP_COMPILE_S.
+FOREGROUND_COMPILE_S = 10
 
 
 class CpuBackend:
@@ -204,29 +207,27 @@ class CpuBackend:
 def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None,
                 background_compile: list[str] | None = None) -> CpuBackend:
     """The CPU backend in configuration `path`; its prepare runs the kernel self-test of what the model runs
-    (selftest=False: none). note(line): what the user should hear (the first run's compile, a kernel stepped
+    (selftest=False: none). note(line): what the user should hear (a compile that starts, a kernel stepped
     down); default stderr. background_compile: a command that compiles the decode step (and, on a first run,
     the prompt pass's kernels alongside this process's self-test) elsewhere: prepare says."""
     note = note or (lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
     compiling = None
-    if path == "fast" and kernels_uncompiled():  # say why the first run after install sits silent
-        if background_compile:  # a second core compiles the prompt pass's kernels meanwhile, then the step
-            compiling = step_compile.spawn(background_compile)
-            note("compiling the CPU kernels for this machine (first run only: ~20 s; the compiled decode step "
-                 "follows in the background)")
-        else:
-            note("compiling the CPU kernels for this machine (first run only: about a minute)")
+    if path == "fast" and background_compile and step_uncached():  # a second core compiles alongside this one
+        compiling = step_compile.start_elsewhere(background_compile)
+    # said only when a kernel really compiles (a cache miss), never for one loaded from the cache
+    kernel_cache.announce_compiles(lambda: note(f"compiling the CPU kernels this model needs, once per machine and "
+                                                f"version (~{FOREGROUND_COMPILE_S} s on 2 cores)"))
     if not selftest:
         self_test.mark_skipped()
     return CpuBackend(path, kernels_for(KERNEL_SET[path]), background_compile=background_compile,
                       compiling=compiling, check=note if selftest else None)
 
 
-def kernels_uncompiled() -> bool:
-    """True when numba's on-disk cache holds no compiled decode step for this code (a fresh install, or an
-    upgrade): the kernels will compile now, which takes 40-75 s on a 2-core machine. Reads numba's cache
-    index through private attributes; anything unexpected counts as compiled (no message)."""
+def step_uncached() -> bool:
+    """True when numba's on-disk cache holds no compiled decode step for this code (a fresh install, an upgrade,
+    `goinfer cache rm kernels`). Reads numba's cache index through private attributes; anything unexpected counts
+    as cached (the step then compiles in the foreground at its first call, as without a background compile)."""
     try:
         return not decode_step.decode_step._cache._cache_file._load_index()
-    except Exception:  # noqa: BLE001 - a numba version without these internals: stay silent
+    except Exception:  # noqa: BLE001 - a numba version without these internals
         return False

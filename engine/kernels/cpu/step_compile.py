@@ -9,7 +9,11 @@ the prompt pass (the same kernels; the two agree up to float summation order, te
 takes the step up once the compile is done (`PendingStep.ready`). A greedy reply of that first run can
 therefore differ from later runs' where two tokens all but tie.
 
-Servers and batch runs compile the step at load as before: their throughput is the step's.
+A one-shot `goinfer chat` may return before the compile ends: the compile then goes on alone (`detached`), announced
+on stderr with the time it has left (`announce_running`), and ends within COMPILE_LIMIT_S whatever happens; a later
+command finds its lock and takes the step up when it is done, never starting a second one. A server's compile is
+`tied` to it: it ends when the server does (`stop_running`, and the child's own watch of its parent, which also
+covers a server killed outright).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ except ImportError:  # not a POSIX system: no background compile, the step compi
     fcntl = None
 
 POLL_SECONDS = 0.5  # how often a decode without the step looks whether the compile has finished
+# The background compile on the 2-core dev VM: the model's load, its prompt kernels and the step (docs/benchmarks.md,
+# the first-contact entry); and the most it may take before it ends itself (a child left behind ends by then).
+STEP_COMPILE_S = 90
+COMPILE_LIMIT_S = 280
+
+_running: list[tuple[subprocess.Popen, float]] = []  # the compiles this process started, with their start times
 
 
 def lock_path() -> Path:
@@ -95,16 +105,50 @@ class PendingStep:
 
 
 def spawn(command: list[str]) -> subprocess.Popen | None:
-    """Start `command` detached (it lives on after this process ends), its stderr in a log beside the lock file;
-    None where it cannot start."""
+    """Start `command` detached (its own session: a Ctrl-C in the terminal is not for it), its stderr in a log
+    beside the lock file; None where it cannot start."""
     if fcntl is None:
         return None
     try:
         with open(lock_path().with_suffix(".log"), "w") as err:
-            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                       start_new_session=True)
     except OSError:
         return None
+    _running.append((process, time.monotonic()))
+    return process
+
+
+def start_elsewhere(command: list[str]) -> subprocess.Popen | None:
+    """The background compile, started now unless one runs already (that one's result serves this process too)."""
+    if fcntl is None or _compiling_elsewhere():
+        return None
+    return spawn(command)
+
+
+def announce_running(note) -> None:
+    """A command returning while its compile goes on: say so, with the time it has left (detached compiles end
+    by themselves within COMPILE_LIMIT_S)."""
+    for process, started in _running:
+        if process.poll() is None:
+            left = max(5, round(STEP_COMPILE_S - (time.monotonic() - started)))
+            note(f"the compiled decode step is still compiling in the background (pid {process.pid}, about {left} s "
+                 f"more, {COMPILE_LIMIT_S // 60} min at most); later runs use it, and one started meanwhile waits "
+                 "for it instead of compiling again")
+
+
+def stop_running() -> None:
+    """A server stopping: its compiles end with it (a half-written cache entry is never read: numba renames
+    its files into place)."""
+    for process, _ in _running:
+        if process.poll() is None:
+            process.terminate()
+    for process, _ in _running:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    _running.clear()
 
 
 def start(step, sig: tuple, command: list[str], process: subprocess.Popen | None = None) -> PendingStep | None:
