@@ -47,8 +47,11 @@ def warm_prompt_pass(model) -> list[int]:
     request), as a model decodes while its step compiles elsewhere; returns the chat's ids."""
     ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": WARM_MESSAGE}]))
     backend = model.backend
-    step = getattr(backend, "step", None)
-    backend.step = None  # (a backend without a step: this sets a harmless attribute, then puts None back)
+    if not hasattr(backend, "step"):  # a device backend: its own decode, nothing to take away
+        for _ in generate(model, ids, max_tokens=2, temperature=0):
+            pass
+        return ids
+    step, backend.step = backend.step, None
     try:
         for _ in generate(model, ids, max_tokens=2, temperature=0):
             pass

@@ -6,6 +6,7 @@ of a one-shot `goinfer chat` otherwise); `app`, the whole CLI, is built on first
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
@@ -65,7 +66,13 @@ def __getattr__(name: str):
 
 def main() -> None:
     first = sys.argv[1] if len(sys.argv) > 1 else None
-    build((first,) if first in COMMANDS else tuple(COMMANDS))()
+    try:
+        build((first,) if first in COMMANDS else tuple(COMMANDS))()
+    finally:
+        # The command is done: what is left is the interpreter's teardown, whose garbage collections walk every
+        # object a loaded model made (~0.2 s of a 1.2 s one-shot chat). Frozen objects are not walked; exit
+        # handlers and flushes still run.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 Each case runs with its own goinfer home (GOINFER_HOME; the model file linked in from the real cache) and so its
 own kernel cache: `cold` and `serve` start from an empty one. Prints one JSON object.
   python tests/bench/bench_first_contact.py [--model smollm2-135m] [--warm-runs 5] [--cases serve,cold,warm]
+      [--llama-python PYTHON]
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def cold_case(model: str) -> dict:
             "background_compile_ended_s": None if left is None else round(wall + left, 1)}
 
 
-def warm_case(model: str, runs: int) -> dict:
+def warm_case(model: str, runs: int, llama_python: str) -> dict:
     home = _home_with_model(model)
     cmd = [str(ROOT / ".venv/bin/goinfer"), "chat", "--model", model, "--prompt", PROMPT, "--temp", "0"]
     subprocess.run(cmd, capture_output=True, env=_env(home))  # first run: compiles
@@ -128,7 +129,7 @@ def warm_case(model: str, runs: int) -> dict:
         t0 = time.monotonic()
         subprocess.run(cmd, capture_output=True, env=_env(home), check=True)
         goinfer.append(round(time.monotonic() - t0, 3))
-        t = _llama_cpp_once(gguf)
+        t = _llama_cpp_once(gguf, llama_python)
         if t is not None:
             llama.append(t)
     return {"goinfer_s": goinfer, "llama_cpp_s": llama or None}
@@ -148,9 +149,9 @@ print(out["choices"][0]["message"]["content"])
 """
 
 
-def _llama_cpp_once(gguf: Path) -> float | None:
+def _llama_cpp_once(gguf: Path, python: str) -> float | None:
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", _LLAMA, str(gguf), PROMPT], capture_output=True, text=True)
+    done = subprocess.run([python, "-c", _LLAMA, str(gguf), PROMPT], capture_output=True, text=True)
     if done.returncode != 0:
         return None
     return round(time.monotonic() - t0, 3)
@@ -161,11 +162,13 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--warm-runs", type=int, default=5)
     p.add_argument("--cases", default="serve,cold,warm")
+    p.add_argument("--llama-python", default=sys.executable,
+                   help="a Python with llama-cpp-python installed (its Llama is llama.cpp's load-and-answer)")
     args = p.parse_args()
     out = {"model": args.model, "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
     for case in args.cases.split(","):
         out[case] = {"serve": lambda: serve_case(args.model), "cold": lambda: cold_case(args.model),
-                     "warm": lambda: warm_case(args.model, args.warm_runs)}[case]()
+                     "warm": lambda: warm_case(args.model, args.warm_runs, args.llama_python)}[case]()
     print(json.dumps(out, indent=1))
 
 
