@@ -23,7 +23,7 @@ from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
 from engine.conversation import WarmConversation
 from engine.errors import GoinferError
-from engine.precompile import announce_running
+from engine.precompile import announce_running, record_compile_time
 from engine.reasoning import ThinkingSettings
 from engine.speculation import Speculation
 from engine.prompts import answer_at_once, encode_prompt, message_starts, reply_plan, thinking_of
@@ -178,6 +178,7 @@ def chat(
                 raise fail("the prompt is empty")
             session.messages.append({"role": "user", "content": text})
             _reply(llm, session)
+            record_compile_time("prompt")  # (when it compiled: the next first run's "compiling" line expects it)
             announce_running(lambda line: say(f"goinfer: {line}"))  # a first run's compile that goes on
             return
     try:

@@ -35,7 +35,7 @@ from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAU
                            ServerConfig, parse_addr, parse_model_spec, split_model_options)
 from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
-from engine.precompile import stop_running, warm_prompt_pass
+from engine.precompile import record_compile_time, stop_running, warm_prompt_pass
 from engine.server.state import session_budget_bytes
 from engine.sessions import DEFAULT_SESSIONS
 from engine.store import DEFAULT_MODEL, lookup_builtin
@@ -244,6 +244,7 @@ class _Loader(threading.Thread):
         for e in embedders:
             _note(f"embedding model {e.name}: {e.path.name} ({e.dimension} dimensions, {e.pooling} pooling"
                   f"{', normalised' if e.normalize else ''}), context {e.context}")
+        record_compile_time("prompt")  # (when it compiled: the next first start's "compiling" line expects it)
         self.server.finish_loading()
         _note(f"ready: answering requests ({time.monotonic() - self.started:.1f} s after start)")
 

@@ -89,17 +89,34 @@ def test_the_compiling_line_is_said_only_when_something_compiles(tmp_path, monke
                       "@numba.njit\ndef uncached(x):\n    return x - 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     said = []
-    monkeypatch.setattr(kernel_cache._first_compile, "_fired", False)
+    monkeypatch.setattr(kernel_cache._watch, "_fired", False)
     kernel_cache.announce_compiles(lambda: said.append("compiling"))
     try:
         fresh = importlib.import_module(module.stem)
+        before = kernel_cache._watch.seconds
         fresh.uncached(1)  # an uncached helper compiles every process: no disk to miss, nothing to say
         assert said == []
         assert fresh.add_one(1) == 2  # a cache miss: said once
         assert fresh.add_one(1.5) == 2.5  # a second compile: not said again
         assert said == ["compiling"]
+        assert kernel_cache._watch.seconds > before  # the time spent compiling, counted
     finally:
         kernel_cache.announce_compiles(None)
+
+
+def test_the_compiling_line_expects_what_this_machine_took_last(tmp_path, monkeypatch):
+    monkeypatch.setenv("GOINFER_HOME", str(tmp_path))
+    assert kernel_cache.expected_seconds("prompt", 10) == 10  # nothing recorded: the dev VM's figure
+    monkeypatch.setattr(kernel_cache._watch, "seconds", 0.4)
+    kernel_cache.record_compile_time("prompt")  # everything came from the cache: no figure
+    assert kernel_cache.expected_seconds("prompt", 10) == 10
+    monkeypatch.setattr(kernel_cache._watch, "seconds", 42.4)
+    kernel_cache.record_compile_time("prompt")
+    monkeypatch.setattr(kernel_cache._watch, "seconds", 95.0)
+    kernel_cache.record_compile_time("step")
+    assert (kernel_cache.expected_seconds("prompt", 10), kernel_cache.expected_seconds("step", 90)) == (42, 95)
+    (tmp_path / "kernels" / "compile-times.json").write_text("{not json")
+    assert kernel_cache.expected_seconds("step", 90) == 90
 
 
 def test_a_warm_one_shot_says_nothing_about_compiling(smollm2_gguf):

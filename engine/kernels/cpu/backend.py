@@ -32,8 +32,9 @@ assert PROMPT_TILE % ops.ATTN_BLOCK == 0, "prompt tiles must hold whole attentio
 
 HEAD_ROWS = 32768  # vocabulary rows per matmul of a prompt's head: bounds the dequantization scratch
 KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix kernels (matmul.py)
-# What a model's first load compiles in the foreground (its prompt pass and self-test kernels), measured on the
-# 2-core dev VM (docs/benchmarks.md, the first-contact entry); the decode step's own is step_compile.STEP_COMPILE_S.
+# What a model's first load and prompt compile in the foreground (its prompt pass and self-test kernels) on the
+# 2-core dev VM (docs/benchmarks.md, the first-contact entry): the estimate until this machine has recorded its own
+# (kernel_cache.expected_seconds); the background compile's is step_compile.STEP_COMPILE_S.
 FOREGROUND_COMPILE_S = 10
 
 
@@ -215,8 +216,9 @@ def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None,
     if path == "fast" and background_compile and step_uncached():  # a second core compiles alongside this one
         compiling = step_compile.start_elsewhere(background_compile)
     # said only when a kernel really compiles (a cache miss), never for one loaded from the cache
-    kernel_cache.announce_compiles(lambda: note(f"compiling the CPU kernels this model needs, once per machine and "
-                                                f"version (~{FOREGROUND_COMPILE_S} s on 2 cores)"))
+    kernel_cache.announce_compiles(lambda: note(
+        "compiling the CPU kernels this model needs, once per machine and version (about "
+        f"{kernel_cache.expected_seconds('prompt', FOREGROUND_COMPILE_S)} s)"))
     if not selftest:
         self_test.mark_skipped()
     return CpuBackend(path, kernels_for(KERNEL_SET[path]), background_compile=background_compile,

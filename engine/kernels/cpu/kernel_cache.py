@@ -14,14 +14,17 @@ NUMBA_CACHE_DIR, where set, wins: numba's own layout and staleness rule, as numb
 
 `configure()` runs in engine/kernels/cpu/__init__.py before any kernel module is imported: numba fixes a
 function's cache location when its decorator runs. `announce_compiles` says so when something really compiles
-(numba fires its compile event on a cache miss only).
+(numba fires its compile event on a cache miss only), with the time the last compile of its kind took here
+(`expected_seconds`, kept by `record_compile_time` in <home>/kernels/compile-times.json).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import numba
@@ -80,13 +83,21 @@ def active_directory() -> Path | None:
     return Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else None
 
 
-class _FirstCompile(event.Listener):
-    """Calls the callback set last (announce_compiles) at the first compile this process starts, once."""
+class _CompileWatch(event.Listener):
+    """numba's compile events (cache misses only): calls the callback set last (announce_compiles) at the first
+    compile of a cached kernel, once, and adds up the seconds this process spent compiling (outermost compiles
+    only: a kernel's compile sets off its callees' inside it; numba compiles one at a time)."""
 
     def __init__(self):
         self.then, self._fired, self._lock = None, False, threading.Lock()
+        self.seconds = 0.0
+        self._depth = threading.local()
 
     def on_start(self, ev) -> None:
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        if depth == 0:
+            self._depth.t0 = time.monotonic()
         dispatcher = (ev.data or {}).get("dispatcher")
         if isinstance(getattr(dispatcher, "_cache", None), NullCache):  # an uncached helper: no disk to miss
             return
@@ -97,14 +108,52 @@ class _FirstCompile(event.Listener):
         self.then()
 
     def on_end(self, ev) -> None:
-        pass
+        self._depth.n = getattr(self._depth, "n", 1) - 1
+        if self._depth.n == 0:
+            self.seconds += time.monotonic() - self._depth.t0
 
 
-_first_compile = _FirstCompile()
-event.register("numba:compile", _first_compile)
+_watch = _CompileWatch()
+event.register("numba:compile", _watch)
 
 
 def announce_compiles(then) -> None:
     """Call `then()` when this process first compiles a kernel (never when it loads one from the cache): the
     line a user should read while the first run on a machine sits computing nothing visible."""
-    _first_compile.then = then
+    _watch.then = then
+
+
+# How long compiles took on this machine, so that the next "compiling ..." line (after an upgrade, a new model)
+# gives this machine's figure rather than the dev VM's: <home>/kernels/compile-times.json, per machine_key, per
+# kind ("prompt": what a load and its first prompt compiled in the foreground; "step": the background compile).
+_TIMES = "compile-times.json"
+
+
+def expected_seconds(kind: str, default: float) -> int:
+    """The last recorded compile of this kind on this machine, else `default`."""
+    try:
+        data = json.loads((kernels_dir() / _TIMES).read_text())
+        return round(float(data[machine_key()][kind]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return round(default)
+
+
+def record_compile_time(kind: str) -> None:
+    """Remember what this process spent compiling as the `kind` figure (nothing when it compiled under a
+    second: everything came from the cache). Best effort: a home that cannot be written keeps the defaults."""
+    if _watch.seconds < 1:
+        return
+    path = kernels_dir() / _TIMES
+    try:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        data.setdefault(machine_key(), {})[kind] = round(_watch.seconds, 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{_TIMES}.{os.getpid()}.tmp")  # two processes may record at once
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from numba.core.compiler_lock import global_compiler_lock
 
+from engine.kernels.cpu.kernel_cache import expected_seconds
+
 try:
     import fcntl
 except ImportError:  # not a POSIX system: no background compile, the step compiles in the foreground
@@ -34,7 +36,8 @@ except ImportError:  # not a POSIX system: no background compile, the step compi
 
 POLL_SECONDS = 0.5  # how often a decode without the step looks whether the compile has finished
 # The background compile on the 2-core dev VM: the model's load, its prompt kernels and the step (docs/benchmarks.md,
-# the first-contact entry); and the most it may take before it ends itself (a child left behind ends by then).
+# the first-contact entry), until this machine has recorded its own; and the most it may take before it ends
+# itself (a child left behind ends by then).
 STEP_COMPILE_S = 90
 COMPILE_LIMIT_S = 280
 
@@ -131,7 +134,7 @@ def announce_running(note) -> None:
     by themselves within COMPILE_LIMIT_S)."""
     for process, started in _running:
         if process.poll() is None:
-            left = max(5, round(STEP_COMPILE_S - (time.monotonic() - started)))
+            left = max(5, round(expected_seconds("step", STEP_COMPILE_S) - (time.monotonic() - started)))
             note(f"the compiled decode step is still compiling in the background (pid {process.pid}, about {left} s "
                  f"more, {COMPILE_LIMIT_S // 60} min at most); later runs use it, and one started meanwhile waits "
                  "for it instead of compiling again")
