@@ -1,7 +1,7 @@
 """A server that listens before its models are loaded (`goinfer serve`): the gate requests wait at meanwhile.
 
 A fresh server's models take seconds to load, and on the first run after an install their kernels compile first
-(~10 s on 2 cores). Listening from the start, it can say so: /health answers 503 {"status": "loading"} (as
+(~5 s on 2 cores). Listening from the start, it can say so: /health answers 503 {"status": "loading"} (as
 llama-server does) and turns 200 once every model can answer; a request that arrives meanwhile waits here, its
 body read, up to the queue's limit (--max-queue per model), and then runs as any other. Past the limit, or if the
 load failed, it gets 503 with Retry-After.

@@ -35,7 +35,7 @@ KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix k
 # What a model's first load and prompt compile in the foreground (its prompt pass and self-test kernels) on the
 # 2-core dev VM (docs/benchmarks.md, the first-contact entry): the estimate until this machine has recorded its own
 # (kernel_cache.expected_seconds); the background compile's is step_compile.STEP_COMPILE_S.
-FOREGROUND_COMPILE_S = 10
+FOREGROUND_COMPILE_S = 5
 
 
 class CpuBackend:

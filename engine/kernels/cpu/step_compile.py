@@ -38,7 +38,7 @@ POLL_SECONDS = 0.5  # how often a decode without the step looks whether the comp
 # The background compile on the 2-core dev VM: the model's load, its prompt kernels and the step (docs/benchmarks.md,
 # the first-contact entry), until this machine has recorded its own; and the most it may take before it ends
 # itself (a child left behind ends by then).
-STEP_COMPILE_S = 90
+STEP_COMPILE_S = 80
 COMPILE_LIMIT_S = 280
 
 _running: list[tuple[subprocess.Popen, float]] = []  # the compiles this process started, with their start times
