@@ -77,8 +77,6 @@ def main(argv: list[str]) -> int:
         tied = int(args[at + 1])
         del args[at : at + 2]
     model_ref, quant = args[0], args[1] if len(args) > 1 else "auto"
-    if hasattr(signal, "SIGALRM"):
-        signal.alarm(COMPILE_LIMIT_S)  # default action: the process ends, mid-compile if it must
     if tied is not None:
         threading.Thread(target=_watch_parent, args=(tied,), daemon=True).start()
     if hasattr(os, "nice"):
@@ -87,9 +85,11 @@ def main(argv: list[str]) -> int:
         if not mine:
             return 0
         compile_ahead(model_ref, quant, selftest=False)
-    record_compile_time("step")  # what the next first run's announcement will expect
+    record_compile_time("step", from_empty=False)  # what the next first run's announcement will expect
     return 0
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGALRM"):  # (only as its own process: an alarm set in a caller's would end that one)
+        signal.alarm(COMPILE_LIMIT_S)  # default action: the process ends, mid-compile if it must
     sys.exit(main(sys.argv[1:]))

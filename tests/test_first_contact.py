@@ -106,6 +106,7 @@ def test_the_compiling_line_is_said_only_when_something_compiles(tmp_path, monke
 
 def test_the_compiling_line_expects_what_this_machine_took_last(tmp_path, monkeypatch):
     monkeypatch.setenv("GOINFER_HOME", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_empty_at_start", True)  # a first run: the whole compile is its figure
     assert kernel_cache.expected_seconds("prompt", 10) == 10  # nothing recorded: the dev VM's figure
     monkeypatch.setattr(kernel_cache._watch, "seconds", 0.4)
     kernel_cache.record_compile_time("prompt")  # everything came from the cache: no figure
@@ -113,7 +114,10 @@ def test_the_compiling_line_expects_what_this_machine_took_last(tmp_path, monkey
     monkeypatch.setattr(kernel_cache._watch, "seconds", 42.4)
     kernel_cache.record_compile_time("prompt")
     monkeypatch.setattr(kernel_cache._watch, "seconds", 95.0)
-    kernel_cache.record_compile_time("step")
+    kernel_cache.record_compile_time("step", from_empty=False)
+    monkeypatch.setattr(kernel_cache, "_empty_at_start", False)  # a process that found kernels compiled
+    monkeypatch.setattr(kernel_cache._watch, "seconds", 3.0)
+    kernel_cache.record_compile_time("prompt")  # compiled a part of what a first run compiles: not the figure
     assert (kernel_cache.expected_seconds("prompt", 10), kernel_cache.expected_seconds("step", 90)) == (42, 95)
     (tmp_path / "kernels" / "compile-times.json").write_text("{not json")
     assert kernel_cache.expected_seconds("step", 90) == 90

@@ -71,9 +71,11 @@ def directory() -> Path:
 def configure() -> Path | None:
     """Point numba's cache at directory() (before any kernel module is imported); None where NUMBA_CACHE_DIR
     is set (the user's choice stands)."""
+    global _empty_at_start
     if os.environ.get("NUMBA_CACHE_DIR"):
         return None
     path = directory()
+    _empty_at_start = not any(path.rglob("*.nbi")) if path.is_dir() else True
     numba.config.CACHE_DIR = str(path)
     return path
 
@@ -127,6 +129,7 @@ def announce_compiles(then) -> None:
 # gives this machine's figure rather than the dev VM's: <home>/kernels/compile-times.json, per machine_key, per
 # kind ("prompt": what a load and its first prompt compiled in the foreground; "step": the background compile).
 _TIMES = "compile-times.json"
+_empty_at_start = False  # configure() found this version's cache empty: this process compiles from nothing
 
 
 def expected_seconds(kind: str, default: float) -> int:
@@ -138,10 +141,11 @@ def expected_seconds(kind: str, default: float) -> int:
         return round(default)
 
 
-def record_compile_time(kind: str) -> None:
-    """Remember what this process spent compiling as the `kind` figure (nothing when it compiled under a
-    second: everything came from the cache). Best effort: a home that cannot be written keeps the defaults."""
-    if _watch.seconds < 1:
+def record_compile_time(kind: str, *, from_empty: bool = True) -> None:
+    """Remember what this process spent compiling as the `kind` figure: only where its cache was empty at start
+    (from_empty; a process that found some kernels compiled would record a part for the whole) and it compiled
+    a second or more. Best effort: a home that cannot be written keeps the defaults."""
+    if _watch.seconds < 1 or (from_empty and not _empty_at_start):
         return
     path = kernels_dir() / _TIMES
     try:
