@@ -157,12 +157,21 @@ def chat(
                         speculation=speculation_choice(speculate, draft_max), verbose=verbose)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
+    try:
+        _run(session, model, quant, no_selftest, adapters, backend, ctx, threads, session_file, prompt)
+    finally:  # a first run's compile that goes on after this returns (or is interrupted) is said, never hidden
+        announce_running(lambda line: say(f"goinfer: {line}"))
+
+
+def _run(session: ChatState, model, quant, no_selftest, adapters, backend, ctx, threads, session_file,
+         prompt) -> None:
+    """Load the model, then one reply (--prompt) or the REPL."""
+    with user_errors():
         set_threads(threads)
         progress = FetchProgress()
         try:
             llm = load_model(model, quant=quant, progress=progress, selftest=not no_selftest, background_compile=True,
-                             lora=adapters,
-                             backend=backend, context=ctx)
+                             lora=adapters, backend=backend, context=ctx)
         finally:
             progress.close()
         session.warm = WarmConversation(llm, path=session_file, threads=threads, window=ctx,
@@ -179,13 +188,11 @@ def chat(
             session.messages.append({"role": "user", "content": text})
             _reply(llm, session)
             record_compile_time("prompt")  # (when it compiled: the next first run's "compiling" line expects it)
-            announce_running(lambda line: say(f"goinfer: {line}"))  # a first run's compile that goes on
             return
     try:
         _repl(llm, session)
     finally:
         session.warm.wait()  # the last turn's cache evaluated and written
-        announce_running(lambda line: say(f"goinfer: {line}"))
 
 
 def _schema_grammar(path: Path) -> Grammar:
