@@ -79,6 +79,7 @@ def _print_plain(r: dict[str, Any]) -> None:
         f"{cpu['logical_cores']} threads, {cpu['usable_cores']} usable",
         f"isa          {' '.join(cpu['isa']) or 'none detected'}",
         f"kernel tier  {k['tier']} (tiers: {', '.join(k.get('tiers') or [])})",
+        f"kernel cache {k.get('cache')}",
         f"memory       {_mb(mem['available_bytes'])} available of {_mb(mem['total_bytes'])}"
         + (f", cgroup limit {_mb(mem['cgroup_limit_bytes'])}" if mem["cgroup_limit_bytes"] else ""),
     ]

@@ -99,9 +99,11 @@ def _kernel_tier() -> dict[str, Any]:
         import llvmlite.binding as llvm
         import numba
 
+        from engine.kernels.cpu.kernel_cache import active_directory
         from engine.kernels.cpu.selftest import TIERS, report
 
         info["tiers"] = list(TIERS)
+        info["cache"] = _unpersonal(active_directory()) or "beside the kernel sources (numba's default)"
         info["numba_target"] = llvm.get_host_cpu_name()
         info["threads"] = numba.get_num_threads()
         try:
@@ -114,6 +116,14 @@ def _kernel_tier() -> dict[str, Any]:
     except Exception as exc:
         info["error"] = f"{type(exc).__name__}: {exc}"
     return info
+
+
+def _unpersonal(path) -> str | None:
+    """A path as a bug report may show it: the home directory (a user name) as ~."""
+    if path is None:
+        return None
+    home = Path.home()
+    return "~/" + str(Path(path).relative_to(home)) if Path(path).is_relative_to(home) else str(path)
 
 
 def gpu_backends(selftest: bool = False) -> dict[str, dict[str, Any]]:

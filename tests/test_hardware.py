@@ -145,6 +145,7 @@ def test_check_hardware_json_holds_the_fields_and_nothing_personal(tmp_path):
     assert report["os"]["system"] and report["os"]["kernel"]
     assert report["cpu"]["logical_cores"] >= 1 and isinstance(report["cpu"]["isa"], list)
     assert report["kernels"]["tier"].startswith("cpu") and report["kernels"]["tiers"] == ["cpu", "reference"]
+    assert "/kernels/" in report["kernels"]["cache"] or "NUMBA_CACHE_DIR" in os.environ  # where they compile to
     assert report["memory"]["total_bytes"] > 0
     assert set(report["gpu"]) == {"cuda", "webgpu"}
     for backend in report["gpu"].values():  # importable with a device, or the reason why not
