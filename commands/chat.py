@@ -6,6 +6,7 @@ Only the model's reply goes to stdout; notices and progress go to stderr.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -157,10 +158,16 @@ def chat(
                         speculation=speculation_choice(speculate, draft_max), verbose=verbose)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
+    if prompt is not None:  # a script's timeout stops a one-shot as Ctrl-C does: its notices still said
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         _run(session, model, quant, no_selftest, adapters, backend, ctx, threads, session_file, prompt)
     finally:  # a first run's compile that goes on after this returns (or is interrupted) is said, never hidden
         announce_running(lambda line: say(f"goinfer: {line}"))
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(session: ChatState, model, quant, no_selftest, adapters, backend, ctx, threads, session_file,

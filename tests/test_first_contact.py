@@ -227,3 +227,27 @@ def test_sigterm_while_loading_exits_promptly_leaving_nothing_running(tmp_path):
     while _compiles_tied_to(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _compiles_tied_to(proc.pid) == []
+
+
+def test_a_one_shot_stopped_mid_compile_exits_at_once_and_says_what_it_leaves_running(tmp_path):
+    home = _fresh_home(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "goinfer_cli.app", "chat", "--prompt", PROMPT, "--temp", "0"],
+                            cwd=ROOT, env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((home / "kernels").rglob("*.nbi")):  # compiling (its cache is filling)
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # a script's timeout
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        # its detached compile is named by the model path under this home: end it here, it is this test's
+        subprocess.run(["pkill", "-f", f"engine.precompile {home}"], capture_output=True)
+    assert proc.returncode == 130 and took < 5, (proc.returncode, took, err)
+    assert "goinfer: interrupted" in err and "Traceback" not in err
+    (notice,) = [line for line in err.splitlines() if "still compiling in the background" in line]
+    assert "min at most" in notice
