@@ -210,6 +210,7 @@ class _Loader(threading.Thread):
 
     def run(self) -> None:
         try:
+            set_threads(self.config.threads)  # numba's thread count is per thread: --threads for the load too
             self._load()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which exits with it
             self.error = e
@@ -238,7 +239,7 @@ class _Loader(threading.Thread):
             self.server.add_embedder(e)
         if temperatures is not None:
             name, fitted = temperatures
-            self.server.state.decisions.temperatures[name] = dict(fitted)
+            self.server.calibrate_decisions(name, fitted)
             _note(f"decisions on {name}: calibrated ({', '.join(f'{k} T={t:.3f}' for k, t in fitted.items())})")
         _banner_models(served, self.config)
         for e in embedders:

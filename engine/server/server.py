@@ -117,6 +117,10 @@ class Server:
     def add_embedder(self, embedder) -> None:
         self.state.add_embedder(embedder)
 
+    def calibrate_decisions(self, name: str, temperatures: dict[str, float]) -> None:
+        """/v1/systemone's fitted temperatures for model `name` (--decisions-calibration)."""
+        self.state.decisions.temperatures[name] = dict(temperatures)
+
     def finish_loading(self, error: str | None = None) -> None:
         self.state.finish_loading(error)
 
