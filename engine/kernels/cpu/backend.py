@@ -213,12 +213,16 @@ def cpu_backend(path: str = "fast", *, selftest: bool = True, note=None,
     the prompt pass's kernels alongside this process's self-test) elsewhere: prepare says."""
     note = note or (lambda line: print(f"goinfer: {line}", file=sys.stderr, flush=True))
     compiling = None
-    if path == "fast" and background_compile and step_uncached():  # a second core compiles alongside this one
+    uncached = path == "fast" and step_uncached()
+    if uncached and background_compile:  # a second core compiles alongside this one
         compiling = step_compile.start_elsewhere(background_compile)
-    # said only when a kernel really compiles (a cache miss), never for one loaded from the cache
+    # said only when a kernel really compiles (a cache miss), never for one loaded from the cache; without a
+    # background compile the decode step compiles here too (batch runs, the Python API)
+    seconds = kernel_cache.expected_seconds("prompt", FOREGROUND_COMPILE_S)
+    if uncached and not background_compile:
+        seconds += kernel_cache.expected_seconds("step", step_compile.STEP_COMPILE_S)
     kernel_cache.announce_compiles(lambda: note(
-        "compiling the CPU kernels this model needs, once per machine and version (about "
-        f"{kernel_cache.expected_seconds('prompt', FOREGROUND_COMPILE_S)} s)"))
+        f"compiling the CPU kernels this model needs, once per machine and version (about {seconds} s)"))
     if not selftest:
         self_test.mark_skipped()
     return CpuBackend(path, kernels_for(KERNEL_SET[path]), background_compile=background_compile,
