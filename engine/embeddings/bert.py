@@ -73,8 +73,8 @@ class Q8Matrix:
     """W (out, in) as Q8_0 blocks (int8 per 32 columns with an f16 scale, as llama.cpp's Q8_0; a quarter of f32's
     bytes). A few rows (a short query alone) run the generation fast path's integer matvec over the blocks in
     place, int8 activations included; a batch dequantizes W into a scratch for one sgemm: on these CPUs an int8
-    GEMM does not beat sgemm at batch sizes (../shared/research/kernels.md, section 4), so q8 saves memory, not
-    time, on batches."""
+    GEMM does not beat sgemm at batch sizes (docs/design-log.md, "The CPU kernel measurements", 2), so q8 saves
+    memory, not time, on batches."""
 
     def __init__(self, w: np.ndarray, kernels):
         import gguf

@@ -2,7 +2,7 @@
 
 Variations between families (norm placement, QK-norm, q/k/v biases, sliding windows, RoPE style and scaling,
 the activation) are fields here, read from the file where it states them and defaulted per family where it
-does not (../shared/MODELS.md: "facts the GGUF files do not state"). Each family's file reads its own
+does not (docs/models.md: "Facts the GGUF files do not state"). Each family's file reads its own
 (`read_config`) from the fields every family shares (`common_fields`).
 """
 

@@ -1,7 +1,7 @@
 """The `gemma3` family (Gemma 3 text): four norms per block (pre/post attention, pre/post MLP), per-head RMSNorm
 on q and k, a GELU (tanh) gate, embeddings scaled by sqrt(n_embd), NeoX RoPE, and interleaved sliding-window
 layers: every 6th layer is global (the file's RoPE base), the others attend to the last `window` positions with
-RoPE base 10000 (llama.cpp hard-codes both; ../shared/MODELS.md); a config.json's layer_types and local RoPE base
+RoPE base 10000 (llama.cpp hard-codes both; docs/models.md); a config.json's layer_types and local RoPE base
 (hf_keys) override them. The GGUF's norm weights already hold Gemma's +1.
 """
 

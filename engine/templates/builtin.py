@@ -3,10 +3,11 @@
 Gemma (`gemma`, `gemma2`, `gemma3`): Gemma's turn format. BOS decision: the template never prints
 `bos_token`. Gemma GGUFs set `tokenizer.ggml.add_bos_token = true`, so the tokenizer adds the BOS id itself;
 printing `<bos>` as text as well would give a double BOS. (llama.cpp's built-in `gemma` template does the same,
-and ../shared/reference's gemma chat case is exactly that text with add_bos true.) System messages have no
-turn of their own: their text, then a blank line, opens the next user turn, as Gemma's official template does
-for a leading system message. Consecutive turns of the same role are rendered as given (the official template
-raises there; llama.cpp's built-in does not, and an API server should not refuse them).
+and llama.cpp's own rendering of a gemma chat, the reference the template tests hold, is that text with add_bos
+true.) System messages have no turn of their own: their text, then a blank line, opens the next user turn, as
+Gemma's official template does for a leading system message. Consecutive turns of the same role are rendered as
+given (the official template raises there; llama.cpp's built-in does not, and an API server should not refuse
+them).
 
 Anything else: ChatML (`<|im_start|>role\\n...<|im_end|>\\n`), the most common format and llama.cpp's default.
 """

@@ -8,8 +8,8 @@ import numba
 from engine.kernels.cpu import kernel_cache
 
 # Prefer OpenMP before any kernel of this package compiles or runs: workqueue costs 20-70 us per parallel launch
-# and a pip tbb is slower to launch (research/kernels.md 5). Only a preference: an explicit NUMBA_THREADING_LAYER
-# wins, and a machine without OpenMP falls back.
+# and a pip tbb is slower to launch (docs/design-log.md, "The CPU kernel measurements", 3). Only a preference: an
+# explicit NUMBA_THREADING_LAYER wins, and a machine without OpenMP falls back.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 

@@ -1,7 +1,7 @@
 """The compiled decode step: one new token for each of M sequences through the whole model in one njit call.
 
-Python glue per layer costs as much as the matvecs at decode (../shared/research/kernels.md, section 5), so a
-decode step — norms, the int8 matvecs over the GGUF blocks in place, RoPE, the KV write, attention,
+Python glue per layer costs as much as the matvecs at decode (docs/design-log.md, "The CPU kernel measurements",
+4), so a decode step — norms, the int8 matvecs over the GGUF blocks in place, RoPE, the KV write, attention,
 activations, residuals, the final norm and the output head — is one compiled function. Every weight is read
 once per step whatever M is (the matvec reuses each row from L1 for the M activation vectors), which is what
 lets concurrent generations decode together. Every family runs through it, told apart by its step flags

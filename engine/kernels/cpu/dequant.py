@@ -1,7 +1,7 @@
 """Exact block decoders: one GGUF row (stored blocks, uint8) to f32, bit for bit as reference.py decodes it.
 
 Blocks are decoded by small LLVM-IR intrinsics (see the banner below), compiled without fast-math, so the
-decoded weights equal the reference's bit for bit (../shared/research/kernels.md sections 2-3). `dequant_row`
+decoded weights equal the reference's bit for bit (docs/design-log.md, "The CPU kernel measurements", 1). `dequant_row`
 dispatches on the type code; exact.py's drivers, the packed layout's tail rows and the decode step's embedding
 lookup all call it. Block layouts are documented in reference.py.
 """

@@ -1,7 +1,7 @@
 """The LLVM-IR toolkit and the CPU code tiers of the integer kernels (legacy.py, kquant.py, quantize.py, driven by
 int8.py), also used by the packed layout (packed.py) and attention (attention.py).
 
-Codegen (../shared/research/kernels.md, sections 2-3): the per-row dot products are small LLVM-IR intrinsics
+Codegen (docs/design-log.md, "The CPU kernel measurements", 1): the per-row dot products are small LLVM-IR intrinsics
 with explicit vector ops and the block loop in IR, because numba loops over 32-byte blocks are unrolled, then
 scalarized (8-9 GB/s). Emitter holds the IR emission helpers of one intrinsic's codegen (addressing, vector
 constants and shuffles, the tier-specific integer dot primitives); tier_of and is_arr check its argument types.
