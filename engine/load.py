@@ -65,11 +65,8 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
         meta = source.metadata
         meta["tokenizer.chat_template"] = chat_template(path)
     else:
-        source = open_gguf(path)  # one file, or every shard of a split model read as one
-        check_memory(path, sum(e.nbytes or 0 for e in source.entries.values()))
+        source, vocab = _open_checked(path)
         meta = source.metadata
-        tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else int(meta.get(f"{source.architecture}.vocab_size", 0))
         tokenizer = None
     config = config_from_gguf(meta, vocab)
     source.check_tensor_types()
@@ -119,13 +116,19 @@ def check_model_file(ref: str | Path | None) -> None:
     Other references (built-in names, hf:, checkpoint directories) are checked as they load."""
     if ref is None or Path(ref).suffix != ".gguf" or str(ref).lower().startswith("hf:"):
         return
-    source = open_gguf(Path(ref))
-    meta = source.metadata
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = len(tokens) if tokens is not None else int(meta.get(f"{source.architecture}.vocab_size", 0))
-    family(config_from_gguf(meta, vocab).arch)
+    source, vocab = _open_checked(Path(ref))
+    family(config_from_gguf(source.metadata, vocab).arch)
     source.check_tensor_types()
-    check_memory(Path(ref), sum(e.nbytes or 0 for e in source.entries.values()))
+
+
+def _open_checked(path: Path):
+    """A GGUF file (one, or every shard of a split model read as one) whose weights fit in memory, and its
+    vocabulary size."""
+    source = open_gguf(path)
+    check_memory(path, sum(e.nbytes or 0 for e in source.entries.values()))
+    tokens = source.metadata.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(source.metadata.get(f"{source.architecture}.vocab_size", 0))
+    return source, vocab
 
 
 def check_memory(path: Path, weights_bytes: int) -> None:

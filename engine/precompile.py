@@ -49,16 +49,16 @@ def warm_prompt_pass(model) -> list[int]:
     request), as a model decodes while its step compiles elsewhere; returns the chat's ids."""
     ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": WARM_MESSAGE}]))
     backend = model.backend
-    if not hasattr(backend, "step"):  # a device backend: its own decode, nothing to take away
-        for _ in generate(model, ids, max_tokens=2, temperature=0):
-            pass
-        return ids
-    step, backend.step = backend.step, None
+    has_step = hasattr(backend, "step")  # (a device backend has none to take away: its own decode runs)
+    step = getattr(backend, "step", None)
+    if has_step:
+        backend.step = None
     try:
         for _ in generate(model, ids, max_tokens=2, temperature=0):
             pass
     finally:
-        backend.step = step
+        if has_step:
+            backend.step = step
     return ids
 
 

@@ -3,7 +3,7 @@
 A fresh server's models take seconds to load, and on the first run after an install their kernels compile first
 (~5 s on 2 cores). Listening from the start, it can say so: /health answers 503 {"status": "loading"} (as
 llama-server does) and turns 200 once every model can answer; a request that arrives meanwhile waits here, its
-body read, up to the queue's limit (--max-queue per model), and then runs as any other. Past the limit, or if the
+body read, up to what one model admits (--max-concurrent + --max-queue), and then runs as any other. Past the limit, or if the
 load failed, it gets 503 with Retry-After.
 """
 
@@ -31,6 +31,11 @@ class Loading:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def status(self) -> str:
+        """/health's word for it: "ok", "loading" or "load_failed"."""
+        return "loading" if not self.done else "load_failed" if self.error is not None else "ok"
 
     def finish(self, error: str | None = None) -> None:
         """Every model is loaded (or the load failed: `error`); waiting requests go on."""

@@ -204,9 +204,7 @@ class ServerState:
         return self._active
 
     def health(self) -> dict:
-        status = "shutting_down" if self.closing else "ok" if self.loading.done and self.loading.error is None \
-            else "loading" if not self.loading.done else "load_failed"
-        return {"status": status,
+        return {"status": "shutting_down" if self.closing else self.loading.status,
                 "uptime_s": round(time.time() - self.started, 1),
                 "limits": {"max_body_bytes": self.body_cap, "max_embeddings_body_bytes": self.embeddings_body_cap,
                            "max_queue": self.max_queue,
