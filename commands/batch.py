@@ -24,7 +24,7 @@ from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
 from engine.batch import BatchPlan, LineResult, run_batch
-from engine.requests import SamplingOptions
+from engine.requests.request import SamplingOptions
 
 EXIT_SOME_FAILED = 1
 

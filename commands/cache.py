@@ -101,7 +101,7 @@ def warm(model: Annotated[Optional[str], typer.Argument(
              metavar="[MODEL]", help="A .gguf path, checkpoint directory, built-in name or hf: reference (default: "
                                      "the default model).", show_default=False)] = None,
          quant: QuantOption = "auto") -> None:
-    from engine.precompile import compile_ahead, kernel_directory
+    from engine.loading.precompile import compile_ahead, kernel_directory
 
     start = time.monotonic()
     with user_errors():

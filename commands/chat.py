@@ -22,14 +22,14 @@ from commands.options import (BackendOption, DraftMaxOption, LoraOption, ModelOp
 from commands.ui import FetchProgress, placement_text, say, thought
 from engine import load_model, set_threads
 from engine.constrain import Grammar, grammar_processor, json_schema_grammar
-from engine.conversation import WarmConversation
+from engine.running.conversation import WarmConversation
 from engine.errors import GoinferError
-from engine.precompile import announce_running, record_compile_time
-from engine.reasoning import ThinkingSettings
-from engine.speculation import Speculation
-from engine.prompts import answer_at_once, encode_prompt, message_starts, reply_plan, thinking_of
-from engine.templates.harmony import EFFORTS
-from engine.templates.thinking import MODES, render_prompt
+from engine.loading.precompile import announce_running, record_compile_time
+from engine.thinking.stream import ThinkingSettings
+from engine.generation.speculation import Speculation
+from engine.requests.prompts import answer_at_once, encode_prompt, message_starts, reply_plan, thinking_of
+from engine.thinking.harmony import EFFORTS
+from engine.thinking.template import MODES, render_prompt
 from engine.store.paths import goinfer_home
 
 HELP = """Chat with a model in the terminal, or answer one prompt and exit.

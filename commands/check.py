@@ -38,7 +38,7 @@ def check(
         raise fail("nothing to check: pass --hardware")
     if ctx is not None and ctx < 1:
         raise fail(f"--ctx must be >= 1, got {ctx}")
-    from engine.hardware import hardware_report
+    from engine.loading.hardware import hardware_report
 
     progress = FetchProgress()
     try:
@@ -53,7 +53,7 @@ def check(
 
 
 def _gpu_selftest_line(t: dict) -> str:
-    """The WebGPU self-test's result beside its bars (engine/gpu_selftest.py)."""
+    """The WebGPU self-test's result beside its bars (engine/loading/gpu_selftest.py)."""
     if "worst_cosine" not in t:
         return f"{t['status']} on {t['adapter']} ({t.get('reason')})"
     line = (f"{t['status']} on {t['adapter']}: worst cosine {t['worst_cosine']:.5f} (bar {t['bars']['cosine']}), "

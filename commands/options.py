@@ -65,7 +65,7 @@ ReasoningBudgetOption = Annotated[str, typer.Option(
 def backend_choice(value: str) -> str:
     """--backend checked before any model is read: a bad value is a one-line usage error."""
     from commands.errors import fail
-    from engine.placement import BACKEND_CHOICES
+    from engine.loading.placement import BACKEND_CHOICES
     if value not in BACKEND_CHOICES:
         raise fail(f"--backend must be one of {', '.join(BACKEND_CHOICES)}, got {value!r}")
     return value
@@ -75,8 +75,8 @@ def thinking_settings(mode: str, budget: str, fmt: str = "auto"):
     """--thinking, --reasoning-budget and --reasoning-format as engine settings; a bad value is a one-line usage
     error."""
     from commands.errors import fail
-    from engine.reasoning import FORMATS, ThinkingSettings, parse_budget
-    from engine.templates.thinking import MODES
+    from engine.thinking.stream import FORMATS, ThinkingSettings, parse_budget
+    from engine.thinking.template import MODES
     if mode not in MODES:
         raise fail(f"--thinking must be one of {', '.join(MODES)}, got {mode!r}")
     if fmt not in FORMATS:
@@ -90,7 +90,7 @@ def thinking_settings(mode: str, budget: str, fmt: str = "auto"):
 def speculation_choice(method: str, draft_max: int):
     """--speculate and --draft-max as an engine Speculation (None: off); a bad value is a one-line usage error."""
     from commands.errors import fail
-    from engine.speculation import speculation_of
+    from engine.generation.speculation import speculation_of
     try:
         return speculation_of(method, draft_max)
     except ValueError as e:

@@ -25,7 +25,7 @@ from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, N
                               backend_choice, lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
-from engine.load import QUANT_MODES, check_model_file
+from engine.loading.load import QUANT_MODES, check_model_file
 from engine.decisions.calibration import calibration_for
 from engine.decisions.calibration import read_file as read_calibration
 from engine.decisions.prompts import TEMPLATES as DECISION_TEMPLATES
@@ -33,11 +33,11 @@ from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
 from engine.server import (DEFAULT_ADDR, DEFAULT_CTX, DEFAULT_KEEPALIVE_S, DEFAULT_MAX_QUEUE, ServedModel, Server,
                            ServerConfig, parse_addr, parse_model_spec, split_model_options)
-from engine.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
+from engine.running.scheduler import DEFAULT_MAX_CONCURRENT, PREFILL_CHUNK
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
-from engine.precompile import record_compile_time, stop_running, warm_prompt_pass
+from engine.loading.precompile import record_compile_time, stop_running, warm_prompt_pass
 from engine.server.state import session_budget_bytes
-from engine.sessions import DEFAULT_SESSIONS
+from engine.sessions.pool import DEFAULT_SESSIONS
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
 HELP = """Serve models over HTTP with OpenAI- and Anthropic-compatible APIs.

@@ -16,9 +16,9 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 from engine.errors import (ContextOverflow, FetchError, GoinferError, InvalidRequest, ModelLoadError,
                            ModelNotFound, TemplateError, UnsupportedModel)
-from engine.generate import TokenEvent, generate
-from engine.kernels.cpu.threads import get_threads, set_threads
-from engine.load import load_model
+from engine.generation.generate import TokenEvent, generate
+from engine.kernels.threads import get_threads, set_threads
+from engine.loading.load import load_model
 from engine.models.base import Model
 
 __all__ = ["load_model", "generate", "set_threads", "get_threads", "Model", "TokenEvent", "GoinferError", "ModelLoadError", "UnsupportedModel",

@@ -35,7 +35,7 @@ def goinfer_home() -> Path:
 
 
 def kernels_dir() -> Path:
-    """The compiled kernels of every version and CPU (engine/kernels/cpu/kernel_cache.py lays it out)."""
+    """The compiled kernels of every version and CPU (engine/kernels/kernel_cache.py lays it out)."""
     return goinfer_home() / "kernels"
 
 

@@ -35,7 +35,7 @@ def post(server, path: str, body: dict, timeout: float = 300) -> httpx.Response:
 def test_a_model_loaded_at_runtime_answers_and_an_unloaded_one_is_gone(admin):
     import engine
     from engine.api.openai import parse_chat_request
-    from engine.requests import execute
+    from engine.requests.request import execute
 
     r = post(admin, "/admin/models/load", {"model": str(KIT), "name": "kit", "ctx": 512})
     assert r.status_code == 200 and r.json()["id"] == "kit" and r.json()["context_window"] == 512
@@ -96,7 +96,7 @@ def test_admin_needs_the_flag_and_a_key(admin, smollm2_gguf, tmp_path):
 def test_a_model_loaded_with_a_lora_adapter_answers_as_the_merge_by_hand(admin, tmp_path):
     import engine
     from engine.api.openai import parse_chat_request
-    from engine.requests import execute
+    from engine.requests.request import execute
     from tests.test_lora import make_adapter, merged_checkpoint
 
     base = SHARED / "families" / "llama" / "hf"

@@ -180,7 +180,7 @@ def test_version_prints_the_installed_version():
 def test_chat_sampling_penalties_reach_the_sampler(smollm2_gguf):
     from engine import load_model
     from engine.api.openai import parse_chat_request
-    from engine.requests import execute
+    from engine.requests.request import execute
 
     ask = "List three colours, then list them again."
     r = goinfer("chat", "--model", str(smollm2_gguf), "--prompt", ask, "--temp", "0", "--max", "24",

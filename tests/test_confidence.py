@@ -34,14 +34,14 @@ def smol(smollm2_gguf):
 @pytest.fixture(scope="module")
 def answered(smol):
     from engine.api.openai import parse_request
-    from engine.requests import execute
+    from engine.requests.request import execute
 
     return execute(smol, parse_request("/v1/chat/completions", {**BODY, "goinfer_confidence": True}))
 
 
 def test_enum_boolean_and_integer_fields_are_reported_and_forced_or_free_text_ones_are_not(smol, answered):
     from engine.api.openai import parse_request
-    from engine.requests import execute
+    from engine.requests.request import execute
 
     doc = json.loads(answered.text)
     records = {r["path"]: r for r in answered.confidence}
@@ -68,8 +68,8 @@ def test_the_enum_distribution_is_the_models_own_next_token_probabilities(smollm
     agree to 1e-4)."""
     from engine import load_model
     from engine.api.openai import parse_request
-    from engine.prompts import encode_prompt, render_request
-    from engine.requests import execute
+    from engine.requests.prompts import encode_prompt, render_request
+    from engine.requests.request import execute
 
     smol = load_model(str(smollm2_gguf), quant="f32")
     answered = execute(smol, parse_request("/v1/chat/completions", {**BODY, "goinfer_confidence": True}))

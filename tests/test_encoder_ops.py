@@ -1,4 +1,4 @@
-"""The encoder's compiled kernels (engine/embeddings/encoder_ops.py) against float64 numpy: attention over
+"""The encoder's compiled kernels (engine/kernels/cpu/encoder_ops.py) against float64 numpy: attention over
 unpadded sequences, for head widths that are a multiple of the decode kernels' 16-wide tile and one that is not
 (padded with zeros), and the exact-form GELU. The whole encoder is checked against the reference vectors in test_embeddings.py."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.embeddings.encoder_ops import attention, gelu_inplace
+from engine.kernels.cpu.encoder_ops import attention, gelu_inplace
 
 
 def _reference_attention(qkv, bias, lengths, heads, scale):

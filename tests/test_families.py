@@ -89,7 +89,7 @@ def test_default_path_mean_kl_per_file(ref, how):
 
 
 def test_check_hardware_lists_every_family_that_loads():
-    from engine.hardware import supported_models
+    from engine.loading.hardware import supported_models
 
     listed = {a["architecture"]: a for a in supported_models()["architectures"]}
     assert set(FAMILIES) | {"gemma3"} <= set(listed)

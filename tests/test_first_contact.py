@@ -1,7 +1,7 @@
 """What a new user meets first: compiled kernels kept in the goinfer home (and shown, removed, warmed by
 `goinfer cache`), the "compiling" line only when something compiles, and a server that listens at once, says
 "loading" on /health until it can answer, holds the requests that come meanwhile, and stops promptly mid-load
-with nothing left running (engine/kernels/cpu/kernel_cache.py, engine/server/loading.py, commands/serve.py)."""
+with nothing left running (engine/kernels/kernel_cache.py, engine/server/loading.py, commands/serve.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _compiled_files(root: Path) -> list[Path]:
 
 
 def _compiles_tied_to(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"engine.precompile .*--tied {pid}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"engine.loading.precompile .*--tied {pid}"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -246,7 +246,7 @@ def test_a_one_shot_stopped_mid_compile_exits_at_once_and_says_what_it_leaves_ru
         if proc.poll() is None:
             proc.kill()
         # its detached compile is named by the model path under this home: end it here, it is this test's
-        subprocess.run(["pkill", "-f", f"engine.precompile {home}"], capture_output=True)
+        subprocess.run(["pkill", "-f", f"engine.loading.precompile {home}"], capture_output=True)
     assert proc.returncode == 130 and took < 5, (proc.returncode, took, err)
     assert "goinfer: interrupted" in err and "Traceback" not in err
     (notice,) = [line for line in err.splitlines() if "still compiling in the background" in line]

@@ -1,5 +1,5 @@
 """A first run after install: kernels compiled for the model's own types, the decode step compiled in a background
-process while `goinfer chat` answers without it (engine/kernels/cpu/step_compile.py, engine/precompile.py)."""
+process while `goinfer chat` answers without it (engine/kernels/cpu/step_compile.py, engine/loading/precompile.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 import engine
-from engine import precompile
+from engine.loading import precompile
 from engine.kernels.cpu import backend as cpu_backend
 from engine.kernels.cpu import exact, int8, packed, selftest, step_compile, verdicts
 from engine.kernels.cpu.decode_step import decode_step
@@ -21,7 +21,7 @@ PROMPT = "What is the capital of France? Answer in one sentence."
 
 def _reply(model) -> str:
     ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": PROMPT}]))
-    return "".join(ev.text for ev in engine.generate(model, ids, max_tokens=16, temperature=0))
+    return "".join(ev.text for ev in engine.generation.generate(model, ids, max_tokens=16, temperature=0))
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def uncompiled_step(monkeypatch, private_lock):
 def test_a_first_chat_answers_while_the_step_compiles_elsewhere(uncompiled_step, smollm2_gguf):
     model = engine.load_model(smollm2_gguf, background_compile=True)
     # one compile started, before the self-test: the model's own load, as the foreground's
-    assert uncompiled_step["commands"] == [[sys.executable, "-m", "engine.precompile", str(smollm2_gguf), "auto"]]
+    assert uncompiled_step["commands"] == [[sys.executable, "-m", "engine.loading.precompile", str(smollm2_gguf), "auto"]]
     notes = []
     step_compile.announce_running(notes.append)  # what a one-shot says as it returns, the compile still running
     assert len(notes) == 1 and "still compiling in the background" in notes[0] and "4 min at most" in notes[0]
@@ -116,7 +116,7 @@ def test_a_second_background_compile_leaves_while_one_runs(monkeypatch, private_
 def test_the_background_compile_runs(smollm2_gguf, tmp_path):
     # (numba's cache is warm here: this checks the child's own code path, whose errors no one would see)
     env = dict(os.environ, TMPDIR=str(tmp_path))  # its own lock file
-    done = subprocess.run([sys.executable, "-m", "engine.precompile", str(smollm2_gguf), "auto"], env=env,
+    done = subprocess.run([sys.executable, "-m", "engine.loading.precompile", str(smollm2_gguf), "auto"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert list(tmp_path.glob("goinfer-*-step-compile.lock"))

@@ -24,8 +24,8 @@ from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.api.openai_objects import error_status
 from engine.batch.io import read_input
 from engine.errors import GoinferError
-from engine.prompts import prompt_ids
-from engine.requests import prepare
+from engine.requests.prompts import prompt_ids
+from engine.requests.request import prepare
 
 EXAMPLES = int(os.environ.get("GOINFER_FUZZ_EXAMPLES", "500"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,

@@ -107,7 +107,7 @@ def test_a_model_takes_it_only_where_it_carries_most_of_the_prompt_work(monkeypa
 
 
 def test_precompile_compiles_it_for_a_model_that_takes_it(monkeypatch):
-    # the warm-up chat of engine/precompile.py is shorter than a prompt tile, so the GEMM is warmed on its own
+    # the warm-up chat of engine/loading/precompile.py is shorter than a prompt tile, so the GEMM is warmed on its own
     import engine
     from tests.conftest import SHARED
 

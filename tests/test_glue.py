@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels.cpu import rowops, vmath
+from engine.kernels import vmath
+from engine.kernels.cpu import rowops
 
 
 def test_exp_is_within_a_few_ulp_and_clamps():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import re
 import socket
 from pathlib import Path
@@ -50,7 +51,7 @@ def test_every_kernel_agrees_with_the_reference(fresh_selftest):
 
 def test_a_disagreeing_kernel_steps_its_type_down_with_one_warn_line(fresh_selftest, monkeypatch, tmp_path,
                                                                      capsys):
-    from engine.load import load_model
+    from engine.loading.load import load_model
 
     _break_q4_k_matvec(monkeypatch)
     model = load_model(mf.write_llama_fixture(tmp_path / "tiny.gguf"))
@@ -82,7 +83,7 @@ def test_a_load_checks_what_its_path_runs_and_check_hardware_the_rest(fresh_self
     # path's f32 matvec alone, an exact-path load checks it, both on the model's matrix types only (a packed
     # matrix's packed kernels, another's plain ones), and `check --hardware` adds whatever is left without
     # repeating.
-    from engine.load import load_model
+    from engine.loading.load import load_model
 
     path = mf.write_llama_fixture(tmp_path / "tiny.gguf")
     model = load_model(path)
@@ -102,7 +103,7 @@ def test_a_load_checks_what_its_path_runs_and_check_hardware_the_rest(fresh_self
 
 
 def test_no_selftest_skips_it(fresh_selftest, monkeypatch, tmp_path):
-    from engine.load import load_model
+    from engine.loading.load import load_model
 
     _break_q4_k_matvec(monkeypatch)
     model = load_model(mf.write_llama_fixture(tmp_path / "tiny.gguf"), selftest=False)
@@ -111,7 +112,7 @@ def test_no_selftest_skips_it(fresh_selftest, monkeypatch, tmp_path):
 
 
 def test_health_carries_the_selftest(fresh_selftest, tmp_path):
-    from engine.load import load_model
+    from engine.loading.load import load_model
     from engine.server import ServedModel, Server
     from engine.server.config import ServerConfig
 

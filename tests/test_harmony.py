@@ -20,11 +20,11 @@ import pytest
 
 import engine
 from engine.api.openai import parse_chat_request
-from engine.generate import Generation
-from engine.prompts import render_request, thinking_plan
-from engine.reasoning import ThinkingSettings, thinking_budget
-from engine.requests import execute
-from engine.templates.harmony import FINAL, HarmonySplitter, is_harmony
+from engine.generation.generate import Generation
+from engine.requests.prompts import render_request, thinking_plan
+from engine.thinking.stream import ThinkingSettings, thinking_budget
+from engine.requests.request import execute
+from engine.thinking.harmony import FINAL, HarmonySplitter, is_harmony
 from engine.templates.tool_stream import CallArguments, CallStart, ToolCallStream
 from engine.templates.tools import parse_tool_calls
 from tests import reference_templates as ref

@@ -83,7 +83,7 @@ def test_pull_a_quant_prints_the_path_and_resolves_it(hub, fixtures, tmp_path):
 
 
 def test_split_quant_is_pulled_whole_and_loads_as_one_model(hub, fixtures, tmp_path):
-    from engine.load import load_model
+    from engine.loading.load import load_model
 
     path = hf.pull("hf:acme/tiny-GGUF:Q4_K_M")
     assert sorted(p.name for p in path.parent.glob("*.gguf")) == SPLIT
@@ -100,7 +100,7 @@ def test_split_quant_is_pulled_whole_and_loads_as_one_model(hub, fixtures, tmp_p
 
     whole = load_model(tmp_path / "single.gguf", selftest=False)
     ids = model.tokenizer.encode("hello world")
-    tokens = [[ev.token for ev in engine.generate(m, ids, max_tokens=6, temperature=0)] for m in (model, whole)]
+    tokens = [[ev.token for ev in engine.generation.generate(m, ids, max_tokens=6, temperature=0)] for m in (model, whole)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 
 

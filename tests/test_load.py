@@ -104,7 +104,7 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
         cache = m.new_cache(512 + 128)
         ids = m.tokenizer.encode("The history of the city begins with a market by the river. " * 60)[:512]
         bias = {{t: -1e9 for t in m.tokenizer.eog_ids}}
-        n = sum(1 for _ in engine.generate(m, ids, max_tokens=128, temperature=0, cache=cache, logit_bias=bias))
+        n = sum(1 for _ in engine.generation.generate(m, ids, max_tokens=128, temperature=0, cache=cache, logit_bias=bias))
         assert n == 128 and cache.length >= 512 + 127, (n, cache.length)
         anon = model_pages = 0
         current = None
@@ -143,7 +143,7 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
 
 
 def test_a_prompt_reuses_its_freed_activations_and_hands_them_back(smollm2_gguf):
-    # engine/memory.py: a prompt frees and reallocates the same big activations layer after layer. With glibc's
+    # engine/kernels/memory.py: a prompt frees and reallocates the same big activations layer after layer. With glibc's
     # defaults each came back as fresh pages to fault in and zero (SmolLM2, 512 tokens: ~200k minor faults,
     # 0.7 s of system time); kept in the heap they are reused, and trimmed away when the prompt is done.
     code = textwrap.dedent(f"""
@@ -178,10 +178,10 @@ def test_a_cold_kernel_cache_is_announced_once_warm_is_silent(tmp_path, smollm2_
 
 
 def test_a_model_larger_than_the_available_memory_is_refused_in_one_sentence(monkeypatch, smollm2_gguf):
-    import engine.hardware
+    import engine.loading.hardware
 
     def pretend(available: int) -> None:
-        monkeypatch.setattr(engine.hardware, "memory_info", lambda: {
+        monkeypatch.setattr(engine.loading.hardware, "memory_info", lambda: {
             "total_bytes": 1 << 40, "available_bytes": available, "cgroup_limit_bytes": None})
 
     pretend(smollm2_gguf.stat().st_size // 2)

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 import engine
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
-from engine.session_store import identity
+from engine.sessions.disk import identity
 from tests.conftest import SHARED
 
 KIT = SHARED / "families"

@@ -1,5 +1,5 @@
 """A prompt's numbers do not depend on how it is cut into chunks, when the cuts fall on the backend's prompt tiles
-(kernels/cpu/matmul.py PROMPT_TILE): what lets a reused prefix (engine/sessions.py) continue exactly as a cold
+(kernels/backend.py PROMPT_TILE): what lets a reused prefix (engine/sessions/pool.py) continue exactly as a cold
 prefill. Held bit for bit (keys, values, recurrent state, logits) on both real models, on every family of the
 kit (MoE routing, sliding windows, recurrent layers), on the default path and the exact one, under whatever BLAS
 setting the tests run with (OPENBLAS_CORETYPE=Haswell here: its sgemm gives a row other numbers in a call of

@@ -120,7 +120,7 @@ def test_a_checkpoint_runs_its_chat_template_and_stops_at_its_end_token():
 
 
 def test_check_fit_sizes_a_checkpoint_as_the_default_path_holds_it():
-    from engine.hardware import fit_report
+    from engine.loading.hardware import fit_report
     from engine.models.hf_checkpoint import HFCheckpoint
 
     report = fit_report(str(QWEN2))

@@ -1,4 +1,4 @@
-"""The scheduler (engine/scheduler.py, engine/stepper.py) in process: requests that run side by side get, token for
+"""The scheduler (engine/running/scheduler.py, engine/running/stepper.py) in process: requests that run side by side get, token for
 token and logprob for logprob, the reply each gets alone (requests.execute, one sequence at a time), on the real
 default model and on families whose caches differ (sliding windows, a hybrid's recurrent state)."""
 
@@ -14,8 +14,8 @@ import engine
 import engine.models.base as base
 from engine.constrain.grammar import json_schema_grammar
 from engine.errors import Cancelled, ContextOverflow
-from engine.requests import Collector, GenerationRequest, SamplingOptions, execute, prepare
-from engine.scheduler import Finished, Job, QueueFull, Scheduler
+from engine.requests.request import Collector, GenerationRequest, SamplingOptions, execute, prepare
+from engine.running.scheduler import Finished, Job, QueueFull, Scheduler
 from tests.conftest import SHARED
 
 

@@ -588,7 +588,7 @@ def test_a_cancelled_request_stops_between_prompt_chunks(monkeypatch, smollm2_gg
     import engine
     import engine.models.base as base
     from engine.errors import Cancelled
-    from engine.requests import prepare, run
+    from engine.requests.request import prepare, run
 
     model = engine.load_model(smollm2_gguf)
     monkeypatch.setattr(base, "PREFILL_CHUNK", 4)

@@ -1,8 +1,8 @@
-"""Prompt-prefix reuse (engine/sessions.py) in process, on the real models: a reply is the same, token for token and
+"""Prompt-prefix reuse (engine/sessions/pool.py) in process, on the real models: a reply is the same, token for token and
 logprob for logprob, whether its prompt's prefix came from a warm session, a session file or a cold prefill; also
 when the prompt leaves the cached one mid-way, and on a hybrid family whose recurrent state reuses only from a
 snapshot. `cached_tokens` is exactly what was reused. Session files: a round trip restores a session; a corrupt,
-truncated or foreign file is skipped with one warning. `goinfer chat`'s conversation (engine/conversation.py)
+truncated or foreign file is skipped with one warning. `goinfer chat`'s conversation (engine/running/conversation.py)
 evaluates each turn's new message only, and its replies are the cold ones."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import engine
-from engine.conversation import WarmConversation
-from engine.prompts import continuation_ids, encode_prompt
-from engine.requests import Collector, GenerationRequest, SamplingOptions, execute, prepare
-from engine.scheduler import Finished, Job, Scheduler
-from engine.session_store import SessionDir, identity, key_of
-from engine.sessions import SessionPool, shared_prefix
+from engine.running.conversation import WarmConversation
+from engine.requests.prompts import continuation_ids, encode_prompt
+from engine.requests.request import Collector, GenerationRequest, SamplingOptions, execute, prepare
+from engine.running.scheduler import Finished, Job, Scheduler
+from engine.sessions.disk import SessionDir, identity, key_of
+from engine.sessions.pool import SessionPool, shared_prefix
 from tests.conftest import SHARED
 
 SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, pastry, opening "
@@ -50,7 +50,7 @@ def served(model, **kw):
 
 
 def run(scheduler, model, req):
-    """The request's result, once the scheduler has also done its idle-time warming (engine/warming.py): what
+    """The request's result, once the scheduler has also done its idle-time warming (engine/sessions/warming.py): what
     the next request finds in the pool is then known."""
     prep = prepare(model, req)
     job = Job(prep)

@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (engine/speculation.py): a run of a token and its draft through one decode
+"""Speculative decoding by prompt lookup (engine/generation/speculation.py): a run of a token and its draft through one decode
 step gives each row the numbers that token's own step gives, bit for bit, so replies are the same tokens, text and
 logprobs with it on or off (greedy, seeded sampling, stops, max_tokens, grammars, n choices, side by side in the
 scheduler, over HTTP), in fewer steps where the reply repeats its context; where it cannot run (recurrent state)
@@ -16,10 +16,10 @@ import pytest
 
 import engine
 from engine.constrain.grammar import json_schema_grammar
-from engine.generate import generate
-from engine.requests import GenerationRequest, SamplingOptions, execute
-from engine.speculation import Drafter, Speculation, speculation_of
-from engine.stepper import BATCH_DRAFT_RATE
+from engine.generation.generate import generate
+from engine.requests.request import GenerationRequest, SamplingOptions, execute
+from engine.generation.speculation import Drafter, Speculation, speculation_of
+from engine.running.stepper import BATCH_DRAFT_RATE
 from tests.conftest import SERVER_KEY, SHARED
 from tests.test_scheduler import REQUESTS, chat, run_together, same
 

@@ -20,9 +20,9 @@ import engine
 from engine.api.anthropic import parse_messages_request
 from engine.api.openai import parse_chat_request
 from engine.api.responses import parse_responses_request
-from engine.reasoning import ReasoningSplitter, ThinkingSettings, thinking_budget, ThinkingPlan
-from engine.prompts import render_request, thinking_of
-from engine.requests import Collector, execute, prepare, run
+from engine.thinking.stream import ReasoningSplitter, ThinkingSettings, thinking_budget, ThinkingPlan
+from engine.requests.prompts import render_request, thinking_of
+from engine.requests.request import Collector, execute, prepare, run
 from engine.templates import ChatTemplate
 from tests import reference_templates as ref
 from tests.conftest import SHARED
@@ -300,7 +300,7 @@ def test_the_responses_api_replays_a_reasoning_item(kit):
 @pytest.mark.parametrize("name,constrained", [(QWEN3, True), (QWEN35, False), (GEMMA4, False)])
 def test_auto_tool_calls_are_constrained_where_the_template_asks_for_hermes_json(kit, name, constrained):
     from engine.constrain.grammar import GrammarProcessor
-    from engine.requests import prepare
+    from engine.requests.request import prepare
 
     req = chat([{"role": "user", "content": "Weather in Paris?"}], tools=[TOOL])
     procs = prepare(with_template(kit, name), req).choices[0].processors

@@ -14,8 +14,8 @@ import pytest
 
 import engine
 from engine.api.openai import parse_chat_request
-from engine.reasoning import ThinkingSettings
-from engine.requests import execute
+from engine.thinking.stream import ThinkingSettings
+from engine.requests.request import execute
 from tests import reference_templates as ref
 from tests.conftest import SHARED
 from tests.test_cli import goinfer

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from engine.api import anthropic, responses, sse
-from engine.requests import Delta
+from engine.requests.request import Delta
 from engine.templates.json_stream import JsonLexer, dumps
 from engine.templates.tool_stream import CallArguments, CallEnd, CallStart, Text, ToolCallStream
 from engine.templates.tools import parse_tool_calls

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine.api.openai import parse_chat_request
-from engine.prompts import render_request
+from engine.requests.prompts import render_request
 from tests.conftest import SERVER_KEY
 
 AUTH = {"Authorization": f"Bearer {SERVER_KEY}"}

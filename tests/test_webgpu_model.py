@@ -89,7 +89,7 @@ def test_the_self_test_passed_and_its_figures_are_reported(smollm2_gguf):
 def test_a_failed_self_test_leaves_the_model_on_the_cpu_with_one_warn_line(smollm2_gguf, monkeypatch, capfd):
     """A wrong kernel (the gated activation scaled by 1.5) on a fresh device: the tiny checkpoints disagree with
     the CPU, and the model runs on the CPU, saying why."""
-    from engine import gpu_selftest, placement
+    from engine.loading import gpu_selftest, placement
     from engine.kernels.webgpu import shaders
 
     wrong = shaders.ACT_MUL.replace("y[i] = act * u", "y[i] = 1.5 * act * u")
@@ -114,11 +114,11 @@ def test_the_device_cache_forks_rewinds_and_round_trips():
     """On the self-test's tiny Llama: a fork continues on its own, a rewound cache recomputes the same numbers, and
     keys/values written from the host (a saved session) read back as they were; each decode equals the CPU's exact
     path's (within the f16 cache's rounding)."""
-    from engine import gpu_selftest
+    from engine.loading import gpu_selftest
     from engine.kernels.cpu.backend import cpu_backend
     from engine.kernels.webgpu.device import pick
     from engine.models import dense
-    from engine.placement import place_on_webgpu
+    from engine.loading.placement import place_on_webgpu
 
     config, weights, names = gpu_selftest._checkpoint("llama", 11)
     resident = place_on_webgpu(pick(test_webgpu.FOUND, "webgpu"), config, weights, names, {}, selftest=False)
@@ -198,7 +198,7 @@ def test_logits_over_the_binding_limit_come_in_runs_of_rows_and_a_cache_stops_at
     w = test_webgpu._random(test_webgpu.GGMLType.Q8_0, 5000, 64, seed=8)
     x = np.random.default_rng(9).normal(0, 1, (120, 64)).astype(np.float32)
     np.testing.assert_allclose(resident.matmul(x, w), x @ reference.dequantize(w).T, rtol=1e-4, atol=1e-3)
-    from engine import gpu_selftest
+    from engine.loading import gpu_selftest
 
     config = gpu_selftest._checkpoint("llama", 11)[0]
     cache = resident.new_cache(config, config.context_length)

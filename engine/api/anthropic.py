@@ -23,7 +23,7 @@ from engine.api.openai import parse_tools
 from engine.api.sse import named_event
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
-from engine.requests import Completion, Delta, GenerationRequest, SamplingOptions
+from engine.requests.request import Completion, Delta, GenerationRequest, SamplingOptions
 from engine.templates.tool_stream import CallArguments, CallEnd, Text, ToolCallStream
 
 MESSAGES_URL = "/v1/messages"

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 from engine.api import anthropic, responses, sse
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL, parse_request
 from engine.api.openai_objects import new_id, response_object
-from engine.requests import Collector, Completion, Delta, GenerationRequest
+from engine.requests.request import Collector, Completion, Delta, GenerationRequest
 
 
 class StreamEncoder(Protocol):

@@ -17,12 +17,12 @@ import json
 import re
 from typing import Any
 
-from engine.api import thinking as thinking_fields
+from engine.api import thinking_controls as thinking_fields
 from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
 from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar, text_grammar
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
-from engine.requests import GenerationRequest, SamplingOptions
+from engine.requests.request import GenerationRequest, SamplingOptions
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -8,7 +8,7 @@ import time
 import uuid
 
 from engine.errors import ContextOverflow, GoinferError, InvalidRequest, RequestError, TemplateError
-from engine.requests import Completion, GenerationRequest, TokenLogprob
+from engine.requests.request import Completion, GenerationRequest, TokenLogprob
 
 
 def chat_completion(result: Completion, *, model_name: str, request_id: str | None = None,
@@ -72,7 +72,7 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
-    """OpenAI's usage object; cached_tokens: prompt tokens a warm session held (engine/sessions.py);
+    """OpenAI's usage object; cached_tokens: prompt tokens a warm session held (engine/sessions/pool.py);
     reasoning_tokens: of the completion tokens, those a thinking model spent inside its block."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens,

@@ -11,7 +11,7 @@ Pure functions, no I/O. A stream of one request is, as OpenAI sends it:
     completions:  text chunks, the last of each choice with its finish_reason; usage and [DONE] alike.
 
 The chunks carry exactly the text and logprobs the non-streamed object carries (both are built from the
-same pieces by engine.requests), so a stream joined up equals the answer without streaming.
+same pieces by engine.requests.request), so a stream joined up equals the answer without streaming.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from engine.api.openai_objects import chat_logprobs, completion_logprobs, usage
-from engine.requests import Delta
+from engine.requests.request import Delta
 from engine.templates.tool_stream import CallArguments, CallStart, Text, ToolCallStream
 
 DONE = b"data: [DONE]\n\n"

@@ -19,8 +19,8 @@ from engine.api.fields import bool_field, is_int, kind_of, known_fields, object_
 from engine.api.openai import parse_chat_request
 from engine.errors import RequestError
 from engine.models.base import Model
-from engine.prompts import render_request
-from engine.reasoning import ThinkingSettings
+from engine.requests.prompts import render_request
+from engine.thinking.stream import ThinkingSettings
 
 __all__ = ["TOKEN_ROUTES", "apply_template", "detokenize", "tokenize"]
 

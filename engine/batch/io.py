@@ -23,7 +23,7 @@ from engine.api.openai import URLS, parse_request
 from engine.api.openai_objects import error_code
 from engine.errors import BatchFileError, RequestError
 from engine.files import fsync_dir, lock_exclusive
-from engine.requests import GenerationRequest
+from engine.requests.request import GenerationRequest
 
 
 @dataclass

@@ -21,12 +21,12 @@ from engine.decisions.scoring import score_request
 from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
-from engine.kernels.cpu.threads import get_threads
-from engine.reasoning import ThinkingSettings
-from engine.requests import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
-from engine.scheduler import Finished, Job, QueueFull, Scheduler
-from engine.sessions import SessionPool
-from engine.speculation import Speculation
+from engine.kernels.threads import get_threads
+from engine.thinking.stream import ThinkingSettings
+from engine.requests.request import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
+from engine.running.scheduler import Finished, Job, QueueFull, Scheduler
+from engine.sessions.pool import SessionPool
+from engine.generation.speculation import Speculation
 
 
 def run_request(model, req: GenerationRequest, *, model_name: str | None = None,
@@ -92,7 +92,7 @@ def run_batch(input_path: str | Path, output_path: str | Path, load_model: Calla
     problems (unreadable input, duplicate custom_id, unwritable output) raise BatchFileError before any work.
     `scheduler`: the model's running scheduler (a server's), to take the lines beside its other work; without
     one, a run of `parallel` > 1 makes its own. `speculation`: drafts checked several tokens a step
-    (engine/speculation.py; the same answers, sooner)."""
+    (engine/generation/speculation.py; the same answers, sooner)."""
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     input_path, output_path = Path(input_path), Path(output_path)
@@ -160,7 +160,7 @@ class _Run:
     summary: BatchSummary
     thinking: ThinkingSettings = ThinkingSettings()
     embedder: object = None  # the embedding model of /v1/embeddings lines (engine/embeddings)
-    speculation: Speculation | None = None  # engine/speculation.py
+    speculation: Speculation | None = None  # engine/generation/speculation.py
 
     def request(self, line: BatchLine) -> GenerationRequest:
         return apply_defaults(line.request, self.defaults, self.system)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from engine.api.decisions import Question
 from engine.errors import UnsupportedModel
 from engine.models.base import Model
-from engine.prompts import encode_prompt, thinking_of
-from engine.templates.harmony import ANSWER_NOW
-from engine.templates.thinking import render_prompt
+from engine.requests.prompts import encode_prompt, thinking_of
+from engine.thinking.harmony import ANSWER_NOW
+from engine.thinking.template import render_prompt
 
 __all__ = ["TEMPLATES", "Prompt", "labels_of", "question_prompt"]
 

@@ -1,12 +1,12 @@
 """Label scoring: each question's options' probabilities from one prefill, no decode.
 
 For a question, the model's next-token logits at the answer position, read at its options' label tokens (see
-prompts.py) and renormalised over them: p_i = softmax(z_label_i / T) over the options (the full vocabulary's
+requests/prompts.py) and renormalised over them: p_i = softmax(z_label_i / T) over the options (the full vocabulary's
 normaliser cancels), T a kind's fitted temperature (1 when not calibrated).
 
 A request's questions share their prompts' leading tokens (the state comes first): that prefix is prefilled once
 and each question continues from a copy of its cache. The prefix is cut at a whole number of the prompt tiles
-that make a position's numbers independent of how its prompt was split (kernels/cpu/matmul.py, PROMPT_TILE), so a
+that make a position's numbers independent of how its prompt was split (kernels/backend.py, PROMPT_TILE), so a
 shared-state answer is the one a cold prefill of the whole question gives.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from engine.api.decisions import DecisionRequest
 from engine.decisions.prompts import Prompt, question_prompt
 from engine.errors import ContextOverflow, UnsupportedModel
-from engine.kernels.cpu.matmul import PROMPT_TILE
+from engine.kernels.backend import PROMPT_TILE
 from engine.models.base import Model
 
 __all__ = ["Scored", "score_request", "shared_prefix"]

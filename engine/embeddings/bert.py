@@ -21,10 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.embeddings.encoder_ops import attention, gelu_inplace, residual_layer_norm
 from engine.errors import ModelLoadError, UnsupportedModel
-from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T
-from engine.kernels.quant_types import GGMLType, QTensor
+from engine.kernels.cpu.encoder_ops import Q8Matrix, attention, gelu_inplace, residual_layer_norm
 
 __all__ = ["QUANTS", "BertConfig", "BertEncoder"]
 
@@ -69,31 +67,6 @@ class F32Matrix:
         return np.matmul(x, self.t, out=out)
 
 
-class Q8Matrix:
-    """W (out, in) as Q8_0 blocks (int8 per 32 columns with an f16 scale, as llama.cpp's Q8_0; a quarter of f32's
-    bytes). A few rows (a short query alone) run the generation fast path's integer matvec over the blocks in
-    place, int8 activations included; a batch dequantizes W into a scratch for one sgemm: on these CPUs an int8
-    GEMM does not beat sgemm at batch sizes (docs/design-log.md, "The CPU kernel measurements", 2), so q8 saves
-    memory, not time, on batches."""
-
-    def __init__(self, w: np.ndarray, kernels):
-        import gguf
-
-        rows, cols = w.shape
-        if cols % 32:
-            raise UnsupportedModel(f"--embed-quant q8: a matrix of {cols} columns is not a whole number of "
-                                   "32-wide Q8_0 blocks; use f32")
-        raw = gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0)
-        self.q = QTensor("q8", GGMLType.Q8_0, (rows, cols), raw.reshape(rows, -1))
-        self.kernels = kernels
-
-    def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        if x.shape[0] <= Q8_MATVEC_MAX_T:
-            out[...] = self.kernels.matmul(np.ascontiguousarray(x), self.q)
-            return out
-        return np.matmul(x, self.kernels.dequantize(self.q).T, out=out)
-
-
 QUANTS = ("f32", "q8")
 
 
@@ -107,9 +80,7 @@ class BertEncoder:
             raise UnsupportedModel(f"--embed-quant {quant!r}: choose from {', '.join(QUANTS)}")
         self.config, self.quant = config, quant
         if quant == "q8":
-            from engine.kernels.cpu.matmul import kernels_for
-            kernels = kernels_for("cpu-q8")
-            matrix = lambda w: Q8Matrix(w, kernels)  # noqa: E731
+            matrix = Q8Matrix
         else:
             matrix = F32Matrix
         w = weights

@@ -175,7 +175,7 @@ def load_embedding_model(ref: str | Path, *, name: str | None = None, progress=N
 def _decoder_embedder(path: Path, name: str | None, quant: str):
     """A decoder GGUF that declares a pooling type, loaded as a generation model and pooled."""
     from engine.embeddings.decoder import DecoderEmbedder, declared_pooling
-    from engine.load import load_model
+    from engine.loading.load import load_model
 
     pooling = declared_pooling(open_gguf(path).metadata, path.name)
     return DecoderEmbedder(load_model(str(path), quant="f32" if quant == "f32" else "auto"), pooling,

@@ -21,6 +21,13 @@ import numpy as np
 from engine.kernels.quant_types import QTensor
 
 PATHS = ("fast", "exact")
+# Every backend's prompt_tile. A prompt's rows are computed in tiles of this many, at absolute positions
+# (multiples of it): a BLAS may give a row other numbers in a call of another shape (OpenBLAS's Haswell sgemm
+# does: per-row results change with the row count and the row's place in the call), so every sgemm call of a
+# prompt covers one tile, and a row's numbers never depend on how its prompt was cut into chunks, as long as the
+# cuts fall on tile boundaries. That is what makes a reused prompt prefix (engine/sessions/pool.py) give the
+# numbers a cold prefill gives. Equal to the CPU's ops.ATTN_BLOCK, whose query blocks fall on the same boundaries.
+PROMPT_TILE = 64
 
 
 # What a backend reads of the model it serves. engine.models passes its ModelConfig and Weights; they are named
@@ -116,8 +123,11 @@ class Backend(Protocol):
     name: str  # the hardware: "cpu"
     path: str  # the configuration: "fast" or "exact"
     stepped_down: frozenset[int]  # GGML type codes whose fast kernels the self-test found wrong (reference tier)
+    # Which code computes the numbers (the CPU's ISA tier: "avx2", "vnni"...): a warm session stored by another
+    # tier's kernels holds other numbers and is not reused (engine/sessions/disk.py).
+    code_tier: str
     # A prompt's rows get the same numbers however the prompt is cut into chunks, when the cuts fall on multiples
-    # of this many positions (a reused prefix ends on one: engine/sessions.py). An op that groups a chunk's rows
+    # of this many positions (a reused prefix ends on one: engine/sessions/pool.py). An op that groups a chunk's rows
     # (MoE routing) groups them tile by tile, unless its kernel computes each row on its own (the CPU backend's
     # takes_experts).
     prompt_tile: int

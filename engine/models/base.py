@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine import memory
+from engine.kernels import memory
 from engine.kernels.backend import Backend, KVCache
 from engine.models.config import ModelConfig
 from engine.models.family import ForwardFn
@@ -41,7 +41,7 @@ class Model:
         self.quant = quant  # as asked for: "auto" runs the backend's fast path, "f32" its exact one (backend.path)
         self.metadata = metadata
         self.name = path.stem
-        # Where it runs and why (load_model: engine/placement.py): "backend" cpu | webgpu, "asked" cpu | webgpu |
+        # Where it runs and why (load_model: engine/loading/placement.py): "backend" cpu | webgpu, "asked" cpu | webgpu |
         # auto, "reason" for the choice, "adapter" (the WebGPU adapter's report) and "selftest" where one ran.
         self.placement: dict = {"backend": backend.name, "asked": backend.name}
         self.adapters: list[dict] = []  # LoRA adapters merged into the weights (models/lora.py): their identities
@@ -81,7 +81,7 @@ class Model:
         if logits_from is None:
             logits_from = len(ids) - 1
         # A one-token prompt: the compiled step is the faster way. Not a one-token continuation of a prefix: its
-        # position must get the numbers a whole prompt's pass gives it (a reused prefix, engine/sessions.py).
+        # position must get the numbers a whole prompt's pass gives it (a reused prefix, engine/sessions/pool.py).
         if len(ids) == 1 and cache.length == 0 and self.backend.has_decode_step:
             logits = self.decode(ids, [cache])
             if on_chunk is not None:
@@ -145,7 +145,7 @@ class Model:
         return np.concatenate([self.prefill([t], c) for t, c in zip(ids, caches)])
 
     def runs_on(self, cache: KVCache) -> bool:
-        """decode_runs can take several tokens of this cache's sequence at once (engine/speculation.py): the
+        """decode_runs can take several tokens of this cache's sequence at once (engine/generation/speculation.py): the
         backend's step takes runs, and the sequence has no recurrent state (which a rejected token would leave
         advanced)."""
         return self.backend.has_decode_step and self.backend.has_run_step and not cache.state

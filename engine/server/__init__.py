@@ -1,4 +1,4 @@
-"""`goinfer serve`'s HTTP transport: routing, auth, body limits, a scheduler per model (engine/scheduler.py), SSE
+"""`goinfer serve`'s HTTP transport: routing, auth, body limits, a scheduler per model (engine/running/scheduler.py), SSE
 streaming, shutdown.
 
 Standard library only (http.server, threaded; ssl for HTTPS). What requests mean and what responses

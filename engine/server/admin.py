@@ -28,7 +28,7 @@ DEFAULT_DRAIN_S = 5.0
 
 class ModelAdmin:
     def __init__(self, state, *, drain_s: float = DEFAULT_DRAIN_S, load=None):
-        from engine.load import load_model
+        from engine.loading.load import load_model
 
         self.state, self.drain_s = state, drain_s
         self._load = load or load_model

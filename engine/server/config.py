@@ -11,15 +11,15 @@ from pathlib import Path
 from engine.errors import GoinferError
 from engine.models.base import Model
 from engine.models.base import PREFILL_CHUNK
-from engine.reasoning import ThinkingSettings
-from engine.requests import context_window
-from engine.kernels.cpu.matmul import PROMPT_TILE
+from engine.thinking.stream import ThinkingSettings
+from engine.requests.request import context_window
+from engine.kernels.backend import PROMPT_TILE
 from engine.server.cors import parse_origins
 from engine.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_DEADLINE_S
 from engine.server.intake import LOOPBACK_NAMES
-from engine.scheduler import DEFAULT_MAX_CONCURRENT
-from engine.sessions import DEFAULT_SESSIONS
-from engine.speculation import Speculation
+from engine.running.scheduler import DEFAULT_MAX_CONCURRENT
+from engine.sessions.pool import DEFAULT_SESSIONS
+from engine.generation.speculation import Speculation
 
 DEFAULT_ADDR = "127.0.0.1:8080"
 DEFAULT_CTX = 4096
@@ -56,7 +56,7 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections; beyond, 503 with Retry-After
     read_deadline_s: float = DEFAULT_READ_DEADLINE_S  # for a request's headers and body, from the connection's
     # start or its last answer
-    thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/reasoning.py)
+    thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/thinking/stream.py)
     decisions_template: str = "chat-v1"  # how /v1/systemone shows a question (engine/decisions/prompts.py)
     # per served model, per kind: fitted temperatures (--decisions-calibration; engine/decisions/calibration.py)
     decisions_temperatures: dict = field(default_factory=dict)
@@ -66,7 +66,7 @@ class ServerConfig:
     allow_admin: bool = False  # --allow-admin: /admin/models load and unload models at runtime (needs a key)
     unload_drain_s: float = 5.0  # --unload-drain-wait: how long an unload lets running requests finish
     web: bool = True  # the built-in chat page at / (--no-web: off)
-    # --speculate / --draft-max: drafts by prompt lookup checked several a step (engine/speculation.py); None: off
+    # --speculate / --draft-max: drafts by prompt lookup checked several a step (engine/generation/speculation.py); None: off
     speculation: Speculation | None = field(default_factory=Speculation)
 
     @property

@@ -27,8 +27,8 @@ from engine.api.openai_objects import error_body, error_object, error_status, mo
 from engine.api.responses import RESPONSES_URL
 from engine.api.tokens import TOKEN_ROUTES
 from engine.errors import Cancelled, GoinferError
-from engine.prompts import prompt_ids
-from engine.requests import Collector, Delta, prepare
+from engine.requests.prompts import prompt_ids
+from engine.requests.request import Collector, Delta, prepare
 from engine.server import intake
 from engine.server.admin import ADMIN_URL
 from engine.server.batches import BATCHES_URL
@@ -39,7 +39,7 @@ from engine.server.metrics import CONTENT_TYPE as METRICS_TYPE, prometheus_text
 from engine.server.resources import CONTROL_URL, WEB_FILES, ResourceRoutes
 from engine.server.writing import GONE, AnswerWriter
 from engine.server.state import ServerState
-from engine.scheduler import Finished, Job, QueueFull, ShuttingDown
+from engine.running.scheduler import Finished, Job, QueueFull, ShuttingDown
 
 TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-body) is closed

@@ -25,9 +25,9 @@ from engine.server.cors import CorsPolicy
 from engine.server.deciding import DecisionDesk
 from engine.server.files import FileStore
 from engine.server.loading import Loading
-from engine.scheduler import Scheduler
-from engine.session_store import SessionDir
-from engine.sessions import SessionPool, default_budget_bytes
+from engine.running.scheduler import Scheduler
+from engine.sessions.disk import SessionDir
+from engine.sessions.pool import SessionPool, default_budget_bytes
 
 
 class ServerState:
@@ -234,15 +234,15 @@ def session_budget_bytes(config: ServerConfig) -> int:
 
 
 def _available_bytes() -> int | None:
-    from engine.hardware import memory_info
+    from engine.loading.hardware import memory_info
 
     return memory_info()["available_bytes"]
 
 
 def _selftest_report() -> dict:
-    from engine.kernels.cpu.selftest import report  # the kernel self-test run at the first model load
+    from engine.kernels.registry import selftest_report  # the kernel self-test run at the first model load
 
-    return report()
+    return selftest_report()
 
 
 def _lock_dir(root: Path) -> int:

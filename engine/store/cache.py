@@ -2,7 +2,7 @@
 
 Complete entries are the published built-in files (or directories) and hf: pulls (a directory with manifest.json);
 incomplete ones are pulls left in staging by an interrupted run (the next pull of the same reference
-resumes them). One more entry, "kernels", is the compiled CPU kernels (engine/kernels/cpu/kernel_cache.py): every
+resumes them). One more entry, "kernels", is the compiled CPU kernels (engine/kernels/kernel_cache.py): every
 version and CPU, removed whole (they compile again on next use). Nothing here touches the network.
 """
 

@@ -6,7 +6,7 @@
     <home>/locks/<name>.lock                  fcntl locks: one fetch per model at a time across processes
 
 <home> is $GOINFER_HOME, else ~/.cache/goinfer (engine/files.py). Read at each call, so tests and users can change
-it. Compiled kernels live beside the models, in <home>/kernels (engine/kernels/cpu/kernel_cache.py).
+it. Compiled kernels live beside the models, in <home>/kernels (engine/kernels/kernel_cache.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
 # answer is done) and <|call|> (a tool call is) end it. llama.cpp drops <|end|> from the set where both of those are
 # there, and renders these message markers as text (user-defined), so a reply's channels can be read from its text.
 # Gemma 4's thought channel and call markup are rendered too (llama.cpp keeps them as its chat parser's "preserved
-# tokens"): the reply's readers (engine/reasoning.py, engine/templates/tools.py) find them in the text.
+# tokens"): the reply's readers (engine/thinking/stream.py, engine/templates/tools.py) find them in the text.
 _REPLY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>",
                   "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>')
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",

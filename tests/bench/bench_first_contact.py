@@ -49,7 +49,7 @@ def _env(home: Path) -> dict:
 
 
 def _compiles_running() -> int:
-    out = subprocess.run(["pgrep", "-f", "engine.precompile"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "engine.loading.precompile"], capture_output=True, text=True).stdout
     return len(out.split())
 
 

@@ -8,7 +8,7 @@ Starts `goinfer serve` on MODEL twice: with warm sessions (the default) and with
 "cache_prompt": false). Each server holds its own conversation (its own replies); a turn is sent warm, then the
 same messages cold. The first user message carries a ~900-token document, so from the second turn on the
 history is past 1,000 tokens. Replies are greedy, --reply-tokens long. Turns are human-paced: each request goes
-to a server that has settled (no request running, no idle-time warming: engine/warming.py).
+to a server that has settled (no request running, no idle-time warming: engine/sessions/warming.py).
 
 --users N: N conversations, turn by turn in turn (user 0's turn 0, user 1's turn 0, ..., user 0's turn 1, ...), the
 document in their common system prompt (one agent or web UI, several users): each user's first turn may start

@@ -83,7 +83,7 @@ print(json.dumps(out))
 
 
 def _goinfer_runs(model, prompts: list[list[int]], max_tokens: int, speculation) -> list[dict]:
-    from engine.generate import generate
+    from engine.generation.generate import generate
 
     out = []
     for ids in prompts:
@@ -113,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import engine
-    from engine.speculation import Speculation
+    from engine.generation.speculation import Speculation
 
     engine.set_threads(args.threads)
     model = engine.load_model(args.model)

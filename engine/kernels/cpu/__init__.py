@@ -5,7 +5,7 @@ import os
 
 import numba
 
-from engine.kernels.cpu import kernel_cache
+from engine.kernels import kernel_cache
 
 # Prefer OpenMP before any kernel of this package compiles or runs: workqueue costs 20-70 us per parallel launch
 # and a pip tbb is slower to launch (docs/design-log.md, "The CPU kernel measurements", 3). Only a preference: an

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from engine.kernels.cpu import vmath
+from engine.kernels import vmath
 from engine.kernels.cpu.ir import FLT, I8, I16, I32, Emitter, V
 
 TILE = 16  # positions (scores) or head dims (values) per tile: two 8-float vectors per head

@@ -18,16 +18,17 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.kernels.backend import ModelConfig, Weights
-from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, kernel_cache, layout, ops, packed, recurrent,
+from engine.kernels import kernel_cache
+from engine.kernels.backend import PROMPT_TILE, ModelConfig, Weights
+from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, ir, layout, ops, packed, recurrent,
                                 step_compile, step_roles, step_tables)
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
-from engine.kernels.cpu.matmul import PROMPT_TILE, MatmulKernels, kernels_for
+from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
 from engine.kernels.quant_types import QTensor
 
 
-# A prompt's attention blocks must fall on its tiles too (matmul.PROMPT_TILE says why).
+# A prompt's attention blocks must fall on its tiles too (kernels/backend.py, PROMPT_TILE, says why).
 assert PROMPT_TILE % ops.ATTN_BLOCK == 0, "prompt tiles must hold whole attention blocks"
 
 HEAD_ROWS = 32768  # vocabulary rows per matmul of a prompt's head: bounds the dequantization scratch
@@ -54,6 +55,10 @@ class CpuBackend:
         self._pending: step_compile.PendingStep | None = None  # the step while it compiles elsewhere
         # a command that compiles the step elsewhere (step_compile.py), and the process already running it
         self._background_compile, self._compiling = background_compile, compiling
+
+    @property
+    def code_tier(self) -> str:
+        return ir.TIER
 
     @property
     def kv_dtype(self) -> str:
@@ -145,7 +150,7 @@ class CpuBackend:
         return self.matmul_many(x, [w])[0]
 
     def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
-        """A prompt's whole tiles and its last partial tile in two calls (see matmul.PROMPT_TILE): the kernels
+        """A prompt's whole tiles and its last partial tile in two calls (see backend.py PROMPT_TILE): the kernels
         pick their way (integer matvec, int8 GEMM, sgemm) by row count, and a row must be computed the same way
         whether its tile was the tail of a longer chunk or a chunk of its own (a reused prefix's continuation)."""
         T = x.shape[0]

@@ -22,16 +22,10 @@ import numpy as np
 
 from engine.kernels import reference
 from engine.kernels.cpu import exact, gemm8, int8, ir, packed
+from engine.kernels.backend import PROMPT_TILE
 from engine.kernels.quant_types import GGMLType, QTensor
 
 MATVEC_MAX_T = 8  # up to this many input rows the fused matvec beats dequantize + sgemm
-# A prompt's rows are computed in tiles of this many, at absolute positions (multiples of it): a BLAS may give a
-# row other numbers in a call of another shape (OpenBLAS's Haswell sgemm does: per-row results change with the
-# row count and the row's place in the call), so every sgemm call of a prompt covers one tile, and a row's
-# numbers never depend on how its prompt was cut into chunks, as long as the cuts fall on tile boundaries. That
-# is what makes a reused prompt prefix (engine/sessions.py) give the numbers a cold prefill gives. Equal to
-# ops.ATTN_BLOCK, whose query blocks then fall on the same boundaries.
-PROMPT_TILE = 64
 SCRATCH_MAX_FLOATS = 1 << 24  # 64 MB: bigger weights (vocab heads) are dequantized in row chunks
 
 
@@ -263,7 +257,7 @@ class Int8Kernels(ExactKernels):
         self._gemm8 = on and gemm8.available(self.tier)
 
     def warm_prompt_gemm(self) -> None:
-        """Compile the int8 GEMM now where this model's prompts will take it (engine/precompile.py)."""
+        """Compile the int8 GEMM now where this model's prompts will take it (engine/loading/precompile.py)."""
         if self._gemm8:
             gemm8.warm(self.tier)
 

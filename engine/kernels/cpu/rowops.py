@@ -17,7 +17,7 @@ import math
 import numpy as np
 from numba import njit
 
-from engine.kernels.cpu import vmath
+from engine.kernels import vmath
 
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
 

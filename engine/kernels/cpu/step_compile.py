@@ -3,7 +3,7 @@
 The compiled step (decode_step.py) is one large function: compiling it takes 1-2.5 minutes on a 2-core machine,
 once per install (numba's on-disk cache keeps it; the step's argument types are the same for every model). A
 first `goinfer chat` should not sit through that, so where the step is not in the cache yet, a detached, niced
-process compiles it (engine/precompile.py: it loads the same model, so the argument types match, and runs one
+process compiles it (engine/loading/precompile.py: it loads the same model, so the argument types match, and runs one
 step), holding a lock file while it works (`hold_lock`); meanwhile this process decodes token by token through
 the prompt pass (the same kernels; the two agree up to float summation order, tests/test_decode_step.py) and
 takes the step up once the compile is done (`PendingStep.ready`). A greedy reply of that first run can
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from numba.core.compiler_lock import global_compiler_lock
 
-from engine.kernels.cpu.kernel_cache import expected_seconds
+from engine.kernels.kernel_cache import expected_seconds
 
 try:
     import fcntl

@@ -13,7 +13,7 @@ from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step
 from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, decode_step
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.step_roles import ROLES, role_tensors
-from engine.kernels.cpu.threads import get_threads
+from engine.kernels.threads import get_threads
 
 _EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "post_norm")  # rows of norms[l]

@@ -6,7 +6,7 @@ heads contiguously, and a layer's buffer stays within the binding limit far long
 (SmolLM2's 30 layers at 8,192 positions are 188 MB; one layer is 6 MB). Grown in steps as the sequence grows, as
 the CPU cache is (a server must not reserve the whole window for every request), by a device-side copy. The
 forward pass (resident.py) writes new positions with its kv_store op inside its own recording; `write`, `keys`
-and `values` move them between host and device for a saved session (engine/session_store.py).
+and `values` move them between host and device for a saved session (engine/sessions/disk.py).
 """
 
 from __future__ import annotations

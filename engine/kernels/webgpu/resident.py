@@ -55,6 +55,7 @@ class WebGPUResident:
     name = "webgpu"
     path = "exact"  # f32 activations, as the CPU's exact path
     stepped_down: frozenset[int] = frozenset()
+    code_tier = "wgsl"
     prompt_tile = 64
 
     def __init__(self, gpu: Gpu, adapter_name: str):
@@ -103,7 +104,7 @@ class WebGPUResident:
         return WebGPUKVCache(self.gpu, len(config.kv_layers), config.n_head_kv, config.head_dim, max_tokens)
 
     has_decode_step = True
-    has_run_step = False  # one token per sequence a step (engine/speculation.py does not draft here)
+    has_run_step = False  # one token per sequence a step (engine/generation/speculation.py does not draft here)
 
     def decode(self, ids, caches: Sequence[WebGPUKVCache]) -> np.ndarray:
         """One token per sequence through the model and the head, in one recording: raw logits (M, head rows)."""

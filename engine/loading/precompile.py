@@ -1,10 +1,10 @@
-"""Compiling a model's kernels ahead of its use, into the kernel cache (engine/kernels/cpu/kernel_cache.py).
+"""Compiling a model's kernels ahead of its use, into the kernel cache (engine/kernels/kernel_cache.py).
 
 - `compile_ahead(model)`: everything a model runs, in this process (`goinfer cache warm`, container image builds,
   CI): load it with its kernel self-test, generate two tokens of a short chat through the prompt pass, the int8
   GEMM of longer prompts where the model uses it, then one decode step, which compiles the step (a minute or two
   on 2 cores).
-- `python -m engine.precompile MODEL QUANT [--tied PID]`: the background compile a first run starts
+- `python -m engine.loading.precompile MODEL QUANT [--tied PID]`: the background compile a first run starts
   (engine/kernels/cpu/step_compile.py says why): the same without the self-test (the foreground runs that),
   niced so the foreground's answer comes first, under the step-compile lock (a second one started meanwhile
   leaves at once), ended by SIGALRM after step_compile.COMPILE_LIMIT_S whatever happens. With --tied it also ends
@@ -19,11 +19,11 @@ import sys
 import threading
 import time
 
-from engine.generate import generate
-from engine.kernels.cpu.kernel_cache import active_directory as kernel_directory
-from engine.kernels.cpu.kernel_cache import record_compile_time
+from engine.generation.generate import generate
+from engine.kernels.kernel_cache import active_directory as kernel_directory
+from engine.kernels.kernel_cache import record_compile_time
 from engine.kernels.cpu.step_compile import COMPILE_LIMIT_S, announce_running, hold_lock, stop_running
-from engine.load import load_model
+from engine.loading.load import load_model
 
 # the commands' view of compiling
 __all__ = ["announce_running", "compile_ahead", "kernel_directory", "main", "record_compile_time", "stop_running",

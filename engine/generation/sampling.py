@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import InvalidRequest
-from engine.kernels.cpu import vmath
+from engine.kernels import vmath
 
 HEAP_MAX_K = 1024  # top-k selection by a compiled heap up to here (0.1 ms on 262k logits), argpartition above
 

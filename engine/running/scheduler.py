@@ -1,5 +1,5 @@
 """Many requests on one model: a FIFO queue, admission up to --max-concurrent sequences, and one thread that
-runs them together (engine/stepper.py: prompts in chunks between batched decode steps). `goinfer serve` has
+runs them together (engine/running/stepper.py: prompts in chunks between batched decode steps). `goinfer serve` has
 one per model; `goinfer batch --parallel N` runs its lines through one.
 
 A caller prepares a request (every refusal it can earn is raised before it queues), submits it as a Job and
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.errors import Cancelled, GoinferError
-from engine.kernels.cpu.threads import set_threads
+from engine.kernels.threads import set_threads
 from engine.models.base import PREFILL_CHUNK, Model
-from engine.requests import Delta, Prepared
-from engine.sessions import SessionPool
-from engine.speculation import Speculation
-from engine.stepper import Stepper
+from engine.requests.request import Delta, Prepared
+from engine.sessions.pool import SessionPool
+from engine.generation.speculation import Speculation
+from engine.running.stepper import Stepper
 
 DEFAULT_MAX_CONCURRENT = 4  # sequences decoded together: each weight read once per step serves them all
 _EMA = 0.3  # weight of the newest job in the running mean of job durations (for Retry-After)
@@ -91,10 +91,10 @@ class Scheduler:
                  sessions: SessionPool | None = None, warm_replies: bool = True,
                  speculation: Speculation | None = None, log: Callable[[str], None] = print):
         """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole.
-        warm_replies: evaluate a finished chat's reply into its session while idle (engine/warming.py).
-        speculation: draft tokens by prompt lookup, checked several a step (engine/speculation.py); None: off."""
+        warm_replies: evaluate a finished chat's reply into its session while idle (engine/sessions/warming.py).
+        speculation: draft tokens by prompt lookup, checked several a step (engine/generation/speculation.py); None: off."""
         self.name = name
-        self.placement = model.placement  # where the model runs and why (engine/placement.py), for /health
+        self.placement = model.placement  # where the model runs and why (engine/loading/placement.py), for /health
         self.sessions = sessions
         self.max_queue = max_queue
         self.max_concurrent = max_concurrent

@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.sessions import Session
+from engine.sessions.pool import Session
 
 FORMAT = "goinfer-kv-session"
 VERSION = 1
@@ -47,8 +47,6 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
 
 def identity(model) -> dict:
     """What must match for a stored session to be this model's, computed the way this process computes."""
-    from engine.kernels.cpu import ir
-
     st = Path(model.path).stat()
     try:
         version = metadata.version("goinfer")
@@ -57,7 +55,7 @@ def identity(model) -> dict:
     be = model.backend
     return {"model": Path(model.path).name, "size": st.st_size,
             "digest": _file_digest(str(model.path), st.st_size, st.st_mtime_ns),
-            "backend": f"{be.name}-{be.path}", "tier": ir.TIER, "goinfer": version, "tile": be.prompt_tile,
+            "backend": f"{be.name}-{be.path}", "tier": be.code_tier, "goinfer": version, "tile": be.prompt_tile,
             "stepped_down": sorted(int(t) for t in be.stepped_down),
             **({"adapters": model.adapters} if getattr(model, "adapters", None) else {})}
 

@@ -13,6 +13,7 @@ says so.
 from __future__ import annotations
 
 from engine.errors import InvalidRequest
+from engine.kernels import registry
 
 BACKEND_CHOICES = ("cpu", "webgpu", "auto")
 
@@ -25,42 +26,35 @@ def choose(asked: str, config, weights, matrices: list[str]) -> tuple[object | N
         raise InvalidRequest(f"unknown backend {asked!r} (choose from: {', '.join(BACKEND_CHOICES)})")
     if asked == "cpu":
         return None, {"backend": "cpu", "asked": "cpu"}
-    from engine.kernels.webgpu import device
-    from engine.kernels.webgpu.resident import unsupported
-
     def fallback(reason: str, adapter=None) -> tuple[None, dict]:
         if asked == "webgpu":
             raise InvalidRequest(f"--backend webgpu: {reason}")
         return None, {"backend": "cpu", "asked": asked, "reason": reason,
                        **({"adapter": adapter.report()} if adapter is not None else {})}
 
-    try:
-        found = device.adapters()
-    except device.WebGPUUnavailable as e:
-        return fallback(str(e))
-    adapter = device.pick(found, asked)
+    found, why_none = registry.webgpu_adapters()
+    if why_none:
+        return fallback(why_none)
+    adapter = registry.pick_adapter(found, asked)
     if adapter is None:
         return (fallback("only software adapters, which auto never takes", found[0]) if found
                 else fallback("no WebGPU adapter"))
-    why_not = unsupported(config, weights, matrices)
+    why_not = registry.webgpu_refusal(config, weights, matrices)
     if why_not:
         return fallback(why_not, adapter)
     return adapter, {"backend": "webgpu", "asked": asked, "adapter": adapter.report()}
 
 
-_GPUS: dict[str, object] = {}  # adapter name -> its device (program.Gpu), opened once per process
-
-
 def place_on_webgpu(adapter, config, weights, matrices: list[str], placement: dict, *, selftest: bool = True,
                     note=None):
     """The model resident on the adapter (a prepared WebGPU backend), after the adapter's self-test
-    (engine/gpu_selftest.py, once per process); None when the self-test failed: placement then says backend cpu
+    (engine/loading/gpu_selftest.py, once per process); None when the self-test failed: placement then says backend cpu
     and why, and one WARN line has gone to note (default stderr)."""
-    from engine import gpu_selftest
+    from engine.loading import gpu_selftest
 
     warn = note or _stderr
     try:
-        resident = _resident_maker(adapter)
+        resident = registry.webgpu_resident(adapter)
         if selftest:
             result = placement["selftest"] = gpu_selftest.run(adapter.name, resident)
             if result["status"] != "passed":
@@ -78,30 +72,12 @@ def place_on_webgpu(adapter, config, weights, matrices: list[str], placement: di
         return None
 
 
-def _resident_maker(adapter):
-    """(config, weights, matrix names) -> a prepared WebGPU backend on the adapter's device (opened once)."""
-    from engine.kernels.webgpu.device import open_device
-    from engine.kernels.webgpu.program import Gpu
-    from engine.kernels.webgpu.resident import WebGPUResident
-
-    gpu = _GPUS.get(adapter.name)
-    if gpu is None:
-        gpu = _GPUS[adapter.name] = Gpu(open_device(adapter), adapter.max_binding_bytes, adapter.features)
-
-    def resident(config, weights, names):
-        backend = WebGPUResident(gpu, adapter.name)
-        backend.prepare(config, weights, None, names)
-        return backend
-
-    return resident
-
-
 def webgpu_selftest(adapter) -> dict:
     """The self-test on an adapter (check --hardware): its result, run now or earlier in this process."""
-    from engine import gpu_selftest
+    from engine.loading import gpu_selftest
 
     try:
-        return gpu_selftest.run(adapter.name, _resident_maker(adapter))
+        return gpu_selftest.run(adapter.name, registry.webgpu_resident(adapter))
     except Exception as e:  # opening the device failed: the report says so
         return {"backend": "webgpu", "adapter": adapter.name, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
 

@@ -12,14 +12,14 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from engine import memory
+from engine.kernels import memory
 from engine.errors import ContextOverflow, InvalidRequest
 from engine.kernels.backend import KVCache
-from engine.kernels.cpu import vmath
+from engine.kernels import vmath
 from engine.models.base import Model
-from engine.reasoning import ThinkingPlan, splitter, thinking_budget
-from engine.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
-from engine.speculation import Speculation
+from engine.thinking.stream import ThinkingPlan, splitter, thinking_budget
+from engine.generation.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
+from engine.generation.speculation import Speculation
 from engine.tokenizer import IncrementalDecoder
 
 
@@ -53,8 +53,8 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
     per token): what a caller that shows no log-probabilities passes. `cache` (default: a new one) may hold the
     prompt's first positions already (a warm session): those are not evaluated again. `thinking` splits a
     thinking reply: each event's `reasoning` apart from its `text` (stop strings match the answer only), with the
-    reasoning budget forced (engine/reasoning.py). `speculation` drafts tokens by prompt lookup and checks them
-    several a step (engine/speculation.py): the same tokens, sooner where the reply repeats its context."""
+    reasoning budget forced (engine/thinking/stream.py). `speculation` drafts tokens by prompt lookup and checks them
+    several a step (engine/generation/speculation.py): the same tokens, sooner where the reply repeats its context."""
     window = cache.max_tokens if cache is not None else model.context_length
     gen = Generation(model, prompt_ids, max_tokens, window=window, temperature=temperature, seed=seed, stop=stop,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -198,7 +198,7 @@ class Generation:
 
 def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None,
          speculation: Speculation | None = None) -> Iterator[TokenEvent]:
-    # A cache that already holds the prompt's first positions (a warm session, engine/sessions.py) goes on from
+    # A cache that already holds the prompt's first positions (a warm session, engine/sessions/pool.py) goes on from
     # there.
     logits = model.prefill(gen.prompt_ids[cache.length :], cache, on_chunk=on_prefill)[0]
     yield from continue_from(model, gen, cache, logits, speculation)
@@ -207,7 +207,7 @@ def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None,
 def continue_from(model: Model, gen: Generation, cache: KVCache, logits: np.ndarray,
                   speculation: Speculation | None = None) -> Iterator[TokenEvent]:
     """The sequence's tokens from the logits (vocab,) after its prompt, which cache holds; with a speculation,
-    several a step where its drafts guess right (engine/speculation.py), the same tokens either way."""
+    several a step where its drafts guess right (engine/generation/speculation.py), the same tokens either way."""
     drafter = speculation.drafter(gen.prompt_ids) if speculation is not None and model.runs_on(cache) else None
     rows, run = [logits], []  # the rows to decide from, and the run of tokens they came from (none: the prompt)
     try:
@@ -227,7 +227,7 @@ def continue_from(model: Model, gen: Generation, cache: KVCache, logits: np.ndar
                 return
             run = [ev.token] + (drafter.draft(draft_room(gen, cache)) if drafter is not None else [])
             rows = model.decode_runs([run], [cache])[0]
-    finally:  # decode's freed logits stay in the heap for the next token (engine/memory.py); not after the last
+    finally:  # decode's freed logits stay in the heap for the next token (engine/kernels/memory.py); not after the last
         model.backend.end_sequences()
         memory.trim()
 

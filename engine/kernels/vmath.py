@@ -14,6 +14,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from engine.kernels import kernel_cache
+
+kernel_cache.configure()  # numba's cache directory, set before the decorators below run (as the CPU package does)
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split so k * _LN2_HI is exact for |k| < 2^9
 _LN2_LO = np.float32(-2.12194440e-4)

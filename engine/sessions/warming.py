@@ -1,4 +1,4 @@
-"""Idle-time warming of a model's warm sessions (engine/sessions.py).
+"""Idle-time warming of a model's warm sessions (engine/sessions/pool.py).
 
 A reply's keys and values come from the decode step, whose numbers differ from a prompt pass's, so a session
 keeps only its prompt and the next turn evaluates the previous reply again. While the model has nothing else to
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from engine.models.base import Model
-from engine.sessions import SessionPool
+from engine.sessions.pool import SessionPool
 
 
 # Positions per warming step: a request that arrives meanwhile waits for at most one step (~0.1 s on SmolLM2 at

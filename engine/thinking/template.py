@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.errors import InvalidRequest, TemplateError
 from engine.templates.chat import ChatTemplate
-from engine.templates.harmony import CHANNEL, EFFORTS, END, MESSAGE, is_harmony
+from engine.thinking.harmony import CHANNEL, EFFORTS, END, MESSAGE, is_harmony
 
 __all__ = ["DELIMITERS", "MODES", "PromptText", "ThinkingTemplate", "read_thinking", "render_prompt"]
 
@@ -47,7 +47,7 @@ class ThinkingTemplate:
     default: str  # its generation prompt with thinking unspecified: "open", "closed" or "free"
     open_id: int | None  # the delimiters as single tokens, where the tokenizer has them (None: several tokens)
     close_id: int | None
-    harmony: bool = False  # gpt-oss: the reply's channels say what is reasoning (engine/templates/harmony.py)
+    harmony: bool = False  # gpt-oss: the reply's channels say what is reasoning (engine/thinking/harmony.py)
 
     @property
     def thinks_by_default(self) -> bool:

@@ -11,7 +11,7 @@ between them every matrix type the WebGPU kernels read (F32, F16, BF16, Q8_0, Q4
 Q6_K), by the prompt kernel and the decode kernel.
 Every position's logits must agree with the CPU's to cosine >= 0.995 and relative L2 <= 0.10, and be finite; the
 result (status passed | failed, the worst figures beside the bars, the reason) is remembered per adapter for the
-process, and a failure sends the model to the CPU (engine/placement.py).
+process, and a failure sends the model to the CPU (engine/loading/placement.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from engine.kernels.cpu.backend import cpu_backend
+from engine.kernels.registry import load_backend
 from engine.kernels.quant_types import GGMLType, QTensor
 from engine.models import dense
 from engine.models.registry import config_from_gguf
@@ -116,7 +116,7 @@ def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float, bool]:
 
 def _cases(make_resident):
     """(name, webgpu logits, cpu logits) of each checkpoint's checks."""
-    cpu = cpu_backend("exact", selftest=False)
+    cpu = load_backend("cpu", "exact", selftest=False)
     for arch, seed, tokens in (("llama", 11, 300), ("gemma3", 12, 40)):
         config, weights, names = _checkpoint(arch, seed)
         resident = make_resident(config, weights, names)

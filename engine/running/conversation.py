@@ -1,15 +1,15 @@
 """One conversation whose KV cache outlives its turns (`goinfer chat`): each turn evaluates what is new.
 
 A turn's prompt is the whole conversation rendered by the chat template; it starts as the last one did, so it
-continues from the warm session the last turn left (engine/sessions.py, a pool of one) and evaluates the rest.
+continues from the warm session the last turn left (engine/sessions/pool.py, a pool of one) and evaluates the rest.
 The reply's own keys and values come from the decode step, whose numbers differ from a prompt pass's, so after
 each reply the conversation as the next prompt will start (the reply closed by the template) is evaluated
 through the prompt pass in the background, while the user reads and types (`absorb`). The next turn then
 evaluates its new message and at most one prompt tile before it, and gets the numbers a cold prefill of the
-whole conversation would (sessions.py says why it is exact).
+whole conversation would (sessions/pool.py says why it is exact).
 
 With a path (`goinfer chat --session FILE`) the session and the messages are written there after each turn
-(engine/session_store.py) and read back at start.
+(engine/sessions/disk.py) and read back at start.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.errors import ContextOverflow
-from engine.generate import TokenEvent, generate
-from engine.kernels.cpu.threads import set_threads
+from engine.generation.generate import TokenEvent, generate
+from engine.kernels.threads import set_threads
 from engine.models.base import Model
-from engine.session_store import NotLoadable, load_file, save_file
-from engine.sessions import Session, SessionPool, keep_snapshots, pause_points
+from engine.sessions.disk import NotLoadable, load_file, save_file
+from engine.sessions.pool import Session, SessionPool, keep_snapshots, pause_points
 
 
 class WarmConversation:

@@ -17,11 +17,11 @@ from typing import Callable, Iterator
 from engine.constrain.confidence import ConfidenceGrammar, field_confidences
 from engine.constrain.grammar import Grammar, GrammarProcessor, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
-from engine.generate import Generation, TokenEvent, continue_from, top_logprobs_of
+from engine.generation.generate import Generation, TokenEvent, continue_from, top_logprobs_of
 from engine.models.base import Model
-from engine.prompts import encode_prompt, message_starts, prompt_ids, render_request, thinking_plan
-from engine.reasoning import ThinkingSettings
-from engine.speculation import Speculation
+from engine.requests.prompts import encode_prompt, message_starts, prompt_ids, render_request, thinking_plan
+from engine.thinking.stream import ThinkingSettings
+from engine.generation.speculation import Speculation
 from engine.templates.tools import ToolCall, asks_hermes_json, parse_tool_calls, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
 
@@ -74,7 +74,7 @@ class GenerationRequest:
     tools: tuple[dict, ...] | None = field(default=None, hash=False)
     tool_choice: str = "auto"  # "none" | "auto" | "required" | "function" (one named tool: tools holds it)
     parallel_tool_calls: bool = True
-    # Thinking (engine/reasoning.py): "on" / "off" as the request asks (None: the runner's mode), how the reply
+    # Thinking (engine/thinking/stream.py): "on" / "off" as the request asks (None: the runner's mode), how the reply
     # is split ("auto", "deepseek", "none", "deepseek-legacy"), the request's own reasoning budget, and more
     # variables for the chat template (chat_template_kwargs).
     thinking: str | None = None
@@ -185,7 +185,7 @@ class Prepared:
     choices: list[Generation]  # one not yet started sequence per answer; all share the prompt
     tokenizer: object = None  # the model's (goinfer_confidence reads token pieces after the answer)
     cached_tokens: int = 0  # leading prompt tokens a warm session gave (set when the prompt is evaluated)
-    # a chat: where its first user message starts, and a recurrent model's its last (engine/sessions.py)
+    # a chat: where its first user message starts, and a recurrent model's its last (engine/sessions/pool.py)
     marks: tuple[int, ...] = ()
 
     @property
@@ -289,8 +289,8 @@ def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None 
         speculation: Speculation | None = None) -> Iterator[Delta]:
     """Run a prepared request here, one sequence at a time: the prompt once, then the choices one after
     another, each as its pieces (echo first). `should_stop` is polled between prompt chunks and tokens; True
-    raises Cancelled. `speculation`: drafts checked several a step (engine/speculation.py; the same tokens).
-    (engine/scheduler.py runs requests side by side; each choice comes out the same.)"""
+    raises Cancelled. `speculation`: drafts checked several a step (engine/generation/speculation.py; the same tokens).
+    (engine/running/scheduler.py runs requests side by side; each choice comes out the same.)"""
     def on_chunk(done: int) -> None:
         if should_stop is not None and should_stop():
             raise Cancelled(f"the request was cancelled during the prompt ({done} of {len(prep.ids)} tokens)")

@@ -15,13 +15,13 @@ import weakref
 
 from engine.errors import RequestError
 from engine.models.base import Model
-from engine.reasoning import ThinkingPlan, ThinkingSettings
-from engine.sessions import shared_prefix
-from engine.templates.harmony import ANSWER_NOW, FINAL, START, harmony_messages
-from engine.templates.thinking import PromptText, ThinkingTemplate, read_thinking, render_prompt
+from engine.thinking.stream import ThinkingPlan, ThinkingSettings
+from engine.sessions.pool import shared_prefix
+from engine.thinking.harmony import ANSWER_NOW, FINAL, START, harmony_messages
+from engine.thinking.template import PromptText, ThinkingTemplate, read_thinking, render_prompt
 from engine.templates.tools import render_messages
 
-# `req` below is an engine.requests.GenerationRequest (not imported: engine.requests builds on this module).
+# `req` below is an engine.requests.request.GenerationRequest (not imported: engine.requests.request builds on this module).
 
 __all__ = ["answer_at_once", "continuation_ids", "encode_prompt", "message_starts", "prompt_ids", "render_request",
            "reply_plan", "thinking_mode", "thinking_of", "thinking_plan"]
@@ -139,7 +139,7 @@ _PROBE_CHARS = 48
 def message_starts(model: Model, text: str, messages, ids: list[int], *, last: bool = True) -> tuple[int, ...]:
     """Token positions of ids (text's tokens) at or before where the first and (last=True) the last user message's
     text starts: a later prompt with the same system prompt, or the same conversation with its last message edited
-    or regenerated, shares the prompt up to there (engine/sessions.py keeps what it holds there for them). A
+    or regenerated, shares the prompt up to there (engine/sessions/pool.py keeps what it holds there for them). A
     message found in the text, each after the one before; one not found ends the search (fewer marks)."""
     found, at = [], 0
     for message in messages:

@@ -99,7 +99,7 @@ def _kernel_tier() -> dict[str, Any]:
         import llvmlite.binding as llvm
         import numba
 
-        from engine.kernels.cpu.kernel_cache import active_directory
+        from engine.kernels.kernel_cache import active_directory
         from engine.kernels.cpu.selftest import TIERS, report
 
         info["tiers"] = list(TIERS)
@@ -128,7 +128,7 @@ def _unpersonal(path) -> str | None:
 
 def gpu_backends(selftest: bool = False) -> dict[str, dict[str, Any]]:
     """Each GPU backend: importable and its device, or why not (never raises). selftest: the WebGPU self-test
-    (engine/gpu_selftest.py) on the adapter `--backend webgpu` takes, with its figures."""
+    (engine/loading/gpu_selftest.py) on the adapter `--backend webgpu` takes, with its figures."""
     out: dict[str, dict[str, Any]] = {}
     try:
         import cupy
@@ -165,7 +165,7 @@ def gpu_backends(selftest: bool = False) -> dict[str, dict[str, Any]]:
             elif auto is None:
                 out["webgpu"]["reason"] = "only software adapters, which auto never takes"
             if found and selftest:
-                from engine.placement import webgpu_selftest
+                from engine.loading.placement import webgpu_selftest
 
                 out["webgpu"]["selftest"] = webgpu_selftest(pick(found, "webgpu"))
         except Exception as exc:
@@ -184,7 +184,7 @@ def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[s
     from engine.formats.gguf import open_gguf
     from engine.models.hf_checkpoint import is_hf_checkpoint, loaded_bytes, read_metadata
     from engine.models.registry import config_from_gguf
-    from engine.sessions import default_budget_bytes
+    from engine.sessions.pool import default_budget_bytes
     from engine.store import resolve_model_ref
 
     path = resolve_model_ref(ref, progress=progress)
@@ -210,7 +210,7 @@ def fit_report(ref: str, context: int | None = None, *, progress=None) -> dict[s
     need = weights + kv + work
     mem = memory_info()
     free = mem["available_bytes"]
-    # Warm sessions (`goinfer serve --kv-sessions`, engine/sessions.py): the default budget of their KV memory,
+    # Warm sessions (`goinfer serve --kv-sessions`, engine/sessions/pool.py): the default budget of their KV memory,
     # and what it holds in positions of the default path's f16 cache (a recurrent layer's state aside).
     budget = default_budget_bytes(free)
     per_token = 2 * len(config.kv_layers) * config.n_head_kv * config.head_dim * 2

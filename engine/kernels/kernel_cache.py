@@ -33,10 +33,10 @@ from numba.core.caching import NullCache
 
 from engine.files import kernels_dir
 
-_ENGINE = Path(__file__).resolve().parents[2]  # the engine package
+_ENGINE = Path(__file__).resolve().parents[1]  # the engine package
 # What the cached kernels compile from: the CPU backend's modules, the type tables whose numbers they compile in as
 # constants, the encoder's ops (not the WebGPU backend: no numba there).
-_SOURCES = ("kernels/cpu/*.py", "kernels/quant_types.py", "embeddings/encoder_ops.py")
+_SOURCES = ("kernels/cpu/*.py", "kernels/quant_types.py", "kernels/vmath.py", "kernels/threads.py")
 
 
 def sources_hash() -> str:
@@ -68,12 +68,18 @@ def directory() -> Path:
     return kernels_dir() / machine_key() / sources_hash()
 
 
+# None: not configured yet; True: configure() found this version's cache empty (this process compiles from nothing)
+_empty_at_start: bool | None = None
+
+
 def configure() -> Path | None:
     """Point numba's cache at directory() (before any kernel module is imported); None where NUMBA_CACHE_DIR
     is set (the user's choice stands)."""
     global _empty_at_start
     if os.environ.get("NUMBA_CACHE_DIR"):
         return None
+    if _empty_at_start is not None:  # configured already (every package of numba kernels calls this first)
+        return Path(numba.config.CACHE_DIR)
     path = directory()
     _empty_at_start = not any(path.rglob("*.nbi")) if path.is_dir() else True
     numba.config.CACHE_DIR = str(path)
@@ -129,7 +135,6 @@ def announce_compiles(then) -> None:
 # gives this machine's figure rather than the dev VM's: <home>/kernels/compile-times.json, per machine_key, per
 # kind ("prompt": what a load and its first prompt compiled in the foreground; "step": the background compile).
 _TIMES = "compile-times.json"
-_empty_at_start = False  # configure() found this version's cache empty: this process compiles from nothing
 
 
 def expected_seconds(kind: str, default: float) -> int:

@@ -14,14 +14,14 @@ from typing import Sequence
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.formats.gguf import open_gguf
 from engine.kernels.registry import load_backend
-from engine.memory import release_free_memory, tune_allocator
+from engine.kernels.memory import release_free_memory, tune_allocator
 from engine.models.base import Model
 from engine.models.config import with_context
 from engine.models.hf_checkpoint import HFCheckpoint, is_hf_checkpoint, loaded_bytes, read_metadata
 from engine.models.lora import AdaptedSource, read_adapter
 from engine.models.registry import config_from_gguf, family
 from engine.models.weights import Weights
-from engine.placement import BACKEND_CHOICES, choose, place_on_webgpu
+from engine.loading.placement import BACKEND_CHOICES, choose, place_on_webgpu
 from engine.templates import template_for
 from engine.tokenizer import Tokenizer
 from engine.tokenizer.hf_json import chat_template, from_hf_directory
@@ -45,7 +45,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
     decode step is not in numba's cache yet, a detached process compiles it and the model decodes without it
     until then (kernels/cpu/step_compile.py; a first `goinfer chat` answers without the minute or two of compile);
     True or "detached": that process may outlive this one (a one-shot chat), "tied": it ends with this one (a server).
-    backend: cpu | webgpu | auto (engine/placement.py); the model's `placement` says what it got and why.
+    backend: cpu | webgpu | auto (engine/loading/placement.py); the model's `placement` says what it got and why.
     lora: (PEFT adapter directory, multiplier) pairs merged into the weights at load (models/lora.py).
     """
     quant = quant or "auto"
@@ -98,7 +98,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
             return model
     compile_command = None
     if background_compile:
-        compile_command = [sys.executable, "-m", "engine.precompile", str(path), quant]
+        compile_command = [sys.executable, "-m", "engine.loading.precompile", str(path), quant]
         if background_compile == "tied":
             compile_command += ["--tied", str(os.getpid())]
     cpu = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
@@ -137,7 +137,7 @@ def check_memory(path: Path, weights_bytes: int) -> None:
     anyway (e.g. where the weights are already in the page cache and /proc/meminfo cannot tell)."""
     if os.environ.get("GOINFER_NO_MEMORY_CHECK", "").strip() not in ("", "0"):
         return
-    from engine.hardware import memory_info
+    from engine.loading.hardware import memory_info
 
     available = memory_info()["available_bytes"]
     if available is not None and weights_bytes > available:

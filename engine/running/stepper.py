@@ -1,15 +1,15 @@
-"""The sequences a scheduler has admitted, and the steps that advance them (engine/scheduler.py owns the thread,
+"""The sequences a scheduler has admitted, and the steps that advance them (engine/running/scheduler.py owns the thread,
 the queue and the admission; this module the work).
 
 Each `step()` does at most two things: one chunk of the oldest admitted prompt, then one decode step for every
 sequence that is generating, all of them in one `Model.decode_runs` call (each weight read once for all; a
-sequence that drafts, engine/speculation.py, brings its draft as more rows of its own). A long prompt thus enters
+sequence that drafts, engine/generation/speculation.py, brings its draft as more rows of its own). A long prompt thus enters
 between decode steps, chunk by chunk, and the streams already running keep flowing.
 
 A request's n choices share its prompt: it is evaluated once, then each choice continues from a copy of its
-cache. With a session pool (engine/sessions.py), a prompt starts from the warm session that shares most of it
+cache. With a session pool (engine/sessions/pool.py), a prompt starts from the warm session that shares most of it
 and evaluates only the rest; its cache goes back to the pool when the request ends (and, idle, the scheduler
-evaluates the reply into it: engine/warming.py). A sequence decides its tokens alone (generate.Generation:
+evaluates the reply into it: engine/sessions/warming.py). A sequence decides its tokens alone (generate.Generation:
 sampling, grammar, stop strings, logprobs) from its own logits, and the decode step computes each sequence's
 logits the same whatever else is in the batch (kernels/cpu: attention splits per sequence), so a reply does not
 depend on who else is being served.
@@ -23,16 +23,16 @@ from typing import Callable
 
 import numpy as np
 
-from engine import memory
+from engine.kernels import memory
 from engine.errors import Cancelled
-from engine.generate import Generation, draft_room
+from engine.generation.generate import Generation, draft_room
 from engine.kernels.backend import KVCache
 from engine.models.base import PREFILL_CHUNK, Model
-from engine.prompts import continuation_ids
-from engine.requests import ChoiceOutput
-from engine.sessions import SessionPool, Taken, pause_points
-from engine.speculation import Drafter, Speculation
-from engine.warming import Warming
+from engine.requests.prompts import continuation_ids
+from engine.requests.request import ChoiceOutput
+from engine.sessions.pool import SessionPool, Taken, pause_points
+from engine.generation.speculation import Drafter, Speculation
+from engine.sessions.warming import Warming
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Sequence:
     cache: KVCache
     out: ChoiceOutput
     token: int = -1
-    drafter: Drafter | None = None  # its guesses at its next tokens (engine/speculation.py), where it drafts
+    drafter: Drafter | None = None  # its guesses at its next tokens (engine/generation/speculation.py), where it drafts
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Stepper:
                  sessions: SessionPool | None = None, warm_replies: bool = True,
                  speculation: Speculation | None = None):
         self.model = model
-        self.speculation = speculation  # drafts checked several tokens a step (engine/speculation.py), or None
+        self.speculation = speculation  # drafts checked several tokens a step (engine/generation/speculation.py), or None
         self.prefill_chunk = prefill_chunk
         self._on_end = on_end
         self.sessions = sessions
@@ -94,7 +94,7 @@ class Stepper:
 
     @property
     def has_background(self) -> bool:
-        """Idle-time work is waiting (engine/warming.py)."""
+        """Idle-time work is waiting (engine/sessions/warming.py)."""
         return self.warming is not None and self.warming.busy
 
     def kv_bytes(self) -> int:

@@ -4,7 +4,7 @@ answer.
     ThinkingSettings     the runner's defaults (`serve --thinking`, `--reasoning-budget`)
     ThinkingPlan         one reply's: the delimiters, whether its prompt opened the block, its budget rule, format
     ReasoningSplitter    text in, (reasoning, answer) out, piece by piece; holds back what may be a delimiter
-    splitter(plan)       the plan's reader: a ReasoningSplitter, or Harmony's (engine/templates/harmony.py)
+    splitter(plan)       the plan's reader: a ReasoningSplitter, or Harmony's (engine/thinking/harmony.py)
     thinking_budget      the reasoning budget of one reply (the seed's rule; see the function)
 
 The split is on text, so it works whatever the tokenizer makes of the delimiters; the budget needs the closing
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.templates.harmony import HarmonySplitter
+from engine.thinking.harmony import HarmonySplitter
 from engine.templates.markup import partial_suffix
 
 __all__ = ["FORMATS", "ReasoningSplitter", "ThinkingPlan", "ThinkingSettings", "parse_budget", "splitter",
@@ -31,7 +31,7 @@ MIN_TURN = 4  # a reply allowed fewer tokens than this has no budget: there is n
 class ThinkingSettings:
     """What a runner does for a request that says nothing: the thinking mode, the reasoning budget, the format."""
 
-    mode: str = "template"  # template | asis | on | off (engine/templates/thinking.py)
+    mode: str = "template"  # template | asis | on | off (engine/thinking/template.py)
     budget: int | str = "auto"  # N tokens | "auto" (only the room rule) | "unlimited" (no rule of ours)
     format: str = "auto"  # reasoning_format where a request sets none (FORMATS)
 
@@ -58,7 +58,7 @@ class ThinkingPlan:
     requested: int | None = None  # the request's budget (thinking_token_budget, Anthropic's budget_tokens)
     server: int | str = "auto"  # the runner's --reasoning-budget
     format: str = "auto"
-    # Harmony (gpt-oss; engine/templates/harmony.py): the reply is read by channels; the budget forces `close_ids`
+    # Harmony (gpt-oss; engine/thinking/harmony.py): the reply is read by channels; the budget forces `close_ids`
     # (the analysis closed and the final channel opened, several tokens); `lead` is the prompt's open header.
     harmony: bool = False
     close_ids: tuple[int, ...] = ()

@@ -12,8 +12,8 @@ What is reused, and why it is exact (a warm reply equals the cold one, bit for b
   whose int8 kernels and attention round differently from a prompt's pass; the next turn's prompt re-evaluates
   the previous reply (it is short next to the history), so a warm turn sees the numbers a cold one sees.
 - Cut back to a multiple of the backend's prompt tile (Backend.prompt_tile, 64 on the CPU): a prompt's rows
-  get the same numbers however it is cut into chunks only when the cuts fall on tile boundaries (kernels/cpu/
-  matmul.py PROMPT_TILE). `cached_tokens` reports exactly what was reused: the cut, not the shared prefix.
+  get the same numbers however it is cut into chunks only when the cuts fall on tile boundaries (kernels/
+  backend.py PROMPT_TILE). `cached_tokens` reports exactly what was reused: the cut, not the shared prefix.
 - At least one prompt token is evaluated: its logits start the reply.
 - Sliding-window layers keep every position (the cache is not a ring), so any prefix of them is whole.
 - A recurrent layer (gated DeltaNet, LFM2's convolutions) holds its whole prefix in a fixed-size state that
@@ -24,7 +24,7 @@ What is reused, and why it is exact (a warm reply equals the cold one, bit for b
   likely shared again). At most MAX_SNAPSHOTS a session; a prompt that shares less than the first is cold.
 
 Memory: at most `max_sessions` sessions and `budget_bytes` of KV; the least recently used leaves first (written
-to the session store, when there is one: engine/session_store.py).
+to the session store, when there is one: engine/sessions/disk.py).
 """
 
 from __future__ import annotations

@@ -18,15 +18,19 @@ GELU's erf is Abramowitz & Stegun 7.1.28, erf(z) = 1 - (1 + a1 z + ... + a6 z^6)
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 
-from engine.kernels.cpu import plain_threads
+from engine.errors import UnsupportedModel
+from engine.kernels.cpu import matmul, plain_threads
 from engine.kernels.cpu.attention import TILE, scores, weighted_values
-from engine.kernels.cpu.threads import get_threads
-from engine.kernels.cpu.vmath import exp_inplace
+from engine.kernels.threads import get_threads
+from engine.kernels.quant_types import GGMLType, QTensor
+from engine.kernels.vmath import exp_inplace
 
-__all__ = ["attention", "gelu_inplace", "residual_layer_norm"]
+__all__ = ["Q8Matrix", "attention", "gelu_inplace", "residual_layer_norm"]
 
 _A = (np.float32(0.0705230784), np.float32(0.0422820123), np.float32(0.0092705272), np.float32(0.0001520143),
       np.float32(0.0002765672), np.float32(0.0000430638))
@@ -168,3 +172,35 @@ def attention(qkv: np.ndarray, bias: np.ndarray, starts: np.ndarray, lengths: np
     out = np.empty((tokens, hidden), np.float32) if out is None else out
     _run(_attention, (qkv, bias, starts, lengths, heads, np.float32(scale), out), len(lengths) * heads, qkv.size)
     return out
+
+
+@functools.cache
+def _q8_kernels():
+    """The fast path's int8 kernels, one instance for every encoder matrix."""
+    return matmul.kernels_for("cpu-q8")
+
+
+class Q8Matrix:
+    """W (out, in) as Q8_0 blocks (int8 per 32 columns with an f16 scale, as llama.cpp's Q8_0; a quarter of f32's
+    bytes). A few rows (a short query alone) run the generation fast path's integer matvec over the blocks in
+    place, int8 activations included; a batch dequantizes W into a scratch for one sgemm: on these CPUs an int8
+    GEMM does not beat sgemm at batch sizes (docs/design-log.md, "The CPU kernel measurements", 2), so q8 saves
+    memory, not time, on batches."""
+
+    def __init__(self, w: np.ndarray):
+        import gguf
+
+
+        rows, cols = w.shape
+        if cols % 32:
+            raise UnsupportedModel(f"--embed-quant q8: a matrix of {cols} columns is not a whole number of "
+                                   "32-wide Q8_0 blocks; use f32")
+        raw = gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0)
+        self.q = QTensor("q8", GGMLType.Q8_0, (rows, cols), raw.reshape(rows, -1))
+        self.kernels = _q8_kernels()
+
+    def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if x.shape[0] <= matmul.Q8_MATVEC_MAX_T:
+            out[...] = self.kernels.matmul(np.ascontiguousarray(x), self.q)
+            return out
+        return np.matmul(x, self.kernels.dequantize(self.q).T, out=out)
