@@ -1,5 +1,6 @@
 """The layout's rules, read from the imports (docs/architecture.md, "Dependency direction"): which layer may import
-which, no circle between engine's packages, and modules of a size one can read.
+which (engine's packages in the order that page draws, which leaves no circle), who may name a backend, and
+modules of a size one can read.
 
 Every import counts, at the top of a module or inside a function: a deferred import is still a dependency.
 """
@@ -101,32 +102,51 @@ def test_wire_formats_build_requests_and_never_run_them():
 
 
 def _unit(name: str) -> str:
-    """The package a module belongs to, one level under engine (engine.running, engine.load)."""
+    """The package a module belongs to, one level under engine (engine.running, engine.loading)."""
     parts = name.split(".")
     return ".".join(parts[:2]) if parts[0] == "engine" and len(parts) > 1 else parts[0]
 
 
+def documented_layers() -> dict[str, int]:
+    """engine's packages -> their line in docs/architecture.md's order (0 the top), read from the doc itself."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    block = text[text.index("within engine, top to bottom:"):].split("```")[0]
+    layers = {}
+    for depth, line in enumerate(ln for ln in block.splitlines()[1:] if ln.strip()):
+        names = line.split("  ")[1] if line.startswith("  ") else line
+        for name in names.replace(",", " ").split():
+            if name.startswith("engine."):
+                layers[name] = depth
+    return layers
+
+
+def test_every_engine_package_has_its_place_in_the_documented_order():
+    units = {_unit(m) for m in modules() if _within(m, "engine") and m != "engine"}
+    assert sorted(units - set(documented_layers())) == []
+
+
+def test_engine_packages_import_only_their_own_line_or_below():
+    """The order docs/architecture.md draws, which also rules out a circle between packages."""
+    layers = documented_layers()
+    inside = lambda n: _within(n, "engine") and n != "engine"  # noqa: E731
+    ok = lambda m, i: (not (inside(m) and inside(i)) or _unit(m) == _unit(i)  # noqa: E731
+                       or layers.get(_unit(m), -1) <= layers.get(_unit(i), -1))
+    assert breaks(ok) == []
+
+
 def test_engine_packages_form_no_circle():
+    """Packages on one line of the order may import each other one way, never both (nor round a longer loop)."""
     graph: dict[str, set[str]] = {}
     for m in modules():
         if _within(m, "engine") and m != "engine":
             graph.setdefault(_unit(m), set()).update(
                 _unit(i) for i in imports_of(m) if _within(i, "engine") and i != "engine" and _unit(i) != _unit(m))
-    circles = []
 
-    def visit(node, path):
-        for nxt in sorted(graph.get(node, ())):
-            if nxt in path:
-                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
-            elif nxt not in done:
-                visit(nxt, path + [nxt])
-        done.add(node)
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in graph.get(start, ()))
 
-    done: set[str] = set()
-    for start in sorted(graph):
-        if start not in done:
-            visit(start, [start])
-    assert circles == []
+    assert sorted(u for u in graph if reaches(u, u, set())) == []
 
 
 @pytest.mark.parametrize("limit,names", [(MAX_LINES, None), (400, ("engine.server.handler", "engine.api.openai"))])
