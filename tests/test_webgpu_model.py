@@ -89,14 +89,15 @@ def test_the_self_test_passed_and_its_figures_are_reported(smollm2_gguf):
 def test_a_failed_self_test_leaves_the_model_on_the_cpu_with_one_warn_line(smollm2_gguf, monkeypatch, capfd):
     """A wrong kernel (the gated activation scaled by 1.5) on a fresh device: the tiny checkpoints disagree with
     the CPU, and the model runs on the CPU, saying why."""
-    from engine.loading import gpu_selftest, placement
+    from engine.kernels import registry
     from engine.kernels.webgpu import shaders
+    from engine.loading import gpu_selftest
 
     wrong = shaders.ACT_MUL.replace("y[i] = act * u", "y[i] = 1.5 * act * u")
     assert wrong != shaders.ACT_MUL
     monkeypatch.setitem(shaders.SOURCES, "act_mul", wrong)
     monkeypatch.setattr(gpu_selftest, "_RESULTS", {})
-    monkeypatch.setattr(placement, "_GPUS", {})
+    monkeypatch.setattr(registry, "_GPUS", {})
     capfd.readouterr()
     model = engine.load_model(smollm2_gguf, backend="webgpu")
     err = capfd.readouterr().err
