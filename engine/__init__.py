@@ -8,10 +8,10 @@ Public API (documented in docs/python-api.md):
 
 import os
 
-# OpenBLAS's workers spin for 2^28 cycles (~0.1 s) after each BLAS call before they sleep; after a prompt's
-# sgemms they held the cores the decode step's threads needed (its first ~10 tokens took twice as long).
-# 2^16 cycles (~25 us) keeps them warm across back-to-back calls only. Read when numpy first loads OpenBLAS,
-# hence here, before any import; a value the user set wins.
+# OpenBLAS's workers spin for 2^28 cycles after each BLAS call before they sleep; after a prompt's sgemms they
+# held the cores the decode step's threads needed, and its first tokens ran markedly slower. 2^16 cycles keeps
+# them warm across back-to-back calls only (docs/benchmarks.md, "Measurements behind the code", OpenBLAS thread
+# timeout). Read when numpy first loads OpenBLAS, hence here, before any import; a value the user set wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 from engine.errors import (ContextOverflow, FetchError, GoinferError, InvalidRequest, ModelLoadError,

@@ -1,10 +1,10 @@
 """llguidance glue: grammars from JSON schemas / Lark, our vocabulary as an llguidance tokenizer, and the
 logits processor that masks every token the grammar does not allow at this step.
 
-A mask costs ~0.6-0.8 ms per token for SmolLM2's 49k vocabulary (JSON schema and the auto tool grammar,
-measured on the 2-core dev machine), against 30+ ms for the model step, so it is computed inline. (Computing
-it on a helper thread during the model step measured slower here: thread hand-off and GIL contention with
-the numba kernels cost more than the mask.)
+A mask costs a small fraction of the model step's time per token (SmolLM2's 49k vocabulary, JSON schema and the
+auto tool grammar; docs/benchmarks.md, "Measurements behind the code", grammar mask), so it is computed inline.
+(Computing it on a helper thread during the model step measured slower here: thread hand-off and GIL contention
+with the numba kernels cost more than the mask.)
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ _LLG_LOCK = threading.Lock()
 
 
 def llg_tokenizer(tokenizer) -> Any:
-    """Our Tokenizer as an llguidance LLTokenizer (built once per tokenizer: ~0.7 s for 49k tokens).
+    """Our Tokenizer as an llguidance LLTokenizer (built once per tokenizer: it takes a noticeable fraction of a
+    second; docs/benchmarks.md, "Measurements behind the code", llguidance tokenizer).
     Token bytes are our own pieces; control tokens carry llguidance's 0xFF marker so grammars never
     produce them as text; end-of-generation ids are the tokenizer's."""
     with _LLG_LOCK:

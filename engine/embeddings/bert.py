@@ -108,8 +108,8 @@ class BertEncoder:
     def _buffers(self, tokens: int) -> dict[str, np.ndarray]:
         """The forward pass's activations for `tokens` rows, views of arrays kept from pass to pass (grown when a
         batch is larger). Why: numpy takes arrays this large (MBs) from fresh mmap'd pages that the kernel zeroes
-        on first touch, and gives them back on free; allocating every layer's outputs anew cost 9 % of a 1,000
-        sentence run on all-MiniLM-L6-v2 (8.1 -> 7.4 s with glibc told to keep its freed memory)."""
+        on first touch, and gives them back on free; allocating every layer's outputs anew cost a measurable share
+        of a run on all-MiniLM-L6-v2 (docs/benchmarks.md, "Measurements behind the code", BERT buffers)."""
         n = self.config.hidden
         widths = {"x": n, "spare": n, "qkv": 3 * n, "attended": n, "ffn": self.config.intermediate}
         if not self._workspace or self._workspace["x"].shape[0] < tokens:

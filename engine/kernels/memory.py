@@ -3,11 +3,12 @@
 A prompt allocates and frees the same big temporaries layer after layer (a 512-token Gemma-3-270M chunk: the
 (T, 2F) gate|up result 8 MB, its activation 4 MB, norms, attention scores, ~20 arrays of 1-8 MB per layer).
 With glibc's defaults each came back as fresh pages the kernel had to fault in and zero: blocks above the mmap
-threshold are mmapped and unmapped on free, and the heap's top is trimmed on free. That measured ~97k minor
-faults (~400 MB zeroed) and ~0.3 s of a 1.4 s Gemma prompt. So: blocks up to 256 MB come from the heap, the heap
-is never trimmed on free and grows in 64 MB steps (address space: pages only count once touched), and
-`release_free_memory` returns the free pages to the OS once the prompt is done (Model.eval calls it), so a
-model that sits decoding or idle holds what it held before. Same prompt afterwards: ~4k faults.
+threshold are mmapped and unmapped on free, and the heap's top is trimmed on free. That cost about a fifth of a
+Gemma prompt's time in page faults and zeroing (docs/benchmarks.md, "Measurements behind the code", C heap).
+So: blocks up to 256 MB come from the heap, the heap is never trimmed on free and grows in 64 MB steps (address
+space: pages only count once touched), and `release_free_memory` returns the free pages to the OS once the prompt
+is done (Model.eval calls it), so a model that sits decoding or idle holds what it held before. Same prompt
+afterwards: a small fraction of the faults.
 
 glibc only (Linux): elsewhere these are no-ops. A MALLOC_*_ variable the user set wins over our setting.
 """

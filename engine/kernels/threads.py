@@ -38,7 +38,8 @@ def set_threads(n: int | None) -> int:
 
 def get_threads() -> int:
     """The calling thread's count: as set_threads left it, else numba's. Read by the decode step every token,
-    where numba.get_num_threads() took ~30 us (the interpreter's objects are cold after a step); a count that
-    numba.set_num_threads changed behind our back only changes how many workers split the step, not a result."""
+    where numba.get_num_threads() costs more than a thread-local read (the interpreter's objects are cold after a
+    step; docs/benchmarks.md, "Measurements behind the code", get_threads); a count that numba.set_num_threads
+    changed behind our back only changes how many workers split the step, not a result."""
     n = getattr(_local, "n", None)
     return n if n is not None else numba.get_num_threads()

@@ -1,12 +1,12 @@
 """Vectorizable math for compiled glue code: exp over a whole array.
 
-numba turns np.exp on a float32 into a call to the C library's expf per element (~4-17 ns each here), and
-LLVM cannot vectorize a loop around an opaque call. A decode step calls exp ~200k times per token (softmax
-over every cached position of every head, SiLU/GELU over the MLP width), which measured 2-3 ms per token at
-a 500-token context. This exp is plain arithmetic LLVM vectorizes (~1 ns per element): Cody-Waite range
-reduction x = k ln2 + r, a degree-6 polynomial for e^r (Cephes expf coefficients), and 2^k built from its
-bits. Max relative error 3e-7 over [-87, 88]; inputs are clamped to that range (e^-87.3 ~ 1e-38 stands in
-for 0, which softmax and SiLU cannot tell apart).
+numba turns np.exp on a float32 into a call to the C library's expf per element, and LLVM cannot vectorize a
+loop around an opaque call. A decode step calls exp ~200k times per token (softmax over every cached position of
+every head, SiLU/GELU over the MLP width), a visible share of a token's time at long contexts. This exp is plain
+arithmetic LLVM vectorizes, several times faster per element than expf (docs/benchmarks.md, "Measurements behind
+the code", vmath exp): Cody-Waite range reduction x = k ln2 + r, a degree-6 polynomial for e^r (Cephes expf
+coefficients), and 2^k built from its bits. Max relative error 3e-7 over [-87, 88]; inputs are clamped to that
+range (e^-87.3 ~ 1e-38 stands in for 0, which softmax and SiLU cannot tell apart).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def exp_inplace(x, scratch):
 @njit(cache=True, fastmath=True)
 def logsumexp(x):
     """log(sum(exp(x))) of a contiguous float32 array (a row of logits): exp in f32, the sum in f64, in chunks
-    that stay in L1 (a 262k vocabulary in numpy took ~1 ms per token)."""
+    that stay in L1 (numpy was slow on a 262k vocabulary: docs/benchmarks.md, "Measurements behind the code",
+    vmath logsumexp)."""
     m = np.max(x)
     return np.float64(m) + np.log(sum_exp(x, m))
 
@@ -58,7 +59,8 @@ def logsumexp(x):
 def sum_exp(x, m):
     """sum(exp(x - m)) of a contiguous float32 array, m its maximum (so no term overflows): exp in f32, each
     L1-sized block summed in f32 (vector lanes), the blocks in f64. Full blocks go through the whole C buffer
-    (a slice of it would compile to strided code: ~30% slower)."""
+    (a slice of it would compile to strided code, which was slower: docs/benchmarks.md, "Measurements behind the
+    code", vmath sum_exp)."""
     n = x.shape[0]
     buf = np.empty(_BLOCK, np.float32)
     scratch = np.empty(_BLOCK, np.int32)
@@ -88,7 +90,8 @@ def softmax_draw(x, inv_temp, u):
     cumulative probability exceeds u (as numpy's Generator.choice draws). Weights in f32 through the exp above,
     sums in f64; a weight whose exponent is below exp's clamped range (-inf logits: masked or banned tokens) is
     exactly 0, so such a token is never drawn. One compiled pass over a 262k vocabulary instead of numpy's
-    f64 softmax, cumsum and checks (~4.6 ms per token on Gemma-3); the draw then scans one block's weights."""
+    f64 softmax, cumsum and checks, which cost milliseconds per token on Gemma-3 (docs/benchmarks.md,
+    "Measurements behind the code", vmath softmax_draw); the draw then scans one block's weights."""
     n = x.shape[0]
     m = x[0]
     for i in range(1, n):

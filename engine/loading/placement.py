@@ -3,8 +3,8 @@
     cpu     the CPU backend (numba kernels), always.
     webgpu  the WebGPU backend on the best adapter wgpu sees, software ones included (Mesa's lavapipe in CI); an
             error when there is none or the model is one the WebGPU pass does not run yet.
-    auto    the WebGPU backend on a real GPU (never a software adapter: ~35x slower than numpy) when the model is
-            one it runs, else the CPU.
+    auto    the WebGPU backend on a real GPU (never a software adapter: far slower than numpy; docs/benchmarks.md,
+            "Measurements behind the code", WebGPU software adapters) when the model is one it runs, else the CPU.
 Either way a WebGPU model passes the once-per-process self-test (kernels/webgpu/selftest.py) before it is used;
 on a failure it continues on the CPU with one WARN line, and `Model.placement` (what /health and /v1/models show)
 says so.

@@ -19,8 +19,9 @@ from engine.models.base import Model
 from engine.sessions.pool import SessionPool
 
 
-# Positions per warming step: a request that arrives meanwhile waits for at most one step (~0.1 s on SmolLM2 at
-# 2 cores). A multiple of the prompt tile, as every prompt chunk must be.
+# Positions per warming step: a request that arrives meanwhile waits for at most one step (short on SmolLM2 at
+# 2 cores: docs/benchmarks.md, "Measurements behind the code", warming chunk). A multiple of the prompt tile, as
+# every prompt chunk must be.
 WARM_CHUNK = 128
 
 

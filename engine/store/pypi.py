@@ -75,7 +75,8 @@ def _ca_files() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=4)
 def _ssl_context(ca_files: tuple[str, ...]) -> ssl.SSLContext:
-    # Loading trust stores costs ~0.1 s per file: build one context per process (per set of files).
+    # Loading trust stores is slow per file (docs/benchmarks.md, "Measurements behind the code", trust stores):
+    # build one context per process (per set of files).
     ctx = ssl.create_default_context()
     for path in ca_files:
         ctx.load_verify_locations(cafile=path)

@@ -104,8 +104,9 @@ def spm_merge_pairs(tokens: list[str], scores: np.ndarray, attrs: np.ndarray) ->
     """Every (left id, right id) whose concatenation is a token, best score of the result first.
 
     Vectorised with a polynomial hash of every prefix/suffix (262k tokens: ~1.2M split points), since a
-    Python loop over the splits takes ~2 s. Only results that can occur in text after special-token
-    partitioning are kept: normal and byte tokens (control/user-defined text never reaches this model).
+    Python loop over the splits takes seconds (docs/benchmarks.md, "Measurements behind the code", spm merge
+    pairs). Only results that can occur in text after special-token partitioning are kept: normal and byte
+    tokens (control/user-defined text never reaches this model).
     """
     n = len(tokens)
     lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)  # (n,)

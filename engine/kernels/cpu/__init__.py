@@ -7,9 +7,10 @@ import numba
 
 from engine.kernels import kernel_cache
 
-# Prefer OpenMP before any kernel of this package compiles or runs: workqueue costs 20-70 us per parallel launch
-# and a pip tbb is slower to launch (docs/design-log.md, "The CPU kernel measurements", 3). Only a preference: an
-# explicit NUMBA_THREADING_LAYER wins, and a machine without OpenMP falls back.
+# Prefer OpenMP before any kernel of this package compiles or runs: workqueue costs much more per parallel launch
+# and a pip tbb is slower to launch (docs/design-log.md, "The CPU kernel measurements", 3; docs/benchmarks.md,
+# "Measurements behind the code", threading layer). Only a preference: an explicit NUMBA_THREADING_LAYER wins,
+# and a machine without OpenMP falls back.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 

@@ -1,8 +1,9 @@
 """Work shared by the threads of one parallel region: atomic counters numba code can call.
 
-A decode step is ~150 short pieces of work (SmolLM2: 30 layers x 4 matvecs + attention, 20-50 us each). As
-one parallel loop each, every piece paid numba's fork/join and the imbalance of its static schedule (~2-3 us
-with 2 threads). The compiled decode step (models/decode_step.py) instead runs one parallel region in which
+A decode step is ~150 short pieces of work (SmolLM2: 30 layers x 4 matvecs + attention, each only tens of
+microseconds). As one parallel loop each, every piece paid numba's fork/join and the imbalance of its static
+schedule, a sizeable overhead on pieces that short (docs/benchmarks.md, "Measurements behind the code", decode
+step pieces). The compiled decode step (models/decode_step.py) instead runs one parallel region in which
 every thread walks the same list of phases: in a phase each thread claims task after task from the phase's
 counter (`claim`), reports each one done (`finish`), and waits until the phase's tasks are all done
 (`wait_done`, `next_phase`) before the next phase reads their results.

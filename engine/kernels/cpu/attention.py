@@ -11,10 +11,10 @@ serving all the query heads that share one kv head (grouped-query attention) in 
 Numba loops here were load-bound and re-read the cache once per query head; these kernels read each cache line
 once per group. Keys were first stored transposed (D rows of all positions): a tile then read 16 positions from
 each of D rows a capacity apart, D streams for the prefetchers; in tiles of D x 16 the scores read one
-contiguous stream (cold cache, one thread, all layers at 577 positions: SmolLM2 0.97 -> 0.71 ms, Gemma-3 0.79
--> 0.56). The cache holds f32 (the exact path) or IEEE halves stored as uint16 (the fast path, as llama.cpp's
-default f16 cache: half the bytes a token's attention streams from memory); halves widen to f32 in registers
-(vcvtph2ps). Groups of more than four heads run four at a time (registers).
+contiguous stream, and attention got faster on SmolLM2 and Gemma-3 (docs/benchmarks.md, "Measurements behind the
+code", attention key tiles). The cache holds f32 (the exact path) or IEEE halves stored as uint16 (the fast path,
+as llama.cpp's default f16 cache: half the bytes a token's attention streams from memory); halves widen to f32 in
+registers (vcvtph2ps). Groups of more than four heads run four at a time (registers).
 
 Plain LLVM vector IR (fmuladd, fpext, masked loads and stores): no target intrinsics, so no CPU tier.
 """
@@ -397,7 +397,8 @@ def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits
 def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum,
            part_acc):
     # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
-    # launched once per iteration (that cost 45 us per layer).
+    # launched once per iteration (a measurable cost per layer: docs/benchmarks.md, "Measurements behind the code",
+    # attention task loop).
     for t in prange(n_tasks):
         task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum, part_acc)
 

@@ -26,9 +26,10 @@ _MXFP4 = int(GGMLType.MXFP4)
 # Block decoders in LLVM vector IR
 #
 # Numba intrinsics, because LLVM does not vectorize the plain numba loops: the 16/32-long inner loops are
-# fully unrolled, then SLP cannot bundle the u8 loads across f32 stores it must assume may alias (measured:
-# scalar cvtsi2ss code at ~1 GB/s). Each intrinsic decodes a fixed number of weights with explicit
-# <N x ...> vector ops: plain LLVM IR without target intrinsics, so x86 and ARM both lower it.
+# fully unrolled, then SLP cannot bundle the u8 loads across f32 stores it must assume may alias (scalar
+# cvtsi2ss code, slow: docs/benchmarks.md, "Measurements behind the code", dequant intrinsics). Each intrinsic
+# decodes a fixed number of weights with explicit <N x ...> vector ops: plain LLVM IR without target intrinsics,
+# so x86 and ARM both lower it.
 # No fast-math flags are set: the arithmetic is the reference's, bit for bit.
 # =========================================================================================================
 
@@ -267,7 +268,9 @@ def f16_at(src, o):
 @njit(cache=True)
 def _row_f32(src, dst):
     f = src.view(np.float32)
-    for c in range(dst.shape[0]):  # a loop: `dst[:] = f` compiles numba's formatted shape error (~3 s cold)
+    # a loop: `dst[:] = f` compiles numba's formatted shape error, seconds of cold compile (docs/benchmarks.md,
+    # "Measurements behind the code", dequant _row_f32)
+    for c in range(dst.shape[0]):
         dst[c] = f[c]
 
 

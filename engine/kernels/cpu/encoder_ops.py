@@ -1,15 +1,15 @@
 """The encoder's work between its BLAS matrix products, compiled: exact-form GELU, residual + LayerNorm in one
 pass, and self-attention (q|k|v's bias, scores, softmax, the weighted values) read in place from the q|k|v matmul's
-rows. Measured on a 130 x 40-token batch of all-MiniLM-L6-v2 (2 cores): numpy's passes took 0.68 s (GELU via
-math.erf, an opaque libm call per element), 0.17 s (LayerNorm) and 0.14 s (softmax) of 2.6 s; these are plain
-arithmetic LLVM vectorizes.
+rows. On a batch of all-MiniLM-L6-v2, numpy's passes (GELU via math.erf, an opaque libm call per element, then
+LayerNorm and softmax) took a large share of the encoder's time; these are plain arithmetic LLVM vectorizes
+(docs/benchmarks.md, "Measurements behind the code", encoder ops, for this paragraph's figures and the two below).
 
 Kernels with a division in a loop compile with error_model="numpy": numba's default (Python's) checks every
-division for a zero divisor, and that branch kept LLVM from vectorizing GELU (5.6 -> 0.8 ns an element).
+division for a zero divisor, and that branch kept LLVM from vectorizing GELU (several times slower an element).
 
 The kernels run on plain threads (kernels/cpu/plain_threads.py), not numba parallel regions: between sgemm calls
 numba's OpenMP workers and OpenBLAS's threads spin against each other on a machine with as many threads as cores.
-Measured on the 2-core VM, one 9-token query: 206-208 ms with parallel regions, 9-10 ms with one numba thread.
+On the 2-core VM a short query ran about twenty times slower with parallel regions than with one numba thread.
 Small inputs run on the calling thread alone (a helper's hand-off costs more than it saves).
 
 GELU's erf is Abramowitz & Stegun 7.1.28, erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0 (absolute error
@@ -127,8 +127,8 @@ def _attention(qkv, bias, starts, lengths, heads, scale, out, n_, ch):
     a sequence's queries of one head are that kernel's group of query heads, its keys the cache's tiles of TILE
     positions (each a row of TILE per head dim), its values rows of the head width padded to a multiple of TILE
     (zeros: they add nothing to the scores and their outputs are dropped). The copies in and out index with unsigned
-    integers: with signed ones numba adds a wraparound select per element in these short loops (1,000 sentences
-    of all-MiniLM-L6-v2, one layer on one thread: 180-255 -> 140-190 ms, the VM's spread)."""
+    integers: with signed ones numba adds a wraparound select per element in these short loops, which made the
+    layer measurably slower (docs/benchmarks.md, "Measurements behind the code", encoder attention indices)."""
     b, w, longest = lengths.shape[0], qkv.shape[1] // 3, lengths.max()
     d = w // heads
     dp = (d + TILE - 1) // TILE * TILE

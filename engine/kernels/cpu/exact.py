@@ -117,7 +117,8 @@ def dequantize_into(raw: np.ndarray, ggml_type: GGMLType | int, out: np.ndarray,
     """Decode all rows of raw (rows, row_bytes) uint8 into out (rows, cols) f32; returns out.
 
     parallel=False runs on the calling thread: use it right before a BLAS call, because OpenMP workers keep
-    spinning for a while after a parallel region and starve OpenBLAS's threads (measured 5-7x slower sgemm).
+    spinning for a while after a parallel region and starve OpenBLAS's threads (sgemm then ran several times
+    slower: docs/benchmarks.md, "Measurements behind the code", serial dequantize).
     """
     code = _check(raw, ggml_type, out.shape[-1])
     _check_out(out, (raw.shape[0], out.shape[-1]))

@@ -2,8 +2,8 @@
 
 Why: a prompt through dequantized f32 weights and sgemm runs at the f32 FMA peak (8 MACs per 256-bit FMA, 16 per
 512-bit); int8 does more per instruction (`vpdpbusd` on 512 bits: 64; AVX2's `vpmaddubsw`: 32 into int16 pairs),
-and llama.cpp's prefill on K-quants is integer. Measured on the Qwen2.5-1.5B shape (mostly Q4_K), sgemm left
-goinfer's prefill at 0.8x llama.cpp's.
+and llama.cpp's prefill on K-quants is integer. On the Qwen2.5-1.5B shape (mostly Q4_K), sgemm left goinfer's
+prefill behind llama.cpp's (docs/benchmarks.md, "Measurements behind the code", gemm8 why).
 
 The math is the decode matvec's (kquant.py), so a prompt and a decoded token see the same numbers: the input
 quantized as Q8_K (int8 per 256 columns, quantize.py), the weights' own unsigned quants u and, per sub-block j,
@@ -66,7 +66,8 @@ def carries_most(matrices: list[QTensor]) -> bool:
     """Whether this GEMM would carry most of a prompt's matrix work (by weights): the rule for using it on a model.
     Where it would carry little, its calls sit between sgemm calls in every layer, and each pays for the BLAS
     threads still spinning from the last sgemm: Gemma 3 270M Q4_K_M (its ffn_down matrices only) prefilled
-    15-25 % slower with it; the Qwen2.5-1.5B shape (Q4_K and Q6_K) 1.35-1.6x faster."""
+    slower with it, the Qwen2.5-1.5B shape (Q4_K and Q6_K) clearly faster (docs/benchmarks.md, "Measurements
+    behind the code", gemm8 carries_most)."""
     total = sum(w.rows * w.cols for w in matrices)
     return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w)) >= total
 
@@ -143,7 +144,9 @@ def _tile_kernel(sub: int, chunk: int):
                     sb = lp.index
                     for t in range(tokens):
                         b.store(ir.Constant(vi, None), iacc[t])
-                    with e.loop(nsub) as lj:  # a loop, not unrolled: unrolled, LLVM's schedule spilled (1.5x slower)
+                    # a loop, not unrolled: unrolled, LLVM's schedule spilled and ran slower (docs/benchmarks.md,
+                    # "Measurements behind the code", gemm8 sub-block loop)
+                    with e.loop(nsub) as lj:
                         j = e.add(e.mul(sb, nsub), lj.index)
                         scale = b.bitcast(e.ld(wip, e.mul(j, rows * 4), vi), v16)  # (sc, sc) per row
                         for c0 in range(0, sub // 4, chunk):
@@ -297,7 +300,8 @@ def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarr
 
     Split over plain threads (the kernel releases the GIL), not numba's OpenMP pool: OpenMP workers spin for a
     while after a parallel region, and the sgemm calls between these (attention, other matrix types) then run
-    several times slower against them (measured on Gemma 3: prompts 1.5x slower with a parallel region here)."""
+    several times slower against them (on Gemma 3 prompts were slower with a parallel region here:
+    docs/benchmarks.md, "Measurements behind the code", plain threads)."""
     form = variant(tier)
     R, TT = TILE[form]
     out = np.empty((qin.T, w.rows), np.float32)

@@ -8,8 +8,8 @@ of the prompt pass around it); each row is read from memory once per call and re
 from L1 for every one of the M activation vectors (compute grows with M; K-quant rows decode each super-block
 once for four vectors at a time, kquant.py; legacy rows still decode a block per vector). Each row loop prefetches
 PREFETCH_BYTES ahead.
-Measured (Zen 3, AVX2, 2 threads, quiet box, DRAM read ~34 GB/s): one SmolLM2 token's 211 matvecs 4.4 ms
-(22 GB/s; exact f32 path 13.3 ms), Gemma-3-270M's 9.3 ms (26 GB/s; f32 path 20.9 ms).
+On Zen 3 with AVX2 a token's matvecs read their weights at most of DRAM's read rate and run in less than half
+the time of the exact f32 path (docs/benchmarks.md, "Measurements behind the code", int8 matvec).
 
 Public API (Python; each is one compiled call after argument checks):
   prepare(ws) -> PreparedWeights           check matrices that share one input once (q|k|v, gate|up)
@@ -137,16 +137,18 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_ch
         a, z = max(lo, starts[i]), min(hi, starts[i + 1])
         if a < z:
             # Flat, as the decode step's file buffer, and offsets typed int64 (a literal 0 would be a type
-            # of its own): both share one compiled specialization of every row kernel (each one more cost
-            # ~5-10 s of the first run's compile).
+            # of its own): both share one compiled specialization of every row kernel (each one more costs
+            # seconds of the first run's compile: docs/benchmarks.md, "Measurements behind the code", int8 row
+            # kernel specializations).
             rows_into(codes[i], raws[i].reshape(-1), np.int64(0), raws[i].shape[1], a - starts[i], z - starts[i],
                       xq8, xs8, xqk, xdk, xbk, x, out, np.int64(starts[i]), tier)
 
 
 # The Python API's matvec over 1-3 matrices, compiled per combination of their types: rows_into's dispatch inlined
 # with the codes as constants (closure cells: numba prunes the other branches before typing, and its cache keys a
-# closure by the values it holds), so a first run compiles the row kernels of its model's types only, ~1 s a
-# combination instead of ~11 s for every type at once. The decode step keeps the dispatch at run time.
+# closure by the values it holds), so a first run compiles the row kernels of its model's types only, a fraction
+# of the time every type at once takes (docs/benchmarks.md, "Measurements behind the code", int8 per-combination
+# compile). The decode step keeps the dispatch at run time.
 _rows_of = njit(inline="always")(rows_into.py_func)
 _NO_CODE = -1  # an unused slot
 

@@ -3,8 +3,9 @@ int8.py), also used by the packed layout (packed.py) and attention (attention.py
 
 Codegen (docs/design-log.md, "The CPU kernel measurements", 1): the per-row dot products are small LLVM-IR intrinsics
 with explicit vector ops and the block loop in IR, because numba loops over 32-byte blocks are unrolled, then
-scalarized (8-9 GB/s). Emitter holds the IR emission helpers of one intrinsic's codegen (addressing, vector
-constants and shuffles, the tier-specific integer dot primitives); tier_of and is_arr check its argument types.
+scalarized (far below memory bandwidth; docs/benchmarks.md, "Measurements behind the code", IR intrinsics).
+Emitter holds the IR emission helpers of one intrinsic's codegen (addressing, vector constants and shuffles, the
+tier-specific integer dot primitives); tier_of and is_arr check its argument types.
 
 Code tiers (selected from the CPU features at import; GOINFER_CPU_TIER=generic|avx2|vnni forces one):
   generic  plain LLVM vector IR, no target intrinsics: any CPU numba runs on (the fallback)
@@ -39,8 +40,8 @@ Q4_K_CODE, Q5_K_CODE, Q6_K_CODE = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GG
 MXFP4_CODE = int(GGMLType.MXFP4)
 # Software prefetch distance along each weight row stream (about DRAM latency x one core's read rate). The
 # hardware prefetcher alone left compute and DRAM reads serialized: on the Zen 3 dev box prefetching every line
-# of each group took a SmolLM2 token's matvecs from 10.0 to 7.9 ms and Gemma's from 80 to 36 ms (1 thread, same
-# sitting; 1 KB and 2 KB ahead measured alike, 4 KB slightly worse).
+# of each group made a token's matvecs faster, SmolLM2's somewhat and Gemma's about twice as fast; 1 KB and 2 KB
+# ahead measured alike, 4 KB slightly worse (docs/benchmarks.md, "Measurements behind the code", prefetch distance).
 PREFETCH_BYTES = 1024
 
 # =========================================================================================================

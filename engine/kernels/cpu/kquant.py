@@ -87,8 +87,9 @@ def _k_rowdot(code, n):
     """Intrinsic (raw, roff, nsb, xq, xd, xb, m, tier) -> n float32 (a float for n = 1, else a tuple): one row of
     nsb super-blocks at byte roff of raw against activation vectors m .. m + n - 1 (rows of xq (M, K), their scales
     xd (M, K/256) and sums xb (M, K/256, 24)). Each super-block is decoded once for the n vectors (nibbles, high
-    bits, scales, d); the integer sums and float steps stay per vector. n = 4 ran a vector 1.2x faster for Q4_K and
-    1.7-1.8x for Q5_K and Q6_K than n = 1 (one thread, a 1536 x 2048 matrix)."""
+    bits, scales, d); the integer sums and float steps stay per vector. n = 4 ran a vector faster than n = 1,
+    a little for Q4_K and most for Q5_K and Q6_K (docs/benchmarks.md, "Measurements behind the code", kquant four
+    vectors)."""
     bb = _KBB[code]
 
     def impl(typingctx, raw, roff, nsb, xq, xd, xb, m, tier):

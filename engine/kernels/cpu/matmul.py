@@ -50,8 +50,8 @@ def tiled_gemm(x: np.ndarray, wt: np.ndarray, out: np.ndarray | None = None) -> 
     """x (T, cols) @ wt (cols, rows) with each PROMPT_TILE rows of x computed as in a call of their own (see
     PROMPT_TILE); out (T, rows) may be a column slice of a wider array. The whole tiles go in one call where
     this BLAS was seen to give every row the numbers a one-tile call gives (_one_call_is_tiles); else a call
-    each (measured here: OpenBLAS's SkylakeX sgemm passes, and SmolLM2's prompts ran 20 % faster than with a call
-    per 128-row tile; its Haswell kernel does not pass)."""
+    each (OpenBLAS's SkylakeX sgemm passes, and SmolLM2's prompts ran faster than with a call per 128-row tile:
+    docs/benchmarks.md, "Measurements behind the code", tiled_gemm; its Haswell kernel does not pass)."""
     T = x.shape[0]
     if out is None:
         out = np.empty((T, wt.shape[1]), np.float32)
@@ -199,28 +199,26 @@ def _dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray) -> np.ndarra
 
 # Up to this many input rows (a prompt's partial tile: whole tiles take the GEMM or sgemm; over K-quants the GEMM
 # takes over sooner where the CPU has it, GEMM8_MIN_T*) the integer matvec beats dequantize + sgemm: its cost grows with T (each row is decoded once per input vector, from L1) while the
-# sgemm path pays a whole dequantization first, and its sgemm of a few rows runs far from BLAS peak. Whole
-# models, the AVX2 VM (Zen 3, 2 threads, no VNNI), a T-token prompt's time to its first token, best of 5, matvec
-# vs dequantize + sgemm: SmolLM2 Q4_1 T=16 78 vs 119 ms, T=32 96 vs 184, T=63 169 vs 268; Gemma 3 270M T=16 75 vs
-# 131, T=32 111 vs 160, T=48 162 vs 160, T=63 179 vs 225; a Qwen2.5-1.5B-shape Q4_K_M T=16 0.57 vs 1.39 s, T=32
-# 1.21 vs 1.77, T=63 2.31 vs 2.54. (It was 12, from single-threaded timings of 6 layers on another box, where
-# sgemm won from T=32: SmolLM2 33.8 vs 24.7 ms.)
+# sgemm path pays a whole dequantization first, and its sgemm of a few rows runs far from BLAS peak. Whole models
+# on the AVX2 VM (SmolLM2, Gemma 3 270M, a Qwen2.5-1.5B shape), a prompt's time to its first token: the matvec was
+# faster up to a whole tile but for a tie on Gemma 3 at T=48. (It was 12, from single-threaded timings of 6 layers
+# on another box, where sgemm won from T=32.) Figures: docs/benchmarks.md, "Measurements behind the code",
+# Q8_MATVEC_MAX_T.
 Q8_MATVEC_MAX_T = PROMPT_TILE - 1
 # Over K-quants with the int8 GEMM available (gemm8.py), the matvec (the same integer math) still beats the GEMM's
-# fixed cost up to this many rows. Same box (AVX512-VNNI), 2 threads: a Qwen3-30B-A3B expert's gate+up (2 x 768 x
-# 2048, Q4_K) 1.10 vs 1.38 ms at T=32, 1.55 vs 1.99 at T=48; a 4096 x 2048 Q4_K 2.81 vs 2.74 ms at T=32, 4.05 vs
-# 3.29 at T=48. A MoE prompt routes a few tokens to each expert: most of its expert products fall under it.
+# fixed cost up to this many rows. With AVX512-VNNI, 2 threads: on a Qwen3-30B-A3B expert's gate+up the matvec
+# won at T=32 and T=48; on a larger 4096 x 2048 Q4_K it about tied at T=32 and lost at T=48 (docs/benchmarks.md,
+# "Measurements behind the code", GEMM8_MIN_T). A MoE prompt routes a few tokens to each expert: most of its
+# expert products fall under it.
 GEMM8_MIN_T = 32
 # The 256-bit (AVX2) form of the GEMM has a larger fixed cost (its unpack) for less speed: the matvec keeps up to
-# this many rows. Whole models on the AVX2 VM (Zen 3, no VNNI; noisy), 2 threads, a T-token prompt's time to its
-# first token, best of 3, the matvec vs this GEMM: a Qwen2.5-1.5B-shape Q4_K_M T=16 407 vs 502 ms, T=24 602 vs 574,
-# T=32 794 vs 631, T=48 1198 vs 750, T=63 1549 vs 881 (dequantize + sgemm, the way before: 2.54 s at T=63). One
-# matrix alone, GEMM / matvec / sgemm in ms, sgemm had looked ahead under a whole tile: a 1536 x 1536 Q4_K at T=48
-# 3.8 / 5.5 / 3.2, T=64 4.6 / 7.3 / 2.7, T=512 15.5 / 38.0 / 20.6; an 8960 x 1536 Q4_K at T=48 15.8 / 16.9 / 12.8,
-# T=512 64.7 / 177 / 125; a 1536 x 8960 Q6_K at T=64 19.0 / 20.6 / 15.8, T=128 23.4 / 41.3 / 30.0.
-# It was 23 until the K-quant rows met the vectors four at a time (kquant.py, 1.2-1.8x on the matvec); then, the
-# same model on a slower sitting of the VM, best of 6 alternating, matvec vs GEMM: T=24 516 vs 742 ms, T=32 700 vs
-# 1019, T=40 792 vs 1026, T=48 1046 vs 904, T=63 1332 vs 1082 (a second run: T=40 1118 vs 1157, T=48 1219 vs 1322).
+# this many rows. Whole models on the AVX2 VM (Zen 3, no VNNI; noisy), a Qwen2.5-1.5B shape, a prompt's time to
+# its first token: the matvec won at T=16 and the GEMM from about T=24 on, far ahead of dequantize + sgemm, the way
+# before; one matrix alone, the GEMM beat the matvec at every size and sgemm (looked ahead under a whole tile) was
+# ahead of both at T=48-64 and behind the GEMM at T=128 and 512. It was 23 until the K-quant rows met the
+# vectors four at a time (kquant.py, a faster matvec); then, on a slower sitting, the matvec won to T=40 and the
+# GEMM from T=48 (a second run: the matvec still ahead at T=48). Figures: docs/benchmarks.md, "Measurements behind
+# the code", GEMM8_MIN_T_256.
 GEMM8_MIN_T_256 = 40
 
 

@@ -26,7 +26,8 @@ from engine.kernels.quant_types import GGMLType
 ROWS = 8  # rows per interleaved group
 PREFETCH = 1024  # bytes ahead in the group's stream
 # Bytes ahead in each stream of a pair of groups (batches only): on a Zen 5 VM one thread's Q4_1 matvecs of
-# SmolLM2 at M = 4 took 3.1, 2.7, 2.4 and 2.3 ms at 1, 2, 4 and 8 KB ahead.
+# SmolLM2 at M = 4 got faster at each step from 1 to 8 KB ahead (docs/benchmarks.md, "Measurements behind the
+# code", packed prefetch distance).
 PREFETCH_WIDE = 8192
 MB = 4  # activation vectors per matvec kernel call at most
 
@@ -254,7 +255,8 @@ def _group_kernel(code: int):
     def variant(context, module, tier, wide, mb):
         """The loop for one (width, vector count) as a function of its own (w, nb, ng, x, x step, xs, xs step,
         out, out step; pointers and byte steps), so each gets its own register allocation: inlined side by side,
-        their shared constants left one vector's loop 5% slower (EVEX-only registers, a folded load)."""
+        their shared constants left one vector's loop slower (EVEX-only registers, a folded load;
+        docs/benchmarks.md, "Measurements behind the code", packed variant functions)."""
         p8, i64 = I8.as_pointer(), ir.IntType(64)
         fnty = ir.FunctionType(ir.VoidType(), [p8, i64, i64, p8, i64, p8, i64, p8, i64])
         name = f"goinfer_packed_{GGMLType(code).name.lower()}_{tier}_{'wide' if wide else 'narrow'}{mb}"

@@ -2,11 +2,12 @@
 calls between BLAS calls.
 
 Why: numba's OpenMP workers spin for a while after each parallel region, and OpenBLAS's threads spin after each
-sgemm; on a machine with as many threads as cores, the two pools take turns starving each other. Measured on the
-2-core dev VM: an 8-token prompt continuation (SmolLM2, int8 matvecs between the attention's small sgemms) took
-400 ms with a parallel region in the matvec, 25-35 ms with one BLAS thread or a passive OpenMP wait policy (which
-costs decode 5 %), and a kernel that releases the GIL run on plain threads avoids the fight without that cost
-(Gemma 3's prompts through the int8 GEMM were 1.5x slower with a parallel region).
+sgemm; on a machine with as many threads as cores, the two pools take turns starving each other. On the 2-core
+dev VM a short prompt continuation (SmolLM2, int8 matvecs between the attention's small sgemms) ran an order of
+magnitude slower with a parallel region in the matvec than with one BLAS thread or a passive OpenMP wait policy
+(which costs decode a little), and a kernel that releases the GIL run on plain threads avoids the fight without
+that cost (Gemma 3's prompts through the int8 GEMM were also slower with a parallel region). Figures:
+docs/benchmarks.md, "Measurements behind the code", plain threads.
 """
 
 from __future__ import annotations

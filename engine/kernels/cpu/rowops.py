@@ -1,13 +1,14 @@
 """Compiled row kernels shared by the prompt ops (ops.py) and the decode step: RMSNorm rows,
 RoPE, gated activations, masked softmax.
 
-In numpy these cost as much as the GEMMs of a prompt (SmolLM2, 512 tokens: SiLU 0.35 s, attention softmax
-and mask ~0.4 s, norms 0.17 s against 1.0 s of sgemm): each is several full passes over (T, n) temporaries,
+In numpy these cost as much as the GEMMs of a prompt (SmolLM2, 512 tokens: SiLU, attention softmax and mask,
+and norms together about as long as the sgemms): each is several full passes over (T, n) temporaries,
 and numpy's f32 exp is slow on the large negative inputs SiLU and softmax feed it. Here each is one pass,
 with the vectorized exp of vmath.py. Serial on purpose: these run between BLAS calls, whose worker threads
 keep spinning for a while after each sgemm, and a parallel region there waits on them (a 512-token SmolLM2
-prompt measured 1.85 s with serial glue, 2.7 s with parallel). Arithmetic stays f32 as in ops.py (norm sums
-in f64); results agree with float64 numpy to float rounding (tests/test_glue.py).
+prompt was clearly faster with serial glue than with parallel). Figures: docs/benchmarks.md, "Measurements
+behind the code", row ops. Arithmetic stays f32 as in ops.py (norm sums in f64); results agree with float64
+numpy to float rounding (tests/test_glue.py).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def act_mul(gate, up, gelu):
 def act_mul_halves(gu, gelu):
     """act(gu[:, :F]) * gu[:, F:] for gu (M, 2F) C-contiguous (gate and up side by side, as one matmul gives
     them): each row's halves are contiguous, so the loops vectorize (act_mul on the two column slices gets
-    strided rows: ~5x slower)."""
+    strided rows, several times slower: docs/benchmarks.md, "Measurements behind the code", act_mul_halves)."""
     M, F2 = gu.shape
     F = F2 // 2
     out = np.empty((M, F), np.float32)

@@ -2,7 +2,8 @@
 
     adapters()              every adapter wgpu sees, as AdapterInfo (name, type, backend, limits, features)
     pick(adapters, name)    "webgpu": the best adapter, software ones included (tests run on Mesa's lavapipe);
-                            "auto": a real GPU only (a software adapter is ~35x slower than numpy), else None
+                            "auto": a real GPU only (a software adapter is far slower than numpy; docs/benchmarks.md,
+                            "Measurements behind the code", WebGPU software adapters), else None
     open_device(info)       a wgpu device with the adapter's own limits (the 128 MiB binding limit of lavapipe
                             is the adapter's; asking for more fails) and the features goinfer uses
 
