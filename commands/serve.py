@@ -1,8 +1,9 @@
 """`goinfer serve`: an HTTP server over one or more local models, speaking the OpenAI and Anthropic APIs.
 
-Routes (engine/server/handler.py): GET /health, GET /v1/models, GET /v1/models/{id}; OpenAI Chat Completions
-(POST /v1/chat/completions), Completions (POST /v1/completions) and Responses (POST /v1/responses,
-GET /v1/responses/{id}); Anthropic Messages (POST /v1/messages, POST /v1/messages/count_tokens).
+Routes (the table in engine/server/handler.py; docs/server.md lists them all), among them: GET /health,
+GET /v1/models, GET /v1/models/{id}; OpenAI Chat Completions (POST /v1/chat/completions), Completions
+(POST /v1/completions) and Responses (POST /v1/responses, GET /v1/responses/{id}); Anthropic Messages
+(POST /v1/messages, POST /v1/messages/count_tokens).
 
 The banner, warnings and the request log go to stderr; nothing is written to stdout.
 """

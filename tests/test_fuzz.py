@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 
 import engine
 from engine.api import anthropic, responses
-from engine.api.dialects import dialect_for
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.api.openai_objects import error_status
 from engine.batch.io import read_input
 from engine.errors import GoinferError
 from engine.requests.prompts import prompt_ids
 from engine.requests.request import prepare
+from engine.server.handler import TABLE
 
 EXAMPLES = int(os.environ.get("GOINFER_FUZZ_EXAMPLES", "500"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
@@ -111,6 +111,11 @@ def _mutate(data, body):
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf):
     return engine.load_model(smollm2_gguf)
+
+
+def dialect_for(url: str, store: responses.ResponseStore):
+    """The dialect the server's route table gives POST url (a new one, as per request)."""
+    return next(r for r in TABLE.routes if r.method == "POST" and r.path == url).dialect(store)
 
 
 def _check(url: str, body, model) -> None:

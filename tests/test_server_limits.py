@@ -98,15 +98,15 @@ def test_a_keyless_loopback_server_answers_only_to_loopback_host_names(served, h
 
 
 def test_a_request_refused_for_a_full_queue_is_not_tokenised(monkeypatch, smollm2_gguf):
-    import engine.server.handler as handler
+    import engine.server.generating as generating
 
     model = engine.load_model(smollm2_gguf)
     server = Server([ServedModel.of("m", model, 512)], ServerConfig(port=0, max_queue=0, max_concurrent=1),
                     log=lambda line: None)
     server.start()
     prepared = []
-    real = handler.prepare
-    monkeypatch.setattr(handler, "prepare", lambda *a, **k: prepared.append(1) or real(*a, **k))
+    real = generating.prepare
+    monkeypatch.setattr(generating, "prepare", lambda *a, **k: prepared.append(1) or real(*a, **k))
     try:
         long = threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
                                 kwargs={"json": {"prompt": "Count slowly:", "max_tokens": 200, "temperature": 0,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from engine.api.fields import float_field, int_field, kind_of, object_body, str_field
-from engine.api.openai import parse_tools
+from engine.api.constraints import parse_tools
 from engine.api.sse import named_event
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError

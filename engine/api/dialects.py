@@ -1,5 +1,5 @@
-"""One Dialect per wire format: everything the server needs to serve a route, so its handler moves bytes and
-holds no per-format branch. A new route is a dialect and one line in ROUTES.
+"""One Dialect per wire format: everything the server needs to serve a generation route, so its handler moves bytes
+and holds no per-format branch. A new route is a dialect and one Route naming it (engine/server/generating.py).
 
 A dialect is made per request (it may keep what its parse saw: the Responses API's request around the engine
 request) and answers, in its own format:
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from engine.api import anthropic, responses, sse
-from engine.api.openai import CHAT_URL, COMPLETIONS_URL, parse_request
+from engine.api.openai import parse_request
 from engine.api.openai_objects import new_id, response_object
 from engine.requests.request import Collector, Completion, Delta, GenerationRequest
 
@@ -219,20 +219,3 @@ class _ResponsesStream(_NamedStream):
         obj = self.dialect.answer(None, result, job_id=info.id, model_name=info.model, created=info.created,
                                   message_id=info.msg_id, reasoning_id=info.reasoning_id)
         return info.end(obj)
-
-
-# ---------------------------------------------------------------------------------------------- routes
-
-ROUTES: dict[str, Callable[[responses.ResponseStore], Dialect]] = {
-    CHAT_URL: lambda store: OpenAIDialect(CHAT_URL),
-    COMPLETIONS_URL: lambda store: OpenAIDialect(COMPLETIONS_URL),
-    anthropic.MESSAGES_URL: lambda store: AnthropicMessages(),
-    anthropic.COUNT_TOKENS_URL: lambda store: AnthropicCountTokens(),
-    responses.RESPONSES_URL: ResponsesDialect,
-}
-
-
-def dialect_for(path: str, store: responses.ResponseStore) -> Dialect | None:
-    """The dialect that serves POST path (a new one per request), or None."""
-    make = ROUTES.get(path)
-    return make(store) if make is not None else None

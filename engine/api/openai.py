@@ -5,21 +5,21 @@ in a batch file and over HTTP. Every refusal is a RequestError naming the field 
 machine-readable `code`; a request is never answered without something it asked for.
 
     parse_chat_request(body) / parse_completion_request(body) / parse_request(url, body)
-    parse_tools / parse_tool_choice / response_format_grammar      (the Responses API reads these too)
 
-The answers (response objects, errors, /v1/models entries) are built in openai_objects.py, the streaming
-chunks in sse.py.
+What constrains an answer (tools, tool_choice, response_format, the grammar fields) is read in constraints.py;
+the answers (response objects, errors, /v1/models entries) are built in openai_objects.py, the streaming chunks
+in sse.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from engine.api import thinking_controls as thinking_fields
+from engine.api.constraints import GRAMMAR_FIELDS, answer_grammar, parse_tool_choice, parse_tools
 from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
-from engine.constrain.grammar import Grammar, json_object_grammar, json_schema_grammar, text_grammar
+from engine.constrain.grammar import Grammar
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
 from engine.requests.request import GenerationRequest, SamplingOptions
@@ -37,18 +37,16 @@ MAX_N = 16  # choices per request; they run one after another, so each one costs
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
-# A grammar of the request's own (llama.cpp's `grammar`; vLLM's guided decoding fields): one at most.
-_GRAMMAR_FIELDS = {"grammar": "grammar", "guided_grammar": "grammar", "guided_regex": "regex",
-                   "guided_choice": "choice", "guided_json": "json"}
-_CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | set(_GRAMMAR_FIELDS) | {
+_CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | set(GRAMMAR_FIELDS) | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "goinfer_confidence"}
 # A plain completion has no template to think with: reasoning_effort is accepted there and does nothing.
-_COMPLETION_FIELDS = _IGNORED | _SAMPLING | set(_GRAMMAR_FIELDS) | {
+_COMPLETION_FIELDS = _IGNORED | _SAMPLING | set(GRAMMAR_FIELDS) | {
     "prompt", "logprobs", "echo", "best_of", "suffix", "response_format", "reasoning_effort", "goinfer_confidence"}
 # Asked for by name, and not done yet: refused with a message that says so.
 _UNSUPPORTED_CHAT = {"functions": "functions (legacy function calling; use tools)",
-                     "function_call": "function_call (legacy function calling; use tool_choice)", "audio": "audio output",
+                     "function_call": "function_call (legacy function calling; use tool_choice)",
+                     "audio": "audio output",
                      "prediction": "predicted outputs", "web_search_options": "web search",
                      "modalities": "output modalities other than text"}
 
@@ -121,28 +119,11 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         raise RequestError(f"best_of: must be >= n (got best_of {best_of}, n {n})", "best_of", "invalid_value")
     stream, include_usage = _stream(body)
     grammar = answer_grammar(body)
-    return GenerationRequest(prompt=_prompt(body.get("prompt")), options=_options(body, int_field(body, "max_tokens", 1)),
+    return GenerationRequest(prompt=_prompt(body.get("prompt")),
+                             options=_options(body, int_field(body, "max_tokens", 1)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=bool_field(body, "echo", False),
                              n=n, stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=grammar, confidence=_confidence(body, grammar, False))
-
-
-def answer_grammar(body: dict) -> Grammar | None:
-    """The grammar every answer follows: response_format's, or one of the request's own (grammar, guided_regex,
-    guided_choice, guided_json, guided_grammar); two of them are a 400."""
-    given = [name for name in _GRAMMAR_FIELDS if body.get(name) is not None]
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        given.insert(0, "response_format")
-    if len(given) > 1:
-        raise RequestError(f"{given[1]}: only one of {' and '.join(given)} may constrain the answer", given[1],
-                           "invalid_value")
-    if not given or given[0] == "response_format":
-        return response_format_grammar(fmt)
-    name = given[0]
-    if _GRAMMAR_FIELDS[name] == "json":
-        return json_schema_grammar(body[name], name)
-    return text_grammar(_GRAMMAR_FIELDS[name], body[name], name)
 
 
 def _confidence(body: dict, grammar: Grammar | None, calls_tools: bool) -> bool:
@@ -158,82 +139,6 @@ def _confidence(body: dict, grammar: Grammar | None, calls_tools: bool) -> bool:
     if _n(body) != 1:
         raise RequestError("goinfer_confidence: one answer only (n = 1)", "goinfer_confidence", "invalid_value")
     return True
-
-
-def response_format_grammar(fmt: Any, param: str = "response_format") -> Grammar | None:
-    """The grammar a response_format asks for: None for text, JSON for json_object, the schema's for
-    json_schema (an invalid or unsupported schema is a RequestError naming what is wrong)."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise RequestError(f"{param}: must be an object, not {kind_of(fmt)}", param, "invalid_type")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json_object_grammar()
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise RequestError(f"{param}.json_schema: required, an object with a schema", f"{param}.json_schema",
-                               "missing_required_parameter")
-        if "schema" not in spec:
-            raise RequestError(f"{param}.json_schema.schema: required", f"{param}.json_schema.schema",
-                               "missing_required_parameter")
-        return json_schema_grammar(spec["schema"], f"{param}.json_schema.schema")
-    raise RequestError(f"{param}.type: must be text, json_object or json_schema (got {kind!r})", f"{param}.type",
-                       "unsupported_value")
-
-
-def parse_tools(value: Any, param: str = "tools") -> tuple[dict, ...] | None:
-    """OpenAI `tools` -> ({"name", "description", "parameters"}, ...); each schema is checked."""
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list):
-        raise RequestError(f"{param}: must be an array of tools", param, "invalid_type")
-    out, names = [], set()
-    for i, t in enumerate(value):
-        at = f"{param}[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise RequestError(f'{at}: must be {{"type": "function", "function": {{...}}}} (only function tools '
-                               "are supported)", at, "invalid_value")
-        fn = t["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise RequestError(f"{at}.function.name: must be 1-64 letters, digits, _ . or - (got {name!r})",
-                               f"{at}.function.name", "invalid_value")
-        if name in names:
-            raise RequestError(f"{at}.function.name: {name!r} is given twice", f"{at}.function.name", "invalid_value")
-        names.add(name)
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        json_schema_grammar(params, f"{at}.function.parameters")  # refuse a schema we cannot enforce, now
-        tool = {"name": name, "parameters": params}
-        if isinstance(fn.get("description"), str):
-            tool["description"] = fn["description"]
-        out.append(tool)
-    return tuple(out)
-
-
-def parse_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> tuple[str, tuple[dict, ...] | None]:
-    """(mode, tools the answer may call): none / auto / required, or "function" with the one named tool."""
-    if value is None:
-        return "auto", tools
-    if value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise RequestError("tool_choice: 'required' needs tools", "tool_choice", "invalid_value")
-        return value, tools
-    name = None
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
-        name = value["function"].get("name")
-    if not isinstance(name, str):
-        raise RequestError('tool_choice: must be none, auto, required or {"type": "function", "function": '
-                           '{"name": ...}}', "tool_choice", "invalid_value")
-    chosen = tuple(t for t in tools or () if t["name"] == name)
-    if not chosen:
-        raise RequestError(f"tool_choice.function.name: names tool {name!r}, which is not in tools",
-                           "tool_choice.function.name",
-                           "invalid_value")
-    return "function", chosen
 
 
 def _known(body: dict, allowed: set[str]) -> None:

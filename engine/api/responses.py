@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 from engine.api import thinking_controls as thinking_fields
 from engine.api.fields import float_field, int_field, kind_of, str_field
-from engine.api.openai import parse_tool_choice, parse_tools, response_format_grammar
+from engine.api.constraints import parse_tool_choice, parse_tools, response_format_grammar
 from engine.api.sse import named_event
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError

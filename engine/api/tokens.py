@@ -8,7 +8,7 @@ call them to count, show and render tokens), plus `model` to pick one of several
     POST /apply-template  {"messages", ...chat fields} -> {"prompt"}: the chat prompt exactly as a chat request with
                           the same body would render it (tools, thinking controls, an assistant prefill)
 
-Pure functions over a Model; the server routes to them (engine/server/handler.py).
+Pure functions over a Model; the server routes to them (engine/server/tokens.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from engine.models.base import Model
 from engine.requests.prompts import render_request
 from engine.thinking.stream import ThinkingSettings
 
-__all__ = ["TOKEN_ROUTES", "apply_template", "detokenize", "tokenize"]
+__all__ = ["apply_template", "detokenize", "tokenize"]
 
-TOKEN_ROUTES = ("/tokenize", "/detokenize", "/apply-template")
 _TOKENIZE_FIELDS = {"model", "content", "add_special", "parse_special", "with_pieces"}
 
 

@@ -17,10 +17,13 @@ import threading
 import time
 
 from engine.api.fields import float_field, int_field, known_fields, object_body, str_field
+from engine.api.openai_objects import error_body, error_status
 from engine.errors import GoinferError, RequestError
 from engine.server.config import ServedModel
+from engine.server.intake import HTTPError
+from engine.server.routes import Route, Subtree, not_found
 
-__all__ = ["ADMIN_URL", "ModelAdmin"]
+__all__ = ["ADMIN_URL", "ModelAdmin", "ROUTES"]
 
 ADMIN_URL = "/admin/models"
 DEFAULT_DRAIN_S = 5.0
@@ -94,3 +97,43 @@ class ModelAdmin:
         self.state.forget_scheduler(name)
         self.state.log(f"admin: unloaded {name}" + ("" if drained else " (its running requests were cancelled)"))
         return (200 if drained else 202), {"name": name, "unloaded": True, "drained": drained}
+
+
+# ---------------------------------------------------------------------------------------------- the routes
+
+def _refusal(e: GoinferError) -> HTTPError:
+    status = {"conflict": 409, "model_not_found": 404}.get(getattr(e, "code", None), error_status(e))
+    return HTTPError(status, error_body(e))
+
+
+def list_models(ex) -> None:
+    ex.send_json(200, ex.state.admin.list())
+
+
+def load(ex) -> None:
+    try:
+        body = ex.json_body()
+        ex.model_name = body.get("name") if isinstance(body, dict) else None
+        ex.send_json(200, ex.state.admin.load(body))
+    except GoinferError as e:
+        raise _refusal(e) from None
+
+
+def unload(ex) -> None:
+    try:
+        status, answer = ex.state.admin.unload(ex.json_body())
+    except GoinferError as e:
+        raise _refusal(e) from None
+    ex.send_json(status, answer)
+
+
+def _enabled(state) -> bool:
+    return state.admin is not None  # serve --allow-admin
+
+
+ROUTES = (
+    Route("GET", ADMIN_URL, list_models, when=_enabled),
+    Route("POST", ADMIN_URL + "/load", load, when=_enabled),
+    Route("POST", ADMIN_URL + "/unload", unload, when=_enabled),
+    Subtree(ADMIN_URL, lambda rest: not_found("admin route", rest), when=_enabled),
+)

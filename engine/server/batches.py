@@ -28,12 +28,14 @@ from engine.api.fields import known_fields, object_body, str_field
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.batch.io import errors_path, read_input
 from engine.batch.runner import run_batch
-from engine.errors import BatchFileError, RequestError
+from engine.api.openai_objects import error_body, error_status
+from engine.errors import BatchFileError, GoinferError, RequestError
 from engine.files import write_atomic
 from engine.server.intake import HTTPError
 from engine.server.files import FileStore
+from engine.server.routes import Route, Subtree, not_found
 
-__all__ = ["BATCHES_URL", "BatchRunner", "ENDPOINTS"]
+__all__ = ["BATCHES_URL", "BatchRunner", "ENDPOINTS", "ROUTES"]
 
 BATCHES_URL = "/v1/batches"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
@@ -276,3 +278,39 @@ class _Queued:
 
     def __getattr__(self, name):
         return getattr(self._model, name)
+
+
+# ---------------------------------------------------------------------------------------------- the routes
+
+def list_batches(ex) -> None:
+    ex.send_json(200, {"object": "list", "data": ex.state.batches.list("batch_"), "has_more": False})
+
+
+def create_batch(ex) -> None:
+    try:
+        ex.send_json(200, ex.state.batches.create(ex.json_body()))
+    except GoinferError as e:
+        raise HTTPError(error_status(e), error_body(e)) from None
+
+
+def get_batch(ex, id: str) -> None:  # noqa: A002 - the route's parameter
+    found = ex.state.batches.get(id) if id.startswith("batch_") else None
+    if found is None:
+        raise not_found("batch", id)
+    ex.send_json(200, found)
+
+
+def cancel_batch(ex, id: str) -> None:  # noqa: A002
+    found = ex.state.batches.cancel(id) if id.startswith("batch_") else None
+    if found is None:
+        raise not_found("batch", id)
+    ex.send_json(200, found)
+
+
+ROUTES = (
+    Route("GET", BATCHES_URL, list_batches),
+    Route("POST", BATCHES_URL, create_batch),
+    Route("GET", BATCHES_URL + "/{id}", get_batch),
+    Route("POST", BATCHES_URL + "/{id}/cancel", cancel_batch),
+    Subtree(BATCHES_URL, lambda rest: not_found("batch route", rest)),
+)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 
-from engine.api.decisions import DecisionInvalid, decision_object, parse_decision_request
+from engine.api.decisions import DECISIONS_URL, DecisionInvalid, decision_object, parse_decision_request
 from engine.api.openai_objects import error_body, error_object, error_status
 from engine.decisions.scoring import score_request
 from engine.errors import GoinferError
 from engine.server.intake import HTTPError
+from engine.server.routes import Route
 
-__all__ = ["DecisionDesk"]
+__all__ = ["DecisionDesk", "ROUTES"]
 
 
 class DecisionDesk:
@@ -69,3 +70,12 @@ class DecisionDesk:
         return served.name, decision_object(req, scored.probabilities, model_name=served.name,
                                             input_tokens=scored.input_tokens, template=self.template,
                                             calibrated=calibrated), scored.input_tokens
+
+
+def decide(ex) -> None:
+    ex.model_name, answer, tokens = ex.state.decisions.answer(ex.json_body())
+    ex.usage = (tokens, 0)
+    ex.send_json(200, answer)
+
+
+ROUTES = (Route("POST", DECISIONS_URL, decide),)

@@ -22,10 +22,13 @@ import time
 import uuid
 from pathlib import Path
 
-from engine.errors import RequestError
+from engine.api.openai_objects import error_body, error_status
+from engine.errors import GoinferError, RequestError
 from engine.files import write_atomic
+from engine.server.intake import HTTPError
+from engine.server.routes import Route, Subtree, not_found
 
-__all__ = ["FILES_URL", "UPLOAD_CAP", "FileStore", "parse_upload"]
+__all__ = ["FILES_URL", "ROUTES", "UPLOAD_CAP", "FileStore", "parse_upload"]
 
 FILES_URL = "/v1/files"
 UPLOAD_CAP = 200 << 20  # OpenAI's limit on a batch input file
@@ -104,3 +107,51 @@ class FileStore:
             (self.dir / f"{file_id}.data").unlink(missing_ok=True)
             return True
 
+
+# ---------------------------------------------------------------------------------------------- the routes
+
+def list_files(ex) -> None:
+    ex.send_json(200, {"object": "list", "data": ex.state.files.list(), "has_more": False})
+
+
+def upload(ex) -> None:
+    try:
+        filename, data, purpose = parse_upload(ex.headers.get("Content-Type", ""), ex.read_body())
+    except GoinferError as e:
+        raise HTTPError(error_status(e), error_body(e)) from None
+    ex.send_json(200, ex.state.files.add(filename, data, purpose))
+
+
+def _found(ex, file_id: str) -> dict:
+    found = ex.state.files.get(file_id)
+    if found is None:
+        raise not_found("file", file_id)
+    return found
+
+
+def get_file(ex, id: str) -> None:  # noqa: A002 - the route's parameter
+    ex.send_json(200, _found(ex, id))
+
+
+def delete_file(ex, id: str) -> None:  # noqa: A002
+    _found(ex, id)
+    ex.state.files.delete(id)
+    ex.send_json(200, {"id": id, "object": "file", "deleted": True})
+
+
+def file_content(ex, id: str) -> None:  # noqa: A002
+    _found(ex, id)
+    ex.send_body(200, ex.state.files.data_path(id).read_bytes(), "application/octet-stream")
+
+
+# an upload has a body limit of its own, and needs no model: it is taken while the server loads
+_UPLOAD = {"body_cap": lambda state: max(state.body_cap, UPLOAD_CAP), "waits_for_models": False}
+
+ROUTES = (
+    Route("GET", FILES_URL, list_files, **_UPLOAD),
+    Route("POST", FILES_URL, upload, **_UPLOAD),
+    Route("GET", FILES_URL + "/{id}", get_file),
+    Route("DELETE", FILES_URL + "/{id}", delete_file),
+    Route("GET", FILES_URL + "/{id}/content", file_content),
+    Subtree(FILES_URL, lambda rest: not_found("file route", rest)),
+)

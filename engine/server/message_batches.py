@@ -17,11 +17,15 @@ import json
 import re
 from datetime import datetime, timezone
 
+from engine.api import anthropic
 from engine.api.anthropic import MESSAGES_URL
 from engine.api.fields import known_fields
-from engine.errors import RequestError
+from engine.api.openai_objects import error_status
+from engine.errors import GoinferError, RequestError
+from engine.server.intake import HTTPError
+from engine.server.routes import Route, Subtree
 
-__all__ = ["MESSAGE_BATCHES_URL", "PREFIX", "create", "message_batch", "results"]
+__all__ = ["MESSAGE_BATCHES_URL", "PREFIX", "ROUTES", "create", "message_batch", "results"]
 
 MESSAGE_BATCHES_URL = "/v1/messages/batches"
 PREFIX = "msgbatch_"
@@ -96,3 +100,68 @@ def results(batch: dict, files) -> bytes:
              if x.strip()]
     return b"".join(json.dumps({"custom_id": cid, "result": outcome.get(cid, {"type": "canceled"})}).encode() + b"\n"
                     for cid in order)
+
+
+# ---------------------------------------------------------------------------------------------- the routes
+# Their errors take Anthropic's shape, as its SDK reads them.
+
+def _refuse(status: int, message: str) -> HTTPError:
+    return HTTPError(status, anthropic.error_body(status, message))
+
+
+def _batch(ex, batch_id: str) -> dict:
+    batch = ex.state.batches.get(batch_id)
+    if batch is None:
+        raise _refuse(404, f"no message batch {batch_id!r}")
+    return batch
+
+
+def create_batch(ex) -> None:
+    try:
+        batch = create(ex.state.batches, ex.json_body())
+    except GoinferError as e:
+        raise _refuse(error_status(e), str(e)) from None
+    ex.send_json(200, message_batch(batch, ex.root_url()))
+
+
+def list_batches(ex) -> None:
+    root = ex.root_url()
+    data = [message_batch(b, root) for b in ex.state.batches.list(PREFIX)]
+    ex.send_json(200, {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                       "last_id": data[-1]["id"] if data else None})
+
+
+def get_batch(ex, id: str) -> None:  # noqa: A002 - the route's parameter
+    ex.send_json(200, message_batch(_batch(ex, id), ex.root_url()))
+
+
+def delete_batch(ex, id: str) -> None:  # noqa: A002
+    _batch(ex, id)
+    if not ex.state.batches.delete(id):
+        raise _refuse(400, f"message batch {id} is still running: cancel it first")
+    ex.send_json(200, {"id": id, "type": "message_batch_deleted"})
+
+
+def cancel_batch(ex, id: str) -> None:  # noqa: A002
+    _batch(ex, id)
+    ex.send_json(200, message_batch(ex.state.batches.cancel(id), ex.root_url()))
+
+
+def batch_results(ex, id: str) -> None:  # noqa: A002
+    batch = _batch(ex, id)
+    if message_batch(batch, ex.root_url())["processing_status"] != "ended":
+        raise _refuse(400, f"message batch {id} has not ended yet: its results come once it has")
+    ex.send_body(200, results(batch, ex.state.batches.files), "application/x-jsonl")
+
+
+_ONE = MESSAGE_BATCHES_URL + "/{id:" + PREFIX + "[^/]*}"  # an id of another kind is no route of this API
+
+ROUTES = (
+    Route("GET", MESSAGE_BATCHES_URL, list_batches),
+    Route("POST", MESSAGE_BATCHES_URL, create_batch),
+    Route("GET", _ONE, get_batch),
+    Route("DELETE", _ONE, delete_batch),
+    Route("POST", _ONE + "/cancel", cancel_batch),
+    Route("GET", _ONE + "/results", batch_results),
+    Subtree(MESSAGE_BATCHES_URL, lambda rest: _refuse(404, f"no message batch route {rest!r}")),
+)

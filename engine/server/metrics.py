@@ -6,7 +6,9 @@ gauges of the moment.
 
 from __future__ import annotations
 
-__all__ = ["CONTENT_TYPE", "prometheus_text"]
+from engine.server.routes import Route
+
+__all__ = ["CONTENT_TYPE", "ROUTES", "prometheus_text"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,3 +56,10 @@ def prometheus_text(health: dict) -> str:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
         lines += [f'{name}{{model="{_label(model)}"}} {value}' for model, value in samples]
     return "\n".join(lines) + "\n"
+
+
+def metrics(ex) -> None:
+    ex.send_body(200, prometheus_text(ex.state.health()).encode(), CONTENT_TYPE)
+
+
+ROUTES = (Route("GET", "/metrics", metrics),)
