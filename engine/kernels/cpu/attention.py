@@ -397,8 +397,7 @@ def task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits
 def _tasks(n_tasks, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum,
            part_acc):
     # Nothing but the loop: an array expression in a parallel=True body becomes a parallel region of its own,
-    # launched once per iteration (a measurable cost per layer: docs/benchmarks.md, "Measurements behind the code",
-    # attention task loop).
+    # launched once per iteration, at a cost per layer ("attention task loop" in docs/benchmarks.md's measurements).
     for t in prange(n_tasks):
         task(t, qkv, kcs, vcs, layer, pos, H, Hkv, D, window, scale, softcap, splits, part_max, part_sum, part_acc)
 
