@@ -9,7 +9,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,15 +21,16 @@ from commands.options import (BackendOption, DraftMaxOption, LoraOption, ModelOp
                              lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text, say, thought
 from engine import load_model, set_threads
-from engine.constrain import Grammar, grammar_processor, json_schema_grammar
+from engine.constrain import Grammar, json_schema_grammar
 from engine.running.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.loading.precompile import announce_running, record_compile_time
 from engine.thinking.stream import ThinkingSettings
 from engine.generation.speculation import Speculation
-from engine.requests.prompts import answer_at_once, encode_prompt, message_starts, reply_plan, thinking_of
+from engine.requests.prompts import encode_prompt, message_starts
+from engine.requests.request import GenerationRequest, SamplingOptions
 from engine.thinking.harmony import EFFORTS
-from engine.thinking.template import MODES, render_prompt
+from engine.thinking.template import MODES
 from engine.store.paths import goinfer_home
 
 HELP = """Chat with a model in the terminal, or answer one prompt and exit.
@@ -67,24 +68,25 @@ class ChatState:
     """What the REPL carries between turns."""
 
     system: str | None
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    max_tokens: int
+    options: SamplingOptions  # the sampling flags (/temp, /seed, /max change them); prepare reads them
     messages: list[dict] = field(default_factory=list)
     grammar: Grammar | None = None  # --schema: replies constrained to it
     warm: WarmConversation | None = None  # the conversation's KV cache, kept between turns
     thinking: ThinkingSettings = ThinkingSettings()  # --thinking / --reasoning-budget, /think
     show_thinking: bool = True
     effort: str | None = None  # --reasoning-effort, /effort: gpt-oss's Reasoning line
-    penalties: dict = field(default_factory=dict)  # --min-p, --repeat-penalty, --presence/--frequency-penalty
     speculation: Speculation | None = None  # --speculate / --draft-max; None: one token a step
     verbose: bool = False  # --verbose, /verbose: each reply's timings on stderr
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages
+
+    def request(self) -> GenerationRequest:
+        """The next reply as the request a server would get: the conversation, the sampling flags, the schema and
+        the reasoning effort (thinking mode and budget are the runner's: prepare's `thinking`)."""
+        return GenerationRequest(messages=tuple(self.conversation()), options=self.options, grammar=self.grammar,
+                                 reasoning_effort=self.effort)
 
 
 def chat(
@@ -129,10 +131,9 @@ def chat(
         "--reasoning-effort", help="gpt-oss: low, medium or high, written on its template's Reasoning line "
                                    "(default: the template's, medium). Other models ignore it.")] = None,
 ) -> None:
-    if temp < 0:
-        raise fail(f"--temp must be >= 0, got {temp}")
-    if max_tokens < 1:
-        raise fail(f"--max must be >= 1, got {max_tokens}")
+    options = sampling_options(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
+                               max_tokens=max_tokens)
     if threads is not None and threads < 1:
         raise fail(f"--threads must be >= 1, got {threads}")
     if ctx is not None and ctx < 16:
@@ -143,18 +144,8 @@ def chat(
     adapters = lora_choice(lora)
     if reasoning_effort is not None and reasoning_effort.lower() not in EFFORTS:
         raise fail(f"--reasoning-effort must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
-    if not 0 <= min_p <= 1:
-        raise fail(f"--min-p must be in [0, 1], got {min_p}")
-    if repeat_penalty <= 0:
-        raise fail(f"--repeat-penalty must be > 0, got {repeat_penalty}")
-    for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
-        if not -2 <= value <= 2:
-            raise fail(f"{flag} must be in [-2, 2], got {value}")
-    session = ChatState(system, temp, top_k, top_p, seed, max_tokens,
-                        thinking=thinking_settings(thinking, reasoning_budget), show_thinking=show_thinking,
-                        effort=reasoning_effort,
-                        penalties={"min_p": min_p, "repetition_penalty": repeat_penalty,
-                                   "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty},
+    session = ChatState(system, options, thinking=thinking_settings(thinking, reasoning_budget),
+                        show_thinking=show_thinking, effort=reasoning_effort,
                         speculation=speculation_choice(speculate, draft_max), verbose=verbose)
     with user_errors():
         session.grammar = _schema_grammar(schema) if schema is not None else None
@@ -164,6 +155,26 @@ def chat(
         _run(session, model, quant, no_selftest, adapters, backend, ctx, threads, session_file, prompt)
     finally:  # a first run's compile that goes on after this returns (or is interrupted) is said, never hidden
         announce_running(lambda line: say(f"goinfer: {line}"))
+
+
+def sampling_options(*, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+                     presence_penalty: float, frequency_penalty: float, seed: int | None,
+                     max_tokens: int) -> SamplingOptions:
+    """The sampling flags, checked (a bad one: one line, exit 2), as the request options a server's body states."""
+    if temp < 0:
+        raise fail(f"--temp must be >= 0, got {temp}")
+    if max_tokens < 1:
+        raise fail(f"--max must be >= 1, got {max_tokens}")
+    if not 0 <= min_p <= 1:
+        raise fail(f"--min-p must be in [0, 1], got {min_p}")
+    if repeat_penalty <= 0:
+        raise fail(f"--repeat-penalty must be > 0, got {repeat_penalty}")
+    for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
+        if not -2 <= value <= 2:
+            raise fail(f"{flag} must be in [-2, 2], got {value}")
+    return SamplingOptions(max_tokens=max_tokens, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                           repetition_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                           frequency_penalty=frequency_penalty)
 
 
 def _interrupt(signum, frame) -> None:
@@ -193,7 +204,7 @@ def _run(session: ChatState, model, quant, no_selftest, adapters, backend, ctx, 
             if not text.strip():
                 raise fail("the prompt is empty")
             session.messages.append({"role": "user", "content": text})
-            _reply(llm, session)
+            _reply(session)
             record_compile_time("prompt")  # (when it compiled: the next first run's "compiling" line expects it)
             return
     try:
@@ -213,25 +224,16 @@ def _schema_grammar(path: Path) -> Grammar:
     return json_schema_grammar(schema, f"--schema {path}")
 
 
-def _reply(llm, session: ChatState) -> str:
+def _reply(session: ChatState) -> str:
     """Stream one assistant reply to stdout (a thinking model's reasoning dimmed on stderr before it); return the
-    answer's text (also when stopped by Ctrl-C)."""
-    thinking = thinking_of(llm)
-    mode = "off" if session.grammar is not None else session.thinking.mode  # a grammar wants JSON from token 1
-    prompt = render_prompt(llm.template, thinking, session.conversation(), mode=mode, effort=session.effort)
-    if thinking is not None and thinking.harmony and session.grammar is not None:
-        prompt = answer_at_once(prompt)
-    ids = encode_prompt(llm, prompt.text)  # no second BOS when the template writes one
-    plan = reply_plan(llm, prompt, server=session.thinking.budget, constrained=session.grammar is not None)
+    answer's text (also when stopped by Ctrl-C). The prompt, thinking mode, Harmony's channels, the schema's grammar
+    and the sampling are decided by requests.prepare, as for a server's request."""
     parts: list[str] = []
     shown = False  # the reasoning (or its marker) was printed: the answer starts on a new line
     start, first, tokens = time.perf_counter(), None, 0
     try:
-        procs = [grammar_processor(llm.tokenizer, session.grammar)] if session.grammar is not None else []
-        for ev in session.warm.reply(ids, max_tokens=session.max_tokens, temperature=session.temperature,
-                                     top_k=session.top_k, top_p=session.top_p, seed=session.seed, **session.penalties,
-                                     processors=procs, logprobs=False, thinking=plan,
-                                     speculation=session.speculation):
+        prep = session.warm.prepare(session.request(), session.thinking)
+        for ev in session.warm.reply(prep, speculation=session.speculation):
             tokens += 1
             if first is None:
                 first = time.perf_counter()  # the prompt pass and the first token
@@ -302,7 +304,7 @@ def _repl(llm, session: ChatState) -> None:
             retried = None
             session.messages.append({"role": "user", "content": line})
         try:
-            reply = _reply(llm, session)
+            reply = _reply(session)
         except (KeyboardInterrupt, GoinferError) as e:
             if isinstance(e, KeyboardInterrupt):
                 say("(stopped)", style="dim")
@@ -353,9 +355,9 @@ def _command(line: str, session: ChatState) -> bool:
             value = float(arg)
             if value < 0:
                 raise ValueError
-            session.temperature = value
+            session.options = replace(session.options, temperature=value)
         elif name == "/seed":
-            session.seed = int(arg) if arg else None
+            session.options = replace(session.options, seed=int(arg) if arg else None)
         elif name == "/think":
             if arg not in MODES:
                 raise ValueError
@@ -373,7 +375,7 @@ def _command(line: str, session: ChatState) -> bool:
             value = int(arg)
             if value < 1:
                 raise ValueError
-            session.max_tokens = value
+            session.options = replace(session.options, max_tokens=value)
         else:
             say(f"unknown command {name}. {REPL_HELP}")
     except ValueError:

@@ -2,7 +2,8 @@
 
 Public API (documented in docs/python-api.md):
     load_model(ref, quant=None) -> Model
-    generate(model, prompt_ids, max_tokens=..., temperature=0.0, seed=None, stop=None, ...) -> iterator of TokenEvent
+    generate(model, prompt_ids, max_tokens=..., sampling=SamplingParams(...) or temperature=..., seed=..., ...)
+        -> iterator of TokenEvent
     set_threads(n) / get_threads(): threads used by the kernels and BLAS (default: every core)
 """
 

@@ -141,7 +141,7 @@ def smol(smollm2_gguf):
 def test_chat_completion_object_matches_plain_generation(smol):
     body = run_request(smol, parse_chat_request({"messages": USER, "temperature": 0, "max_tokens": 4}))
     ids = encode_prompt(smol, smol.render_chat(USER))
-    events = list(engine.generation.generate(smol, ids, max_tokens=4, temperature=0))
+    events = list(engine.generate(smol, ids, max_tokens=4, temperature=0))
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert isinstance(body["created"], int) and body["model"] == smol.name
     choice = body["choices"][0]
@@ -207,8 +207,8 @@ def test_token_prompt_outside_the_vocabulary_is_refused(smol):
 
 def test_generate_reports_top_logprobs_only_when_asked(smol):
     ids = smol.tokenizer.encode("Once upon a time")
-    plain = list(engine.generation.generate(smol, ids, max_tokens=2, temperature=0))
-    asked = list(engine.generation.generate(smol, ids, max_tokens=2, temperature=0, top_logprobs=4))
+    plain = list(engine.generate(smol, ids, max_tokens=2, temperature=0))
+    asked = list(engine.generate(smol, ids, max_tokens=2, temperature=0, top_logprobs=4))
     assert all(e.top_logprobs is None for e in plain)
     assert [e.token for e in asked] == [e.token for e in plain]
     row = smol.next_logprobs(ids)

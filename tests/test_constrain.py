@@ -96,7 +96,7 @@ def test_the_model_under_random_schemas_always_validates_when_finished(model):
         prompt = model.tokenizer.encode(model.render_chat([{"role": "user", "content":
                                         f"Reply with a JSON value matching this JSON schema: {json.dumps(schema)}"}]))
         proc = grammar_processor(model.tokenizer, json_schema_grammar(schema))
-        events = list(engine.generation.generate(model, prompt, max_tokens=512, temperature=0.7, seed=i, processors=[proc]))
+        events = list(engine.generate(model, prompt, max_tokens=512, temperature=0.7, seed=i, processors=[proc]))
         if events[-1].finish_reason == "stop":
             finished += 1
             text = "".join(e.text for e in events)

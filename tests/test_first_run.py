@@ -21,7 +21,7 @@ PROMPT = "What is the capital of France? Answer in one sentence."
 
 def _reply(model) -> str:
     ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": PROMPT}]))
-    return "".join(ev.text for ev in engine.generation.generate(model, ids, max_tokens=16, temperature=0))
+    return "".join(ev.text for ev in engine.generate(model, ids, max_tokens=16, temperature=0))
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ def _chat_ids(model, text):
 
 
 def _run(model, ids, **kw):
-    events = list(engine.generation.generate(model, ids, **kw))
+    events = list(engine.generate(model, ids, **kw))
     return events, "".join(e.text for e in events)
 
 
@@ -63,22 +63,22 @@ def test_without_logprobs_the_same_tokens_come_out(smol):
     ids = smol.tokenizer.encode("My favourite food is")
     kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=5, logit_bias={smol.tokenizer.encode(" pizza")[0]: 5.0},
               repetition_penalty=1.3)
-    with_lp = list(engine.generation.generate(smol, ids, **kw))
-    without = list(engine.generation.generate(smol, ids, logprobs=False, **kw))
+    with_lp = list(engine.generate(smol, ids, **kw))
+    without = list(engine.generate(smol, ids, logprobs=False, **kw))
     assert [(e.token, e.text) for e in without] == [(e.token, e.text) for e in with_lp]
     assert all(e.logprob is None for e in without) and all(e.logprob <= 0 for e in with_lp)
 
 
 def test_top_k_one_is_greedy(smol):
     ids = smol.tokenizer.encode("Water boils at")
-    greedy = [e.token for e in engine.generation.generate(smol, ids, max_tokens=8, temperature=0)]
-    topk1 = [e.token for e in engine.generation.generate(smol, ids, max_tokens=8, temperature=1.5, top_k=1, seed=7)]
+    greedy = [e.token for e in engine.generate(smol, ids, max_tokens=8, temperature=0)]
+    topk1 = [e.token for e in engine.generate(smol, ids, max_tokens=8, temperature=1.5, top_k=1, seed=7)]
     assert topk1 == greedy
 
 
 def test_event_logprob_is_the_models(smol):
     ids = smol.tokenizer.encode("Water boils at")
-    first = next(iter(engine.generation.generate(smol, ids, max_tokens=1, temperature=0)))
+    first = next(iter(engine.generate(smol, ids, max_tokens=1, temperature=0)))
     lp = smol.next_logprobs(ids)
     assert first.token == int(np.argmax(lp))
     assert first.logprob == pytest.approx(float(lp[first.token]), abs=1e-4)
@@ -96,21 +96,21 @@ def test_logprobs_rows_match_next_logprobs(smol):
 def test_bad_requests_are_refused(smol):
     ids = smol.tokenizer.encode("Hi")
     with pytest.raises(InvalidRequest, match="temperature"):
-        list(engine.generation.generate(smol, ids, temperature=-1))
+        list(engine.generate(smol, ids, temperature=-1))
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        list(engine.generation.generate(smol, ids, max_tokens=0))
+        list(engine.generate(smol, ids, max_tokens=0))
     with pytest.raises(InvalidRequest, match="empty"):
-        list(engine.generation.generate(smol, [], max_tokens=4))
+        list(engine.generate(smol, [], max_tokens=4))
     with pytest.raises(InvalidRequest, match="logit_bias"):
-        list(engine.generation.generate(smol, ids, logit_bias={10**9: 1.0}))
+        list(engine.generate(smol, ids, logit_bias={10**9: 1.0}))
     with pytest.raises(ContextOverflow, match="context window"):
-        list(engine.generation.generate(smol, ids * smol.context_length, max_tokens=4))
+        list(engine.generate(smol, ids * smol.context_length, max_tokens=4))
 
 
 def test_logit_bias_forces_a_token(smol):
     ids = smol.tokenizer.encode("Hello")
     forced = smol.tokenizer.encode(" banana")[0]
-    events = list(engine.generation.generate(smol, ids, max_tokens=3, temperature=0, logit_bias={forced: 100.0}))
+    events = list(engine.generate(smol, ids, max_tokens=3, temperature=0, logit_bias={forced: 100.0}))
     assert [e.token for e in events] == [forced] * 3
 
 
@@ -210,3 +210,18 @@ def test_sampler_sorts_only_what_it_keeps_and_draws_as_a_full_sort(kw):
         for _ in range(5):
             logits = rng.normal(0, scale, 262144).astype(np.float32)
             assert fast(logits.copy()) == slow(logits.copy())
+
+
+def test_the_sampling_object_and_its_fields_as_keywords_pick_the_same_tokens(smol):
+    ids = smol.tokenizer.encode("My favourite food is")
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5, repetition_penalty=1.2,
+                            logit_bias={13: -2.0})
+    whole = [e.token for e in engine.generate(smol, ids, max_tokens=12, sampling=params)]
+    named = [e.token for e in engine.generate(smol, ids, max_tokens=12, temperature=0.9, top_k=20,
+                                                         top_p=0.9, seed=5, repetition_penalty=1.2,
+                                                         logit_bias={13: -2.0})]
+    assert whole == named
+    with pytest.raises(TypeError, match="not both"):
+        engine.generate(smol, ids, sampling=params, temperature=0.5)
+    with pytest.raises(TypeError):
+        engine.generate(smol, ids, temprature=0.5)  # a misspelt setting is not ignored

@@ -100,7 +100,7 @@ def test_split_quant_is_pulled_whole_and_loads_as_one_model(hub, fixtures, tmp_p
 
     whole = load_model(tmp_path / "single.gguf", selftest=False)
     ids = model.tokenizer.encode("hello world")
-    tokens = [[ev.token for ev in engine.generation.generate(m, ids, max_tokens=6, temperature=0)] for m in (model, whole)]
+    tokens = [[ev.token for ev in engine.generate(m, ids, max_tokens=6, temperature=0)] for m in (model, whole)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 
 

@@ -104,7 +104,7 @@ def test_resident_memory_after_generation_stays_near_file_size(gemma_gguf):
         cache = m.new_cache(512 + 128)
         ids = m.tokenizer.encode("The history of the city begins with a market by the river. " * 60)[:512]
         bias = {{t: -1e9 for t in m.tokenizer.eog_ids}}
-        n = sum(1 for _ in engine.generation.generate(m, ids, max_tokens=128, temperature=0, cache=cache, logit_bias=bias))
+        n = sum(1 for _ in engine.generate(m, ids, max_tokens=128, temperature=0, cache=cache, logit_bias=bias))
         assert n == 128 and cache.length >= 512 + 127, (n, cache.length)
         anon = model_pages = 0
         current = None

@@ -136,8 +136,8 @@ def test_a_real_model_reads_only_its_packed_copy(smollm2_gguf, tmp_path):
             f.write(b"\xff" * w.tensor(n).raw.nbytes)  # f16 NaN scales: any read of them shows
     for text in ("The history of mechanical clocks begins in medieval Europe. " * 4, "Hi"):
         ids = model.tokenizer.encode(text)  # a long prompt (dequantize + sgemm), a short one (int8 matvec)
-        got = [(e.token, e.logprob) for e in engine.generation.generate(model, ids, max_tokens=4, temperature=0)]
-        want = [(e.token, e.logprob) for e in engine.generation.generate(clean, ids, max_tokens=4, temperature=0)]
+        got = [(e.token, e.logprob) for e in engine.generate(model, ids, max_tokens=4, temperature=0)]
+        want = [(e.token, e.logprob) for e in engine.generate(clean, ids, max_tokens=4, temperature=0)]
         assert got == want
     np.testing.assert_array_equal(kernels_for("cpu").embed(w.tensor("token_embd"), [0, 5, 49151]),
                                   kernels_for("cpu").embed(clean.weights.tensor("token_embd"), [0, 5, 49151]))

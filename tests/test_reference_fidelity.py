@@ -118,7 +118,7 @@ def test_greedy_generation_follows_llama_cpp(request, name, case_name):
     # only ask for one of llama.cpp's top three.
     upto = next((j for j, pos in enumerate(case["positions"]) if pos["margin"] < GREEDY_MARGIN), len(want))
     n = min(upto + 1, len(want))
-    got = [ev.token for ev in engine.generation.generate(model, case["tokens"], max_tokens=n, temperature=0.0)]
+    got = [ev.token for ev in engine.generate(model, case["tokens"], max_tokens=n, temperature=0.0)]
     assert got[:upto] == want[:upto]
     if upto < len(want):
         assert got[upto] in [i for i, _ in case["positions"][upto]["top"][:3]]

@@ -364,8 +364,9 @@ def test_a_chat_conversation_evaluates_each_new_message_only_and_answers_as_cold
     messages = [{"role": "system", "content": SYSTEM}]
     for question in TURNS:
         messages.append({"role": "user", "content": question})
-        ids = encode_prompt(smol, smol.render_chat(messages, add_generation_prompt=True))
-        reply = "".join(ev.text for ev in conv.reply(ids, max_tokens=24, temperature=0.0, logprobs=False))
+        prep = conv.prepare(chat_request(messages))  # the turn prepared as a server's request
+        assert prep.ids == encode_prompt(smol, smol.render_chat(messages, add_generation_prompt=True))
+        reply = "".join(ev.text for ev in conv.reply(prep))
         cold = execute(smol, chat_request(messages))
         assert reply == cold.text
         new = len(encode_prompt(smol, smol.render_chat(messages[-1:], add_generation_prompt=True)))
@@ -381,9 +382,9 @@ def test_a_chat_conversation_evaluates_each_new_message_only_and_answers_as_cold
     meta = again.load()
     assert meta["messages"] == messages
     messages.append({"role": "user", "content": "One more question: do you bake baguettes?"})
-    ids = encode_prompt(smol, smol.render_chat(messages, add_generation_prompt=True))
-    reply = "".join(ev.text for ev in again.reply(ids, max_tokens=24, temperature=0.0, logprobs=False))
-    assert again.cached_tokens >= len(ids) - smol.backend.prompt_tile - 30
+    prep = again.prepare(chat_request(messages))
+    reply = "".join(ev.text for ev in again.reply(prep))
+    assert again.cached_tokens >= len(prep.ids) - smol.backend.prompt_tile - 30
     assert reply == execute(smol, chat_request(messages)).text
 
 
@@ -395,8 +396,7 @@ def test_a_recurrent_model_chat_reuses_its_snapshots_and_its_session_file(tmp_pa
     messages = [{"role": "system", "content": SYSTEM}]
     for question in TURNS[:3]:
         messages.append({"role": "user", "content": question})
-        ids = encode_prompt(hybrid, hybrid.render_chat(messages, add_generation_prompt=True))
-        reply = "".join(ev.text for ev in conv.reply(ids, max_tokens=8, temperature=0.0, logprobs=False))
+        reply = "".join(ev.text for ev in conv.reply(conv.prepare(chat_request(messages, max_tokens=8))))
         assert reply == execute(hybrid, chat_request(messages, max_tokens=8)).text
         if len(messages) > 2:
             assert conv.cached_tokens > 0 and conv.cached_tokens % hybrid.backend.prompt_tile == 0
@@ -408,7 +408,6 @@ def test_a_recurrent_model_chat_reuses_its_snapshots_and_its_session_file(tmp_pa
     again = WarmConversation(hybrid, path=path, warn=warnings.append)
     assert again.load()["messages"] == messages and not warnings
     messages.append({"role": "user", "content": TURNS[3]})
-    ids = encode_prompt(hybrid, hybrid.render_chat(messages, add_generation_prompt=True))
-    reply = "".join(ev.text for ev in again.reply(ids, max_tokens=8, temperature=0.0, logprobs=False))
+    reply = "".join(ev.text for ev in again.reply(again.prepare(chat_request(messages, max_tokens=8))))
     assert again.cached_tokens > 0
     assert reply == execute(hybrid, chat_request(messages, max_tokens=8)).text

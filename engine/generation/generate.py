@@ -37,16 +37,15 @@ class TokenEvent:
     thinking: bool = False  # the token was generated inside the thinking block (a reasoning token)
 
 
-def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
-             seed: int | None = None, stop: str | Sequence[str] | None = None, *, top_k: int = 0,
-             top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             logit_bias: dict[int, float] | None = None, cache: KVCache | None = None,
-             top_logprobs: int = 0, logprobs: bool = True, on_prefill: Callable[[int], None] | None = None,
+def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, *, sampling: SamplingParams | None = None,
+             stop: str | Sequence[str] | None = None, cache: KVCache | None = None, top_logprobs: int = 0,
+             logprobs: bool = True, on_prefill: Callable[[int], None] | None = None,
              processors: Sequence[Processor] = (), thinking: ThinkingPlan | None = None,
-             speculation: Speculation | None = None) -> Iterator[TokenEvent]:
+             speculation: Speculation | None = None, **settings) -> Iterator[TokenEvent]:
     """Checks every argument now (raising InvalidRequest / ContextOverflow); the work starts at the first
-    next(). `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run).
+    next(). `sampling` says how tokens are picked (engine/generation/sampling.py; default: greedy); a caller that
+    builds none may name its fields as keywords instead (temperature=0.7, seed=1, top_p=0.9, ...), not both.
+    `on_prefill(done)` is called after each prompt chunk (an exception it raises ends the run).
     `processors` run after the sampling ones (a grammar mask last); one with an `accept(token)` method is
     told each sampled token before the model evaluates it (so it can prepare the next step meanwhile).
     `logprobs=False` leaves each event's `.logprob` None and skips its normalizer (a pass over the vocabulary
@@ -55,13 +54,15 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, tem
     thinking reply: each event's `reasoning` apart from its `text` (stop strings match the answer only), with the
     reasoning budget forced (engine/thinking/stream.py). `speculation` drafts tokens by prompt lookup and checks them
     several a step (engine/generation/speculation.py): the same tokens, sooner where the reply repeats its context."""
+    if settings and sampling is not None:
+        raise TypeError(f"generate: pass sampling= or its fields ({', '.join(settings)}), not both")
+    if settings:
+        sampling = SamplingParams(**settings)  # an unknown name is a TypeError, as for any function
     window = cache.max_tokens if cache is not None else model.context_length
-    gen = Generation(model, prompt_ids, max_tokens, window=window, temperature=temperature, seed=seed, stop=stop,
-                     top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+    gen = Generation(model, prompt_ids, max_tokens, window=window, sampling=sampling, stop=stop,
                      top_logprobs=top_logprobs, logprobs=logprobs, processors=processors, thinking=thinking)
     cache = cache if cache is not None else model.new_cache(gen.cache_tokens)
-    return _run(model, gen, cache, on_prefill, speculation)
+    return run_generation(model, gen, cache, on_prefill, speculation)
 
 
 class Generation:
@@ -71,17 +72,13 @@ class Generation:
     runs one sequence, the scheduler many at once, and a sequence decides the same in both."""
 
     def __init__(self, model: Model, prompt_ids: Sequence[int], max_tokens: int, *, window: int,
-                 temperature: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None, top_logprobs: int = 0, logprobs: bool = True,
-                 processors: Sequence[Processor] = (), thinking: ThinkingPlan | None = None):
+                 sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None,
+                 top_logprobs: int = 0, logprobs: bool = True, processors: Sequence[Processor] = (),
+                 thinking: ThinkingPlan | None = None):
         """Checks every argument (InvalidRequest, ContextOverflow); `window` is the most tokens the sequence may
-        hold, prompt included."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}))
-        params.validate(model.vocab_size)
+        hold, prompt included; `sampling` (default: greedy) how its tokens are picked."""
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.sampling.validate(model.vocab_size)
         self.prompt_ids = [int(t) for t in prompt_ids]
         if not self.prompt_ids:
             raise InvalidRequest("the prompt is empty (no tokens)")
@@ -96,9 +93,9 @@ class Generation:
         self.max_tokens = self.cache_tokens - len(self.prompt_ids)
         self._stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         self._tok = model.tokenizer
-        self._processors = make_logits_processors(params) + list(processors)
+        self._processors = make_logits_processors(self.sampling) + list(processors)
         self._accepts = [p.accept for p in self._processors if hasattr(p, "accept")]
-        self._sampler = make_sampler(params)
+        self._sampler = make_sampler(self.sampling)
         self._decoder = IncrementalDecoder(model.tokenizer, skip_special=True)
         self._top_logprobs = top_logprobs
         self._want_logprob = logprobs or top_logprobs > 0
@@ -196,10 +193,10 @@ class Generation:
         return reasoning, answer
 
 
-def _run(model: Model, gen: Generation, cache: KVCache, on_prefill=None,
-         speculation: Speculation | None = None) -> Iterator[TokenEvent]:
-    # A cache that already holds the prompt's first positions (a warm session, engine/sessions/pool.py) goes on from
-    # there.
+def run_generation(model: Model, gen: Generation, cache: KVCache, on_prefill: Callable[[int], None] | None = None,
+                   speculation: Speculation | None = None) -> Iterator[TokenEvent]:
+    """The sequence's tokens, its prompt evaluated into cache first. A cache that already holds the prompt's first
+    positions (a warm session, engine/sessions/pool.py) goes on from there."""
     logits = model.prefill(gen.prompt_ids[cache.length :], cache, on_chunk=on_prefill)[0]
     yield from continue_from(model, gen, cache, logits, speculation)
 

@@ -1,4 +1,10 @@
-"""Samplers and logits processors as plain callables.
+"""How tokens are picked: the one record of a sequence's sampling settings, and the samplers and logits processors
+built from it as plain callables.
+
+`SamplingParams` is declared here and nowhere else: a request's settings become one (engine/requests/request.py,
+`SamplingOptions.to_sampling_params`, after the request body, a runner's flags and the API defaults are merged)
+and Generation / generate() take it whole (engine/generation/generate.py), as vLLM's SamplingParams and mlx-lm's
+make_sampler are passed down.
 
 A processor maps (logits (vocab,) f32, history: list[int]) -> logits; a sampler maps logits -> token id.
 Order follows llama.cpp's default chain: penalties and bias, then top-k, top-p, min-p, temperature.
@@ -22,6 +28,8 @@ Sampler = Callable[[np.ndarray], int]
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One sequence's sampling settings; the defaults change nothing (greedy, every processor off)."""
+
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -31,7 +39,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64  # how many recent tokens the penalties look at (llama.cpp's default)
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)  # token id -> added to its logit
+
+    def __post_init__(self):
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias or {}))  # None reads as none; a copy of ours
 
     def validate(self, vocab_size: int) -> None:
         if not (self.temperature >= 0):

@@ -4,7 +4,7 @@ a final assistant message continued), or a completion's text or token ids; and t
     render_request(model, req, settings) -> PromptText     the chat's prompt text (and whether it opens thinking)
     prompt_ids(model, req, settings)     -> token ids       what the model evaluates
     thinking_plan(model, req, prompt, settings)              how the reply is split (None: not a thinking model)
-    reply_plan(model, prompt, ...)                           the same from the parts (the chat REPL's)
+    reply_plan(model, prompt, ...)                           the same from its parts
     continuation_ids(model, req, reply)                      how the next turn's prompt will likely start
     message_starts(model, text, messages, ids)               where the first and the last user message start
 """

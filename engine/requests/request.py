@@ -18,6 +18,7 @@ from engine.constrain.confidence import ConfidenceGrammar, field_confidences
 from engine.constrain.grammar import Grammar, GrammarProcessor, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
 from engine.generation.generate import Generation, TokenEvent, continue_from, top_logprobs_of
+from engine.generation.sampling import SamplingParams
 from engine.models.base import Model
 from engine.requests.prompts import encode_prompt, message_starts, prompt_ids, render_request, thinking_plan
 from engine.thinking.stream import ThinkingSettings
@@ -47,11 +48,26 @@ class SamplingOptions:
         """These options, with every unset field taken from `other`."""
         return replace(self, **{f.name: getattr(other, f.name) for f in fields(self) if getattr(self, f.name) is None})
 
+    def to_sampling_params(self) -> SamplingParams:
+        """The sampler's settings these options come to, the API defaults for what they leave unset: the one way
+        a request's sampling settings become the SamplingParams its sequences are built with (the server's, a batch's
+        and `goinfer chat`'s alike). Merge the layers first (apply_defaults: the body, then a runner's flags)."""
+        stated = self.fill(API_DEFAULTS)
+        return SamplingParams(**{name: getattr(stated, name) for name in _SAMPLER_FIELDS})
 
-# What an OpenAI-style API does when a request states nothing (seed stays None: a random seed).
-# max_tokens is further bounded by what the context window leaves after the prompt.
-API_DEFAULTS = SamplingOptions(max_tokens=512, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, stop=(),
-                               presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={})
+    @classmethod
+    def stating(cls, params: SamplingParams, **more) -> SamplingOptions:
+        """Options that state every sampler setting of `params` (and `more`)."""
+        return cls(**{name: getattr(params, name) for name in _SAMPLER_FIELDS}, **more)
+
+
+# The settings a request may state that are the sampler's (engine/generation/sampling.py declares them).
+_SAMPLER_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name in {g.name for g in fields(SamplingOptions)})
+
+# What an OpenAI-style API does when a request states nothing: temperature 1 and otherwise the sampler's neutral
+# settings (seed None: a random seed), no stop strings, and max_tokens 512, further bounded by what the context
+# window leaves after the prompt.
+API_DEFAULTS = SamplingOptions.stating(SamplingParams(temperature=1.0), max_tokens=512, stop=())
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,7 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     """Check `req` against `model` (at most `window` tokens of context) without running it; `thinking`: the
     runner's thinking mode and reasoning budget, for what the request leaves unsaid."""
     opts = req.options.fill(API_DEFAULTS)
+    sampling = opts.to_sampling_params()
     plan, marks = None, ()
     if req.messages is not None:
         prompt = render_request(model, req, thinking)
@@ -229,15 +246,12 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     choices = []
     for i in range(req.n):
         # Choice i samples with seed + i: n choices from one seed differ, and each is reproducible.
-        seed = None if opts.seed is None else (opts.seed + i) % (1 << 64)
+        seeded = sampling if sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % (1 << 64))
         kind = ConfidenceGrammar if req.confidence else GrammarProcessor
         procs = [grammar_processor(model.tokenizer, grammar, kind)] if grammar is not None else []
-        choices.append(Generation(model, ids, opts.max_tokens, window=window, temperature=opts.temperature,
-                                  seed=seed, stop=list(opts.stop), top_k=opts.top_k, top_p=opts.top_p,
-                                  min_p=opts.min_p, repetition_penalty=opts.repetition_penalty,
-                                  presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
-                                  logit_bias=opts.logit_bias, top_logprobs=req.top_logprobs if req.logprobs else 0,
-                                  logprobs=bool(req.logprobs), processors=procs, thinking=plan))
+        choices.append(Generation(model, ids, opts.max_tokens, window=window, sampling=seeded, stop=list(opts.stop),
+                                  top_logprobs=req.top_logprobs if req.logprobs else 0, logprobs=bool(req.logprobs),
+                                  processors=procs, thinking=plan))
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)

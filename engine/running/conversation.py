@@ -1,5 +1,7 @@
 """One conversation whose KV cache outlives its turns (`goinfer chat`): each turn evaluates what is new.
 
+A turn is a GenerationRequest prepared as the server prepares one (engine/requests/request.py `prepare`: the
+template, thinking mode, Harmony, grammar and sampling decided there), run on the conversation's warm cache.
 A turn's prompt is the whole conversation rendered by the chat template; it starts as the last one did, so it
 continues from the warm session the last turn left (engine/sessions/pool.py, a pool of one) and evaluates the rest.
 The reply's own keys and values come from the decode step, whose numbers differ from a prompt pass's, so after
@@ -21,11 +23,14 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.errors import ContextOverflow
-from engine.generation.generate import TokenEvent, generate
+from engine.generation.generate import TokenEvent, run_generation
+from engine.generation.speculation import Speculation
 from engine.kernels.threads import set_threads
 from engine.models.base import Model
+from engine.requests.request import GenerationRequest, Prepared, prepare
 from engine.sessions.disk import NotLoadable, load_file, save_file
 from engine.sessions.pool import Session, SessionPool, keep_snapshots, pause_points
+from engine.thinking.stream import ThinkingSettings
 
 
 class WarmConversation:
@@ -58,18 +63,24 @@ class WarmConversation:
         self.pool.add(session)
         return session.meta
 
-    def reply(self, ids: list[int], **options) -> Iterator[TokenEvent]:
-        """generate()'s events for the prompt ids, continuing the warm session; `options` are generate()'s."""
+    def prepare(self, req: GenerationRequest, thinking: ThinkingSettings = ThinkingSettings()) -> Prepared:
+        """The next turn (a chat request of one choice) checked against the model and held to the conversation's
+        window, as requests.prepare checks a server's; `thinking`: the runner's mode and budget."""
+        try:
+            return prepare(self.model, req, window=self.window, thinking=thinking)
+        except ContextOverflow as e:
+            raise ContextOverflow(str(e).replace("the prompt has", "the conversation has", 1)
+                                  + " (/reset starts a new one)") from None
+
+    def reply(self, prep: Prepared, speculation: Speculation | None = None) -> Iterator[TokenEvent]:
+        """The prepared turn's token events (its first choice), continuing the warm session."""
         self.wait()
-        max_new = options.get("max_tokens", 256)
-        if len(ids) >= self.window:
-            raise ContextOverflow(f"the conversation has {len(ids)} tokens; the context window is {self.window} "
-                                  "(/reset starts a new one)")
-        taken = self.pool.take(ids, min(self.window, len(ids) + max_new))
+        ids, gen = prep.ids, prep.choices[0]
+        taken = self.pool.take(ids, gen.cache_tokens)
         cache = taken.cache
         self.prompt_tokens, self.cached_tokens = len(ids), taken.reused
         try:
-            yield from generate(self.model, ids, cache=cache, **options)
+            yield from run_generation(self.model, gen, cache, speculation=speculation)
         finally:  # stopped or not, what the prompt pass computed stays warm (a recurrent state: its snapshots)
             self.pool.give(cache, ids[: min(len(ids), cache.length)], taken.snapshots)
 
