@@ -25,7 +25,7 @@ from engine.constrain import Grammar, json_schema_grammar
 from engine.running.conversation import WarmConversation
 from engine.errors import GoinferError
 from engine.loading.precompile import announce_running, record_compile_time
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 from engine.generation.speculation import Speculation
 from engine.requests.prompts import encode_prompt, message_starts
 from engine.requests.request import GenerationRequest, SamplingOptions

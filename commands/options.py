@@ -75,7 +75,8 @@ def thinking_settings(mode: str, budget: str, fmt: str = "auto"):
     """--thinking, --reasoning-budget and --reasoning-format as engine settings; a bad value is a one-line usage
     error."""
     from commands.errors import fail
-    from engine.thinking.stream import FORMATS, ThinkingSettings, parse_budget
+    from engine.thinking.budget import parse_budget
+    from engine.thinking.plan import FORMATS, ThinkingSettings
     from engine.thinking.template import MODES
     if mode not in MODES:
         raise fail(f"--thinking must be one of {', '.join(MODES)}, got {mode!r}")

@@ -22,7 +22,8 @@ import engine
 from engine.api.openai import parse_chat_request
 from engine.generation.generate import Generation
 from engine.requests.prompts import render_request, thinking_plan
-from engine.thinking.stream import ThinkingSettings, thinking_budget
+from engine.thinking.budget import thinking_budget
+from engine.thinking.plan import ThinkingSettings
 from engine.requests.request import execute
 from engine.thinking.harmony import FINAL, HarmonySplitter, is_harmony
 from engine.templates.tool_stream import CallArguments, CallStart, ToolCallStream

@@ -20,7 +20,9 @@ import engine
 from engine.api.anthropic import parse_messages_request
 from engine.api.openai import parse_chat_request
 from engine.api.responses import parse_responses_request
-from engine.thinking.stream import ReasoningSplitter, ThinkingSettings, thinking_budget, ThinkingPlan
+from engine.thinking.budget import thinking_budget
+from engine.thinking.plan import ThinkingPlan, ThinkingSettings
+from engine.thinking.stream import ReasoningSplitter
 from engine.requests.prompts import render_request, thinking_of
 from engine.requests.request import Collector, execute, prepare, run
 from engine.templates import ChatTemplate

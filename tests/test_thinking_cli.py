@@ -14,7 +14,7 @@ import pytest
 
 import engine
 from engine.api.openai import parse_chat_request
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 from engine.requests.request import execute
 from tests import reference_templates as ref
 from tests.conftest import SHARED

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.api.fields import int_field, kind_of
 from engine.errors import RequestError
-from engine.thinking.stream import FORMATS
+from engine.thinking.plan import FORMATS
 
 __all__ = ["FIELDS", "replayed_reasoning", "thinking_controls"]
 

@@ -20,7 +20,7 @@ from engine.api.openai import parse_chat_request
 from engine.errors import RequestError
 from engine.models.base import Model
 from engine.requests.prompts import render_request
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 
 __all__ = ["apply_template", "detokenize", "tokenize"]
 

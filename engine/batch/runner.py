@@ -22,7 +22,7 @@ from engine.api.openai_objects import error_code, response_object
 from engine.batch.io import BatchLine, RecordLog, error_record, errors_path, read_input, success_record
 from engine.errors import BatchFileError, Cancelled, GoinferError
 from engine.kernels.threads import get_threads
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 from engine.requests.request import Collector, GenerationRequest, SamplingOptions, apply_defaults, execute, prepare
 from engine.running.scheduler import Finished, Job, QueueFull, Scheduler
 from engine.sessions.pool import SessionPool

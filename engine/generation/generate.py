@@ -17,7 +17,9 @@ from engine.errors import ContextOverflow, InvalidRequest
 from engine.kernels.backend import KVCache
 from engine.kernels import vmath
 from engine.models.base import Model
-from engine.thinking.stream import ThinkingPlan, splitter, thinking_budget
+from engine.thinking.budget import thinking_budget
+from engine.thinking.plan import ThinkingPlan
+from engine.thinking.stream import splitter
 from engine.generation.sampling import Processor, SamplingParams, make_logits_processors, make_sampler
 from engine.generation.speculation import Speculation
 from engine.tokenizer import IncrementalDecoder
@@ -52,7 +54,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_tokens: int = 256, *, 
     per token): what a caller that shows no log-probabilities passes. `cache` (default: a new one) may hold the
     prompt's first positions already (a warm session): those are not evaluated again. `thinking` splits a
     thinking reply: each event's `reasoning` apart from its `text` (stop strings match the answer only), with the
-    reasoning budget forced (engine/thinking/stream.py). `speculation` drafts tokens by prompt lookup and checks them
+    reasoning budget forced (engine/thinking/budget.py). `speculation` drafts tokens by prompt lookup and checks them
     several a step (engine/generation/speculation.py): the same tokens, sooner where the reply repeats its context."""
     if settings and sampling is not None:
         raise TypeError(f"generate: pass sampling= or its fields ({', '.join(settings)}), not both")

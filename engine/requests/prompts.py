@@ -15,7 +15,7 @@ import weakref
 
 from engine.errors import RequestError
 from engine.models.base import Model
-from engine.thinking.stream import ThinkingPlan, ThinkingSettings
+from engine.thinking.plan import ThinkingPlan, ThinkingSettings
 from engine.sessions.pool import shared_prefix
 from engine.thinking.harmony import ANSWER_NOW, FINAL, START, harmony_messages
 from engine.thinking.template import PromptText, ThinkingTemplate, read_thinking, render_prompt

@@ -21,7 +21,7 @@ from engine.generation.generate import Generation, TokenEvent, continue_from, to
 from engine.generation.sampling import SamplingParams
 from engine.models.base import Model
 from engine.requests.prompts import encode_prompt, message_starts, prompt_ids, render_request, thinking_plan
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 from engine.generation.speculation import Speculation
 from engine.templates.tools import ToolCall, asks_hermes_json, parse_tool_calls, template_supports_tools
 from engine.tokenizer import IncrementalDecoder
@@ -90,7 +90,7 @@ class GenerationRequest:
     tools: tuple[dict, ...] | None = field(default=None, hash=False)
     tool_choice: str = "auto"  # "none" | "auto" | "required" | "function" (one named tool: tools holds it)
     parallel_tool_calls: bool = True
-    # Thinking (engine/thinking/stream.py): "on" / "off" as the request asks (None: the runner's mode), how the reply
+    # Thinking (engine/thinking/plan.py): "on" / "off" as the request asks (None: the runner's mode), how the reply
     # is split ("auto", "deepseek", "none", "deepseek-legacy"), the request's own reasoning budget, and more
     # variables for the chat template (chat_template_kwargs).
     thinking: str | None = None

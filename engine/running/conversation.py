@@ -30,7 +30,7 @@ from engine.models.base import Model
 from engine.requests.request import GenerationRequest, Prepared, prepare
 from engine.sessions.disk import NotLoadable, load_file, save_file
 from engine.sessions.pool import Session, SessionPool, keep_snapshots, pause_points
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 
 
 class WarmConversation:

@@ -11,7 +11,7 @@ from pathlib import Path
 from engine.errors import GoinferError
 from engine.models.base import Model
 from engine.models.base import PREFILL_CHUNK
-from engine.thinking.stream import ThinkingSettings
+from engine.thinking.plan import ThinkingSettings
 from engine.requests.request import context_window
 from engine.kernels.backend import PROMPT_TILE
 from engine.server.cors import parse_origins
@@ -56,7 +56,7 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections; beyond, 503 with Retry-After
     read_deadline_s: float = DEFAULT_READ_DEADLINE_S  # for a request's headers and body, from the connection's
     # start or its last answer
-    thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/thinking/stream.py)
+    thinking: ThinkingSettings = ThinkingSettings()  # --thinking and --reasoning-budget (engine/thinking/plan.py)
     decisions_template: str = "chat-v1"  # how /v1/systemone shows a question (engine/decisions/prompts.py)
     # per served model, per kind: fitted temperatures (--decisions-calibration; engine/decisions/calibration.py)
     decisions_temperatures: dict = field(default_factory=dict)
