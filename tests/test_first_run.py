@@ -62,7 +62,8 @@ def uncompiled_step(monkeypatch, private_lock):
 def test_a_first_chat_answers_while_the_step_compiles_elsewhere(uncompiled_step, smollm2_gguf):
     model = engine.load_model(smollm2_gguf, background_compile=True)
     # one compile started, before the self-test: the model's own load, as the foreground's
-    assert uncompiled_step["commands"] == [[sys.executable, "-m", "engine.loading.precompile", str(smollm2_gguf), "auto"]]
+    assert uncompiled_step["commands"] == [[sys.executable, "-m", "engine.loading.precompile", str(smollm2_gguf),
+                                            "auto"]]
     notes = []
     step_compile.announce_running(notes.append)  # what a one-shot says as it returns, the compile still running
     assert len(notes) == 1 and "still compiling in the background" in notes[0] and "4 min at most" in notes[0]

@@ -1,4 +1,4 @@
-"""The scheduler (engine/running/scheduler.py, engine/running/stepper.py) in process: requests that run side by side get, token for
+"""The scheduler (engine/running/scheduler.py, stepper.py) in process: requests that run side by side get, token for
 token and logprob for logprob, the reply each gets alone (requests.execute, one sequence at a time), on the real
 default model and on families whose caches differ (sliding windows, a hybrid's recurrent state)."""
 

@@ -1,5 +1,5 @@
-"""Prompt-prefix reuse (engine/sessions/pool.py) in process, on the real models: a reply is the same, token for token and
-logprob for logprob, whether its prompt's prefix came from a warm session, a session file or a cold prefill; also
+"""Prompt-prefix reuse (engine/sessions/pool.py) in process, on the real models: a reply is the same, token for token
+and logprob for logprob, whether its prompt's prefix came from a warm session, a session file or a cold prefill; also
 when the prompt leaves the cached one mid-way, and on a hybrid family whose recurrent state reuses only from a
 snapshot. `cached_tokens` is exactly what was reused. Session files: a round trip restores a session; a corrupt,
 truncated or foreign file is skipped with one warning. `goinfer chat`'s conversation (engine/running/conversation.py)

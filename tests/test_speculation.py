@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (engine/generation/speculation.py): a run of a token and its draft through one decode
+"""Speculative decoding by prompt lookup (generation/speculation.py): a run of a token and its draft through one decode
 step gives each row the numbers that token's own step gives, bit for bit, so replies are the same tokens, text and
 logprobs with it on or off (greedy, seeded sampling, stops, max_tokens, grammars, n choices, side by side in the
 scheduler, over HTTP), in fewer steps where the reply repeats its context; where it cannot run (recurrent state)

@@ -41,8 +41,8 @@ class Model:
         self.quant = quant  # as asked for: "auto" runs the backend's fast path, "f32" its exact one (backend.path)
         self.metadata = metadata
         self.name = path.stem
-        # Where it runs and why (load_model: engine/loading/placement.py): "backend" cpu | webgpu, "asked" cpu | webgpu |
-        # auto, "reason" for the choice, "adapter" (the WebGPU adapter's report) and "selftest" where one ran.
+        # Where it runs and why (load_model: engine/loading/placement.py): "backend" cpu | webgpu, "asked" cpu |
+        # webgpu | auto, "reason" for the choice, "adapter" (the WebGPU adapter's report) and "selftest" where one ran.
         self.placement: dict = {"backend": backend.name, "asked": backend.name}
         self.adapters: list[dict] = []  # LoRA adapters merged into the weights (models/lora.py): their identities
 

@@ -21,7 +21,7 @@ from engine.thinking.harmony import ANSWER_NOW, FINAL, START, harmony_messages
 from engine.thinking.template import PromptText, ThinkingTemplate, read_thinking, render_prompt
 from engine.templates.tools import render_messages
 
-# `req` below is an engine.requests.request.GenerationRequest (not imported: engine.requests.request builds on this module).
+# `req` below is an engine.requests.request.GenerationRequest (not imported: that module builds on this one).
 
 __all__ = ["answer_at_once", "continuation_ids", "encode_prompt", "message_starts", "prompt_ids", "render_request",
            "reply_plan", "thinking_mode", "thinking_of", "thinking_plan"]

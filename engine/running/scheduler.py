@@ -92,7 +92,7 @@ class Scheduler:
                  speculation: Speculation | None = None, log: Callable[[str], None] = print):
         """sessions: the model's warm sessions (prompt-prefix reuse); None evaluates every prompt whole.
         warm_replies: evaluate a finished chat's reply into its session while idle (engine/sessions/warming.py).
-        speculation: draft tokens by prompt lookup, checked several a step (engine/generation/speculation.py); None: off."""
+        speculation: draft tokens by prompt lookup, checked several a step (generation/speculation.py); None: off."""
         self.name = name
         self.placement = model.placement  # where the model runs and why (engine/loading/placement.py), for /health
         self.sessions = sessions

@@ -3,8 +3,8 @@ the queue and the admission; this module the work).
 
 Each `step()` does at most two things: one chunk of the oldest admitted prompt, then one decode step for every
 sequence that is generating, all of them in one `Model.decode_runs` call (each weight read once for all; a
-sequence that drafts, engine/generation/speculation.py, brings its draft as more rows of its own). A long prompt thus enters
-between decode steps, chunk by chunk, and the streams already running keep flowing.
+sequence that drafts, engine/generation/speculation.py, brings its draft as more rows of its own). A long prompt
+thus enters between decode steps, chunk by chunk, and the streams already running keep flowing.
 
 A request's n choices share its prompt: it is evaluated once, then each choice continues from a copy of its
 cache. With a session pool (engine/sessions/pool.py), a prompt starts from the warm session that shares most of it
@@ -73,7 +73,7 @@ class Stepper:
                  sessions: SessionPool | None = None, warm_replies: bool = True,
                  speculation: Speculation | None = None):
         self.model = model
-        self.speculation = speculation  # drafts checked several tokens a step (engine/generation/speculation.py), or None
+        self.speculation = speculation  # drafts checked several tokens a step (generation/speculation.py), or None
         self.prefill_chunk = prefill_chunk
         self._on_end = on_end
         self.sessions = sessions

@@ -1,5 +1,5 @@
-"""`goinfer serve`'s HTTP transport: routing, auth, body limits, a scheduler per model (engine/running/scheduler.py), SSE
-streaming, shutdown.
+"""`goinfer serve`'s HTTP transport: routing, auth, body limits, a scheduler per model (running/scheduler.py),
+SSE streaming, shutdown.
 
 Standard library only (http.server, threaded; ssl for HTTPS). What requests mean and what responses
 hold comes from engine.api (the same code `goinfer batch` runs); this package moves bytes and schedules.

@@ -66,7 +66,7 @@ class ServerConfig:
     allow_admin: bool = False  # --allow-admin: /admin/models load and unload models at runtime (needs a key)
     unload_drain_s: float = 5.0  # --unload-drain-wait: how long an unload lets running requests finish
     web: bool = True  # the built-in chat page at / (--no-web: off)
-    # --speculate / --draft-max: drafts by prompt lookup checked several a step (engine/generation/speculation.py); None: off
+    # --speculate / --draft-max: drafts by prompt lookup checked several a step (generation/speculation.py); None: off
     speculation: Speculation | None = field(default_factory=Speculation)
 
     @property

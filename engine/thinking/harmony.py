@@ -12,7 +12,7 @@ writes outside any message (no header before it: a grammar-constrained reply, or
 is the answer, as it is: nothing is dropped. Several messages of one kind are joined by a blank line.
 
     is_harmony(source)          a chat template that writes Harmony
-    HarmonySplitter(lead)       text in, (reasoning, answer) out, piece by piece (as engine/thinking/stream.py's splitter)
+    HarmonySplitter(lead)       text in, (reasoning, answer) out, piece by piece (as thinking/stream.py's splitter)
     FINAL                       what the reasoning budget forces: the analysis closed and the final channel opened
     ANSWER_NOW                  what a prompt that must be answered at once (a grammar from the first token, a
                                 decision's label) ends with: the final channel opened, no analysis

@@ -314,8 +314,8 @@ def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarr
 
 def warm(tier: str | None = None) -> None:
     """Compile the GEMM for the form this CPU runs into numba's on-disk cache (a few seconds, once per machine),
-    on one tile of zeros: engine/loading/precompile.py calls it for a model that uses it, so a first long prompt does not
-    wait for it. One call compiles all three types' kernels (the type is a run-time argument)."""
+    on one tile of zeros: engine/loading/precompile.py calls it for a model that uses it, so a first long prompt
+    does not wait for it. One call compiles all three types' kernels (the type is a run-time argument)."""
     if not available(tier):
         return
     rows = TILE[variant(tier)][0]
