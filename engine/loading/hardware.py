@@ -129,52 +129,56 @@ def _unpersonal(path) -> str | None:
 def gpu_backends(selftest: bool = False) -> dict[str, dict[str, Any]]:
     """Each GPU backend: importable and its device, or why not (never raises). selftest: the WebGPU self-test
     (engine/loading/gpu_selftest.py) on the adapter `--backend webgpu` takes, with its figures."""
-    out: dict[str, dict[str, Any]] = {}
+    return {"cuda": _library("cupy", "cuda", "no usable CUDA device", _cuda),
+            "webgpu": _library("wgpu", "webgpu", "no WebGPU adapter", lambda wgpu: _webgpu(selftest))}
+
+
+def _library(name: str, extra: str, unusable: str, probe) -> dict[str, Any]:
+    """A GPU library's entry: probe(module)'s findings, or why it cannot be used (not installed, failed to import,
+    no device)."""
+    import importlib
+
     try:
-        import cupy
-
-        try:
-            n = cupy.cuda.runtime.getDeviceCount()
-            props = cupy.cuda.runtime.getDeviceProperties(0) if n else {}
-            name = props.get("name", b"")
-            out["cuda"] = {"available": bool(n), "package": f"cupy {cupy.__version__}", "devices": n,
-                           "device": name.decode() if isinstance(name, bytes) else str(name) or None,
-                           "memory_bytes": props.get("totalGlobalMem")}
-            if not n:
-                out["cuda"]["reason"] = "cupy imports but sees no CUDA device"
-        except Exception as exc:
-            out["cuda"] = {"available": False, "package": f"cupy {cupy.__version__}",
-                           "reason": f"no usable CUDA device: {type(exc).__name__}: {str(exc)[:200]}"}
+        module = importlib.import_module(name)
     except ImportError as exc:
-        out["cuda"] = {"available": False, "reason": f"cupy is not installed (pip install 'goinfer[cuda]'): {exc}"}
+        return {"available": False, "reason": f"{name} is not installed (pip install 'goinfer[{extra}]'): {exc}"}
     except Exception as exc:
-        out["cuda"] = {"available": False, "reason": f"importing cupy failed: {type(exc).__name__}: {str(exc)[:200]}"}
+        return {"available": False, "reason": f"importing {name} failed: {type(exc).__name__}: {str(exc)[:200]}"}
+    package = f"{name} {module.__version__}"
     try:
-        import wgpu
-
-        from engine.kernels.webgpu.device import adapters, pick
-
-        try:
-            found = adapters()
-            auto = pick(found, "auto")
-            out["webgpu"] = {"available": bool(found), "package": f"wgpu {wgpu.__version__}",
-                             "adapters": [a.report() for a in found],
-                             "auto": auto.name if auto is not None else None}
-            if not found:
-                out["webgpu"]["reason"] = "wgpu imports but sees no adapter"
-            elif auto is None:
-                out["webgpu"]["reason"] = "only software adapters, which auto never takes"
-            if found and selftest:
-                from engine.loading.placement import webgpu_selftest
-
-                out["webgpu"]["selftest"] = webgpu_selftest(pick(found, "webgpu"))
-        except Exception as exc:
-            out["webgpu"] = {"available": False, "package": f"wgpu {wgpu.__version__}",
-                             "reason": f"no WebGPU adapter: {type(exc).__name__}: {str(exc)[:200]}"}
-    except ImportError as exc:
-        out["webgpu"] = {"available": False, "reason": f"wgpu is not installed (pip install 'goinfer[webgpu]'): {exc}"}
+        found = probe(module)
     except Exception as exc:
-        out["webgpu"] = {"available": False, "reason": f"importing wgpu failed: {type(exc).__name__}: {str(exc)[:200]}"}
+        why = f"{unusable}: {type(exc).__name__}: {str(exc)[:200]}"
+        return {"available": False, "package": package, "reason": why}
+    return {"available": found.pop("available"), "package": package, **found}
+
+
+def _cuda(cupy) -> dict[str, Any]:
+    n = cupy.cuda.runtime.getDeviceCount()
+    props = cupy.cuda.runtime.getDeviceProperties(0) if n else {}
+    name = props.get("name", b"")
+    out = {"available": bool(n), "devices": n, "memory_bytes": props.get("totalGlobalMem"),
+           "device": name.decode() if isinstance(name, bytes) else str(name) or None}
+    if not n:
+        out["reason"] = "cupy imports but sees no CUDA device"
+    return out
+
+
+def _webgpu(selftest: bool) -> dict[str, Any]:
+    from engine.kernels.webgpu.device import adapters, pick
+
+    found = adapters()
+    auto = pick(found, "auto")
+    out = {"available": bool(found), "adapters": [a.report() for a in found],
+           "auto": auto.name if auto is not None else None}
+    if not found:
+        out["reason"] = "wgpu imports but sees no adapter"
+    elif auto is None:
+        out["reason"] = "only software adapters, which auto never takes"
+    if found and selftest:
+        from engine.loading.placement import webgpu_selftest
+
+        out["selftest"] = webgpu_selftest(pick(found, "webgpu"))
     return out
 
 
