@@ -186,8 +186,8 @@ def test_a_split_model_decodes_layer_by_layer(tmp_path):
     model = engine.load_model(shards[0], selftest=False)
     assert model.backend.step is None  # no single buffer: the Python forward pass decodes
     whole = engine.load_model(mf.write_llama_fixture(tmp_path / "whole.gguf"), selftest=False)
-    got = [e.token for e in engine.generation.generate(model, PROMPT, max_tokens=6, temperature=0)]
-    want = [e.token for e in engine.generation.generate(whole, PROMPT, max_tokens=6, temperature=0)]
+    got = [e.token for e in engine.generate(model, PROMPT, max_tokens=6, temperature=0)]
+    want = [e.token for e in engine.generate(whole, PROMPT, max_tokens=6, temperature=0)]
     assert len(got) == 6 and got[:1] == want[:1]
 
 

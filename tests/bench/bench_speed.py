@@ -81,7 +81,7 @@ def _run(engine, model, ids, gen_tokens, **sampling) -> tuple[float, float]:
     bias = {t: -1e9 for t in model.tokenizer.eog_ids}
     start = time.perf_counter()
     first, n = None, 0
-    for _ in engine.generation.generate(model, ids, max_tokens=gen_tokens + 1, cache=cache, logit_bias=bias, logprobs=False,
+    for _ in engine.generate(model, ids, max_tokens=gen_tokens + 1, cache=cache, logit_bias=bias, logprobs=False,
                              **sampling):
         n += 1
         if first is None:
@@ -152,7 +152,7 @@ import sys, time
 t0 = time.perf_counter()
 import engine
 model = engine.load_model(sys.argv[1], quant=sys.argv[2])
-next(iter(engine.generation.generate(model, model.tokenizer.encode("Hello"), max_tokens=2, temperature=0)))
+next(iter(engine.generate(model, model.tokenizer.encode("Hello"), max_tokens=2, temperature=0)))
 print(time.perf_counter() - t0)
 """
 
