@@ -102,7 +102,7 @@ def load_model(ref: str | Path | None = None, quant: str | None = None, *, progr
         if background_compile == "tied":
             compile_command += ["--tied", str(os.getpid())]
     cpu = load_backend("cpu", QUANT_MODES[quant], selftest=not skip, background_compile=compile_command)
-    cpu.prepare(config, weights, None if fam.step_flags is None else fam.step_flags(config), matrices)
+    cpu.prepare(config, weights, fam.decode_step_flags(config), matrices)
     model = Model(path=path, config=config, weights=weights, forward=fam.forward, backend=cpu,
                   tokenizer=tokenizer, template=template, quant=quant, metadata=meta)
     model.placement = placement

@@ -47,6 +47,15 @@ class Family:
         """The tensors block `layer` must have."""
         return self.block_tensors(cfg, layer) if self.block_tensors else self.layer_tensors
 
+    def decode_step_flags(self, cfg: ModelConfig) -> dict | None:
+        """What a compiled decode step needs of this family (Backend.prepare), None: no step. Its step_flags, and
+        what the record declares already: the norm after the last block, and the norm before the MLP (`ffn_norm`,
+        or `post_attention_norm` where the blocks have no ffn_norm: Qwen3.5, gpt-oss)."""
+        if self.step_flags is None:
+            return None
+        ffn_norm = "ffn_norm" if "ffn_norm" in self.tensors_of(cfg, 0) else "post_attention_norm"
+        return {**self.step_flags(cfg), "final_norm": self.final_norm, "ffn_norm": ffn_norm}
+
 
 def no_hf_keys(config: dict[str, Any]) -> dict[str, Any]:
     """A family whose config.json holds nothing beyond the shared fields."""

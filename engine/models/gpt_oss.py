@@ -113,13 +113,8 @@ class ExpertsSplit:
         return np.ascontiguousarray(a.T if matrix else a)
 
 
-def step_flags(cfg: ModelConfig) -> dict:
-    """The compiled step's flags: the dense ones (biases, the clamped activation, MoE) and the FFN's norm's name."""
-    return {**dense.step_flags(cfg), "ffn_norm": "post_attention_norm"}
-
-
 FAMILY = Family(name="gpt-oss", gguf_archs=("gpt-oss",), hf_model_types=("gpt_oss",), read_config=read_config,
                 layer_tensors=("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks",
                                "post_attention_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
-                forward=forward, step_flags=step_flags, hf_keys=hf_keys, hf_view=ExpertsSplit,
+                forward=forward, step_flags=dense.step_flags, hf_keys=hf_keys, hf_view=ExpertsSplit,
                 hf_aliases=((".self_attn.sinks", ".self_attn.sinks.weight"),))

@@ -99,9 +99,8 @@ def hf_tensor(name: str, values: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 
 def step_flags(cfg: ModelConfig) -> dict:
-    """The compiled step's flags: the dense ones, the layer kinds, the final norm's name."""
-    return {**dense.step_flags(cfg), "recurrent": cfg.layer_recurrent, "shortconv": True,
-            "final_norm": "token_embd_norm"}
+    """The compiled step's flags: the dense ones, the layer kinds (the final norm's name: Family.final_norm)."""
+    return {**dense.step_flags(cfg), "recurrent": cfg.layer_recurrent, "shortconv": True}
 
 
 FAMILY = Family(name="lfm2", gguf_archs=("lfm2",), hf_model_types=("lfm2",), read_config=read_config,

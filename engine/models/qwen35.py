@@ -92,9 +92,9 @@ def forward(cfg: ModelConfig, w: Weights, be: Backend, ids: np.ndarray, cache: K
 
 
 def step_flags(cfg: ModelConfig) -> dict:
-    """The compiled step's flags: the dense ones, the layer kinds, the FFN's norm's name, a shared expert."""
-    return {**dense.step_flags(cfg), "ffn_norm": "post_attention_norm", "recurrent": cfg.layer_recurrent,
-            "shared_expert": bool(cfg.n_ff_shared)}
+    """The compiled step's flags: the dense ones, the layer kinds, a shared expert (the FFN's norm's name:
+    Family.decode_step_flags, from the block tensors)."""
+    return {**dense.step_flags(cfg), "recurrent": cfg.layer_recurrent, "shared_expert": bool(cfg.n_ff_shared)}
 
 
 def hf_keys(config: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,9 @@ lets concurrent generations decode together. Every family runs through it, told 
 (models/dense.step_flags: q/k/v biases, per-head q/k norms, post norms, the activation, a MoE MLP) and its
 tables: MoE layers (moe_step.py), recurrent layers (hybrid_step.py: Qwen3.5's DeltaNet, LFM2's convolutions),
 per-layer widths, KV sharing and per-layer embeddings (gemma4_step.py). Which tensor each slot reads:
-step_roles.py; the matvec phases and input quantization: py.
+step_roles.py (the slots' names: mats[layer, FFN_DOWN]); the matvec phases and input quantization: step_matvec.py.
+The step's groups of tables and buffers are named tuples (moe_step.Moe, hybrid_step.Hybrid, gemma4_step.Layers,
+...), read by field; they are defined at module level, so numba's on-disk cache keys and pickles their types.
 
 The step is one parallel region: every thread walks the same phases of every layer (_worker), claiming matvec
 row ranges and attention tasks from shared counters and waiting only for the phase before (atomics.py);
@@ -27,15 +29,36 @@ model has no such buffer and decodes layer by layer instead (step_tables.build r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
 from engine.kernels.cpu import atomics, attention, dequant, gemma4_step, hybrid_step, moe_step, packed, rowops
+from engine.kernels.cpu.gemma4_step import FLAGS, HEAD_DIM, KV_HEADS, MLP_WIDTH, ROPE_PAIRS, WIDE, LayerBuffers
+from engine.kernels.cpu.hybrid_step import K_HEADS, KIND, KV_SLOT, STATE_ROW, V_DIM, V_HEADS, Hybrid
+from engine.kernels.cpu.moe_step import Moe, Shared
 from engine.kernels.cpu.step_matvec import flat_quant, matvec_phase, quant_buffers, quant_view, quantize_input
+from engine.kernels.cpu.step_roles import (ATTN_NORM, ATTN_OUT, ATTN_Q, ATTN_V, FFN_DOWN, FFN_GATE, FFN_NORM,
+                                           FFN_ROUTER, FFN_UP, PACKED, PLE_GATE, PLE_PROJ, POST_ATTN_NORM,
+                                           POST_FFN_NORM, POST_NORM, ROWS, SHEXP_DOWN, SHEXP_GATE, SHEXP_ROUTER,
+                                           SHEXP_UP, SSM_ALPHA, SSM_BETA, TYPE)
 
 
 # iparams slots
 _H, _HKV, _D, _ROPE_DIM, _QK_NORM, _POST_NORMS, _GELU, _NEOX, _QKV_BIAS, _N_EXPERT, _N_USED = range(11)
+# fparams slots
+_EPS, _ATTN_SCALE, _ROPE_FACTOR, _SOFTCAP, _ROPE_ATTN_FACTOR = range(5)
+
+
+class Biases(NamedTuple):
+    """gpt-oss's biases and attention sinks (step_tables.py); placeholders of width 1 otherwise (the kernels test
+    the width)."""
+    sinks: np.ndarray  # (L, H), -inf: none
+    o_bias: np.ndarray  # (L, E) the attention output's
+    router: np.ndarray  # (L, n_expert)
+    gate_up: np.ndarray  # (L, n_expert, 2F) the experts' gate|up
+    down: np.ndarray  # (L, n_expert, E) the experts' down
 
 
 # =========================================================================================================
@@ -125,16 +148,15 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
     qk_norm, post = iparams[_QK_NORM] != 0, iparams[_POST_NORMS] != 0
     gelu, clamped = iparams[_GELU] == 1, iparams[_GELU] == 2  # the activation: SiLU, GELU, gpt-oss's clamped SwiGLU
     neox, bias = iparams[_NEOX] != 0, iparams[_QKV_BIAS] != 0
-    eps, scale, softcap = fparams[0], np.float32(fparams[1]), np.float32(fparams[3])
+    eps, scale, softcap = fparams[_EPS], np.float32(fparams[_ATTN_SCALE]), np.float32(fparams[_SOFTCAP])
     n_layer = mats.shape[0]
     n_tasks = M * Hkv * part_max.shape[2]  # (sequence, kv head, key range); splits[m] ranges of sequence m
-    n_expert, chosen, weight, rl, dn_jobs, n_up, n_down = moe
-    sinks, o_bias, router_bias, gu_bias, down_bias = biases  # gpt-oss's; placeholders of width 1 otherwise
-    kinds, dims, ar, gate = hyb[0], hyb[8], hyb[9], hyb[10]  # Qwen3.5's (hybrid_step.py)
-    # per-layer widths and Gemma 4's (gemma4_step.py): shp[l] = [head width, KV heads, RoPE pairs, MLP width,
-    # flags, widened]; MLP buffers flat, viewed at each layer's widths
-    shp, scales, ple_norm, qw, anf, ple, pm, pg, pgo, pp, ones, guf, gf, pmp = g4
-    P = pg.shape[1]
+    n_expert, chosen, weight, rl, dn_jobs = moe.n_expert, moe.chosen, moe.weight, moe.logits, moe.down
+    sinks, o_bias = biases.sinks, biases.o_bias  # gpt-oss's; placeholders of width 1 otherwise
+    kinds, dims, ar, gate = hyb.kinds, hyb.dims, hyb.out, hyb.gate  # Qwen3.5's, LFM2's (hybrid_step.py)
+    # per-layer widths and Gemma 4's (gemma4_step.py); MLP buffers flat, viewed at each layer's widths
+    shp, qw, anf, ones, guf, gf, pmp = g4.shp, g4.q_wide, g4.a_narrow, g4.ones, g4.gate_up, g4.act, g4.ple_proj
+    P = g4.ple_gate.shape[1]
     J = chosen.shape[0] * chosen.shape[1] if n_expert else M  # MLP jobs: a sequence's k experts, or its MLP
     p = 0
     if P:  # per-layer embeddings: the projection of the embeddings, before the first layer
@@ -142,20 +164,20 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             quantize_input(pmp, x, qe, col0, E)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        p = matvec_phase(ctr, p, buf, pbuf, pmp, qe, x, pm, n_chunks, tier)
+        p = matvec_phase(ctr, p, buf, pbuf, pmp, qe, x, g4.ple_mix, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
-            gemma4_step.ple_combine(pm, ple, ple_norm, P, eps, np.float32(1 / np.sqrt(np.float32(E))))
+            gemma4_step.ple_combine(g4.ple_mix, g4.ple, g4.ple_norm, P, eps, np.float32(1 / np.sqrt(np.float32(E))))
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-    gus, gs, dns, sg = shared  # a shared expert's (Qwen3.5-MoE), width 0 without one
+    gus, gs, dns = shared.gate_up, shared.act, shared.down  # a shared expert's (Qwen3.5-MoE), width 0 without one
     for layer in range(n_layer + 1):
         if atomics.claim(ctr, p) == 0:
-            if layer > 0 and not shp[layer - 1, 4] & gemma4_step.END:  # the previous layer's MLP output
-                _add_normed(x, dn, norms[layer - 1, 3], eps, post)
+            if layer > 0 and not shp[layer - 1, FLAGS] & gemma4_step.END:  # the previous layer's MLP output
+                _add_normed(x, dn, norms[layer - 1, POST_FFN_NORM], eps, post)
             if layer < n_layer:
-                _norm_rows_into(x, norms[layer, 0], eps, h)
-                quantize_input(mats[layer, 0:3], h, qe, col0, E)
-                quantize_input(mats[layer, 8:10], h, qe, col0, E)  # a DeltaNet layer's alpha and beta
+                _norm_rows_into(x, norms[layer, ATTN_NORM], eps, h)
+                quantize_input(mats[layer, ATTN_Q : ATTN_V + 1], h, qe, col0, E)
+                quantize_input(mats[layer, SSM_ALPHA : SSM_BETA + 1], h, qe, col0, E)  # a DeltaNet layer's
             else:
                 _norm_rows_into(x, out_norm, eps, h)
                 quantize_input(head, h, qe, col0, E)
@@ -163,19 +185,21 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
         p = atomics.next_phase(ctr, p, 1)
         if layer == n_layer:
             break
-        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 0:3], qe, h, qkv, n_chunks, tier)  # (M, (H + 2 Hkv) D)
-        recur, slot, row = kinds[layer, 0] != 0, kinds[layer, 1], kinds[layer, 2]
-        conv_block = kinds[layer, 0] == 2  # LFM2's: no delta rule, no gated norm
-        Dl, wide = shp[layer, 0], shp[layer, 5] != 0  # Gemma 4: queries widened into qw for the attention tasks
+        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, ATTN_Q : ATTN_V + 1], qe, h, qkv, n_chunks, tier)
+        recur, slot, row = kinds[layer, KIND] != 0, kinds[layer, KV_SLOT], kinds[layer, STATE_ROW]
+        conv_block = kinds[layer, KIND] == 2  # LFM2's: no delta rule, no gated norm
+        Dl, wide = shp[layer, HEAD_DIM], shp[layer, WIDE] != 0  # Gemma 4: queries widened into qw for attention
         if atomics.claim(ctr, p) == 0:
             if wide:
-                gemma4_step.prepare(qkv, qw, kcs, vcs, slot, layer, pos, qk_norms, cos, sin, H, Dl, shp[layer, 1],
-                                    shp[layer, 2], D, Hkv, shp[layer, 4], ones, eps)
+                gemma4_step.prepare(qkv, qw, kcs, vcs, slot, layer, pos, qk_norms, cos, sin, H, Dl,
+                                    shp[layer, KV_HEADS], shp[layer, ROPE_PAIRS], D, Hkv,
+                                    shp[layer, FLAGS], ones, eps)
                 part_sum[:] = 0.0
             elif conv_block:
-                hybrid_step.short_conv(qkv, convs, row, hyb[1][row], ar)
+                hybrid_step.short_conv(qkv, convs, row, hyb.conv_w[row], ar)
             elif recur:
-                hybrid_step.recurrent_inputs(buf, mats[layer, 8:10], qe, h, qkv, hyb, convs, row, eps, tier)
+                hybrid_step.recurrent_inputs(buf, mats[layer, SSM_ALPHA : SSM_BETA + 1], qe, h, qkv, hyb, convs, row,
+                                             eps, tier)
             else:
                 if gate.shape[1]:
                     hybrid_step.split_gate(qkv, gate, H, D)
@@ -184,14 +208,15 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
                 part_sum[:] = 0.0  # a key range left empty keeps 0: the merge skips it
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        n_mix = 0 if conv_block else M * dims[1] if recur else n_tasks
+        n_mix = 0 if conv_block else M * dims[V_HEADS] if recur else n_tasks
         queries = qw if wide else qkv
         while True:  # attention tasks, or a DeltaNet layer's delta rule per (sequence, value head)
             t = atomics.claim(ctr, p)
             if t >= n_mix:
                 break
             if recur:
-                hybrid_step.delta_task(t, dims[0], dims[1], dims[2], hyb[5], hyb[7], ssms, row, ar)
+                hybrid_step.delta_task(t, dims[K_HEADS], dims[V_HEADS], dims[V_DIM], hyb.dq, hyb.gb, ssms,
+                                       row, ar)
             else:
                 attention.task(t, queries, kcs, vcs, slot, pos, H, Hkv, D, windows[layer], scale, softcap, splits,
                                part_max, part_sum, part_acc)
@@ -200,69 +225,72 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
         if atomics.claim(ctr, p) == 0:
             if recur:
                 if not conv_block:
-                    hybrid_step.gated_norm(ar, qkv, hyb[5].shape[1], dims[1], dims[2], hyb[4][row], eps, ar)
-                quantize_input(mats[layer, 3:4], ar, qar, col0, ar.shape[1])
+                    hybrid_step.gated_norm(ar, qkv, hyb.dq.shape[1], dims[V_HEADS], dims[V_DIM], hyb.ssm_norm[row],
+                                           eps, ar)
+                quantize_input(mats[layer, ATTN_OUT : ATTN_OUT + 1], ar, qar, col0, ar.shape[1])
             else:
                 attention.merge(part_max, part_sum, part_acc, sinks[layer], a)
                 if gate.shape[1]:
                     hybrid_step.apply_gate(a, gate)
                 if wide:
                     gemma4_step.narrow(a, anf[: M * H * Dl].reshape((M, H * Dl)), H, D, Dl)
-                    quantize_input(mats[layer, 3:4], anf[: M * H * Dl].reshape((M, H * Dl)), quant_view(qaf, M, H * Dl),
-                              col0, H * Dl)
+                    quantize_input(mats[layer, ATTN_OUT : ATTN_OUT + 1], anf[: M * H * Dl].reshape((M, H * Dl)),
+                                   quant_view(qaf, M, H * Dl), col0, H * Dl)
                 else:
-                    quantize_input(mats[layer, 3:4], a, qa, col0, a.shape[1])
+                    quantize_input(mats[layer, ATTN_OUT : ATTN_OUT + 1], a, qa, col0, a.shape[1])
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
         if recur:
-            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qar, ar, o, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, ATTN_OUT : ATTN_OUT + 1], qar, ar, o, n_chunks, tier)
         elif wide:
-            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], quant_view(qaf, M, H * Dl),
-                              anf[: M * H * Dl].reshape((M, H * Dl)), o, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, ATTN_OUT : ATTN_OUT + 1], quant_view(qaf, M, H * Dl),
+                             anf[: M * H * Dl].reshape((M, H * Dl)), o, n_chunks, tier)
         else:
-            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 3:4], qa, a, o, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, ATTN_OUT : ATTN_OUT + 1], qa, a, o, n_chunks, tier)
         if atomics.claim(ctr, p) == 0:
             if o_bias.shape[1] > 1:
                 o += o_bias[layer]
-            _add_normed(x, o, norms[layer, 2], eps, post)
-            _norm_rows_into(x, norms[layer, 1], eps, h)
-            quantize_input(mats[layer, 4:8], h, qe, col0, E)
-            quantize_input(mats[layer, 10:14], h, qe, col0, E)  # a shared expert's
+            _add_normed(x, o, norms[layer, POST_ATTN_NORM], eps, post)
+            _norm_rows_into(x, norms[layer, FFN_NORM], eps, h)
+            quantize_input(mats[layer, FFN_GATE : FFN_ROUTER + 1], h, qe, col0, E)
+            quantize_input(mats[layer, SHEXP_GATE : SHEXP_ROUTER + 1], h, qe, col0, E)  # a shared expert's
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, 1)
-        F = shp[layer, 3]  # this layer's MLP width (an expert's in a MoE layer): the buffers viewed at it
+        F = shp[layer, MLP_WIDTH]  # this layer's MLP width (an expert's in a MoE layer): the buffers viewed at it
         gu, g, qf = guf[: J * 2 * F].reshape((J, 2 * F)), gf[: J * F].reshape((J, F)), quant_view(qff, J, F)
         if n_expert:  # the router (both threads: 1 MB of f32 per layer in Qwen3-30B-A3B), the top-k; the chosen
             # experts' gate|up, activation, down, their weighted sum
-            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 7:8], qe, h, rl, n_chunks, tier)
+            p = matvec_phase(ctr, p, buf, pbuf, mats[layer, FFN_ROUTER : FFN_ROUTER + 1], qe, h, rl, n_chunks, tier)
             if atomics.claim(ctr, p) == 0:
-                moe_step.route(rl, router_bias, layer, chosen.shape[1], chosen, weight)
+                moe_step.route(rl, biases.router, layer, chosen.shape[1], chosen, weight)
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
-            p = moe_step.gate_up_phase(ctr, p, buf, mats[layer, 4], mats[layer, 5], chosen, qe, h, gu, n_up, tier)
+            p = moe_step.gate_up_phase(ctr, p, buf, mats[layer, FFN_GATE], mats[layer, FFN_UP], chosen, qe, h, gu,
+                                       moe.n_up, tier)
             if atomics.claim(ctr, p) == 0:
-                moe_step.activate(gu, chosen, gu_bias, layer, clamped, gelu, g)
-                quantize_input(mats[layer, 6:7], g, qf, col0, F)
+                moe_step.activate(gu, chosen, biases.gate_up, layer, clamped, gelu, g)
+                quantize_input(mats[layer, FFN_DOWN : FFN_DOWN + 1], g, qf, col0, F)
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
-            p = moe_step.down_phase(ctr, p, buf, mats[layer, 6], chosen, qf, g, dn_jobs, n_down, tier)
+            p = moe_step.down_phase(ctr, p, buf, mats[layer, FFN_DOWN], chosen, qf, g, dn_jobs, moe.n_down, tier)
             if gs.shape[1]:  # the shared expert: gate|up, activation, down (as a dense MLP)
-                p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 10:12], qe, h, gus, n_chunks, tier)
+                p = matvec_phase(ctr, p, buf, pbuf, mats[layer, SHEXP_GATE : SHEXP_UP + 1], qe, h, gus, n_chunks, tier)
                 if atomics.claim(ctr, p) == 0:
                     _act_into(gus, gs, gelu, col0, gs.shape[1])
-                    quantize_input(mats[layer, 12:13], gs, qfs, col0, gs.shape[1])
+                    quantize_input(mats[layer, SHEXP_DOWN : SHEXP_DOWN + 1], gs, qfs, col0, gs.shape[1])
                     atomics.finish(ctr, p)
                 p = atomics.next_phase(ctr, p, 1)
-                p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 12:13], qfs, gs, dns, n_chunks, tier)
+                p = matvec_phase(ctr, p, buf, pbuf, mats[layer, SHEXP_DOWN : SHEXP_DOWN + 1], qfs, gs, dns, n_chunks,
+                                 tier)
             if atomics.claim(ctr, p) == 0:
-                moe_step.weighted_sum(dn_jobs, chosen, weight, down_bias, layer, dn)
+                moe_step.weighted_sum(dn_jobs, chosen, weight, biases.down, layer, dn)
                 if gs.shape[1]:
-                    hybrid_step.shared_expert_gate(buf, mats[layer, 13], qe, h, sg, tier)
-                    hybrid_step.add_shared(dn, dns, sg)
+                    hybrid_step.shared_expert_gate(buf, mats[layer, SHEXP_ROUTER], qe, h, shared.gate, tier)
+                    hybrid_step.add_shared(dn, dns, shared.gate)
                 atomics.finish(ctr, p)
             p = atomics.next_phase(ctr, p, 1)
             continue
-        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 4:6], qe, h, gu, n_chunks, tier)  # (M, 2F): [gate | up]
+        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, FFN_GATE : FFN_UP + 1], qe, h, gu, n_chunks, tier)  # [gate|up]
         n_act = _act_tasks(F, n_workers)
         while True:  # the activation and its quantization, column ranges in parallel
             t = atomics.claim(ctr, p)
@@ -272,11 +300,11 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
             if n_act == 1:
                 c0, c1 = col0, F
             _act_into(gu, g, gelu, c0, c1)
-            quantize_input(mats[layer, 6:7], g, qf, c0, c1)
+            quantize_input(mats[layer, FFN_DOWN : FFN_DOWN + 1], g, qf, c0, c1)
             atomics.finish(ctr, p)
         p = atomics.next_phase(ctr, p, n_act)
-        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, 6:7], qf, g, dn, n_chunks, tier)
-        if shp[layer, 4] & gemma4_step.END:  # Gemma 4: the MLP's output in now, the PLE block, the output scale
+        p = matvec_phase(ctr, p, buf, pbuf, mats[layer, FFN_DOWN : FFN_DOWN + 1], qf, g, dn, n_chunks, tier)
+        if shp[layer, FLAGS] & gemma4_step.END:  # Gemma 4: the MLP's output in now, the PLE block, the output scale
             p = _layer_end(ctr, p, buf, pbuf, mats[layer], layer, x, dn, norms, eps, post, g4, qe, qp, n_chunks, tier)
     matvec_phase(ctr, p, buf, pbuf, head, qe, h, logits, n_chunks, tier)
 
@@ -285,27 +313,27 @@ def _worker(ctr, buf, pbuf, mats, head, norms, qk_norms, qkv_bias, out_norm, cos
 def _layer_end(ctr, p, buf, pbuf, mats, layer, x, dn, norms, eps, post, g4, qe, qp, n_chunks, tier):
     """Gemma 4's end of a layer: x += post-norm(MLP); with per-layer embeddings x += post_norm(proj(GELU(inp_gate
     x) * this layer's input)); then x *= the layer's output scale. Returns the next phase."""
-    shp, scales, ple_norm, qw, anf, ple, pm, pg, pgo, pp, ones, guf, gf, pmp = g4
+    pg, pgo, pp, scales = g4.ple_gate, g4.ple_act, g4.ple_out, g4.scales
     P, E, col0 = pg.shape[1], x.shape[1], np.int64(0)
     if atomics.claim(ctr, p) == 0:
-        _add_normed(x, dn, norms[layer, 3], eps, post)
+        _add_normed(x, dn, norms[layer, POST_FFN_NORM], eps, post)
         if P:
-            quantize_input(mats[14:15], x, qe, col0, E)
+            quantize_input(mats[PLE_GATE : PLE_GATE + 1], x, qe, col0, E)
         else:
-            gemma4_step.add_scaled(x, pp[:, :0], norms[layer, 4], eps, scales[layer])
+            gemma4_step.add_scaled(x, pp[:, :0], norms[layer, POST_NORM], eps, scales[layer])
         atomics.finish(ctr, p)
     p = atomics.next_phase(ctr, p, 1)
     if not P:
         return p
-    p = matvec_phase(ctr, p, buf, pbuf, mats[14:15], qe, x, pg, n_chunks, tier)
+    p = matvec_phase(ctr, p, buf, pbuf, mats[PLE_GATE : PLE_GATE + 1], qe, x, pg, n_chunks, tier)
     if atomics.claim(ctr, p) == 0:
-        gemma4_step.ple_gate(pg, ple, layer, P, pgo)
-        quantize_input(mats[15:16], pgo, qp, col0, P)
+        gemma4_step.ple_gate(pg, g4.ple, layer, P, pgo)
+        quantize_input(mats[PLE_PROJ : PLE_PROJ + 1], pgo, qp, col0, P)
         atomics.finish(ctr, p)
     p = atomics.next_phase(ctr, p, 1)
-    p = matvec_phase(ctr, p, buf, pbuf, mats[15:16], qp, pgo, pp, n_chunks, tier)
+    p = matvec_phase(ctr, p, buf, pbuf, mats[PLE_PROJ : PLE_PROJ + 1], qp, pgo, pp, n_chunks, tier)
     if atomics.claim(ctr, p) == 0:
-        gemma4_step.add_scaled(x, pp, norms[layer, 4], eps, scales[layer])
+        gemma4_step.add_scaled(x, pp, norms[layer, POST_NORM], eps, scales[layer])
         atomics.finish(ctr, p)
     return atomics.next_phase(ctr, p, 1)
 
@@ -314,7 +342,7 @@ def _layer_end(ctr, p, buf, pbuf, mats, layer, x, dn, norms, eps, post, g4, qe, 
 def _rows(mats):
     r = 0
     for i in range(mats.shape[0]):
-        r += mats[i, 1]
+        r += mats[i, ROWS]
     return r
 
 
@@ -323,7 +351,7 @@ def _embed(table, pbuf, entry, ids, scale, x):
     """x (M, E) = the embedding rows ids of the table (its GGUF rows (rows, row bytes), at entry as mats rows)
     times scale: from its packed copy where that holds the row (as packed.embed_rows, bit for bit), else from
     the table itself (a GGUF row as the prompt path reads it: the same compiled decoder, no second one)."""
-    rows, code, poff = entry[1], entry[3], entry[4]
+    rows, code, poff = entry[ROWS], entry[TYPE], entry[PACKED]
     E = x.shape[1]
     group = np.empty((packed.ROWS, E), np.float32)
     for m in range(ids.shape[0]):
@@ -363,42 +391,43 @@ def decode_step(buf, pbuf, mats, head, table, embd, embed_scale, norms, qk_norms
         n_split = splits.max()
     n_expert, k = iparams[_N_EXPERT], max(iparams[_N_USED], 1)
     J = M * k if n_expert else M  # MLP jobs: a sequence's k experts, or its dense MLP
-    shp, scales, ple_norm, ple_tab, pmp = layers  # per-layer widths and flags, Gemma 4's tables (step_tables.py)
+    shp, pmp = layers.shp, layers.ple_proj  # per-layer widths and flags, Gemma 4's tables (gemma4_step.Layers)
     F = 0
     for layer in range(mats.shape[0]):
-        F = max(F, shp[layer, 3])
-    cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[2], fparams[4])
+        F = max(F, shp[layer, MLP_WIDTH])
+    cos, sin = rowops.rope_tables_at(inv_freq, pos, fparams[_ROPE_FACTOR], fparams[_ROPE_ATTN_FACTOR])
     h = np.empty((M, E), np.float32)
     width = 0
     for layer in range(mats.shape[0]):  # a hybrid's layers differ: the widest
-        width = max(width, _rows(mats[layer, 0:3]))
+        width = max(width, _rows(mats[layer, ATTN_Q : ATTN_V + 1]))
     qkv = np.empty((M, width), np.float32)
     a = np.empty((M, H * D), np.float32)
-    o = np.empty((M, _rows(mats[0, 3:4])), np.float32)
+    o = np.empty((M, _rows(mats[0, ATTN_OUT : ATTN_OUT + 1])), np.float32)
     dn = np.empty((M, E), np.float32)
     logits = np.empty((M, _rows(head)), np.float32)
     qe, qa, qff = quant_buffers(M, E), quant_buffers(M, H * D), flat_quant(J * F)
-    P = ple_norm.shape[0] if pmp.shape[0] else 0
+    P = layers.ple_norm.shape[0] if pmp.shape[0] else 0
     ple = np.empty((M, _rows(pmp)), np.float32)
     if P:
-        gemma4_step.ple_tokens(buf, ple_tab, ids, np.float32(np.sqrt(np.float32(P))), ple)
-    g4 = (shp, scales, ple_norm, np.empty((M, H * D), np.float32), np.empty(M * H * D, np.float32), ple,
-          np.empty((M, _rows(pmp)), np.float32), np.empty((M, P), np.float32), np.empty((M, P), np.float32),
-          np.empty((M, E), np.float32), np.ones(D, np.float32), np.empty(J * 2 * F, np.float32),
-          np.empty(J * F, np.float32), pmp)
-    moe = (n_expert, np.zeros((M, k), np.int64), np.empty((M, k), np.float32),
-           np.empty((M, max(n_expert, 1)), np.float32),
-           np.empty((J, E), np.float32), moe_step.job_chunks(2 * F, J, n_workers), moe_step.job_chunks(E, J, n_workers))
-    kinds, convw, ssm_a, dt_bias, ssm_norm, dims, gated = rec  # a hybrid's tables (hybrid_step.py), else stubs
-    C, Hv, Ds = convw.shape[1], dims[1], dims[2]
-    hyb = (kinds, convw, ssm_a, dt_bias, ssm_norm, np.empty((M, C), np.float32),
-           np.empty((M, 2 * Hv), np.float32), np.empty((M, 2 * Hv), np.float32), dims,
-           np.empty((M, Hv * Ds), np.float32),
-           np.empty((M, H * D if gated else 0), np.float32))
+        gemma4_step.ple_tokens(buf, layers.ple_table, ids, np.float32(np.sqrt(np.float32(P))), ple)
+    g4 = LayerBuffers(shp=shp, scales=layers.scales, ple_norm=layers.ple_norm, q_wide=np.empty((M, H * D), np.float32),
+                      a_narrow=np.empty(M * H * D, np.float32), ple=ple, ple_mix=np.empty((M, _rows(pmp)), np.float32),
+                      ple_gate=np.empty((M, P), np.float32), ple_act=np.empty((M, P), np.float32),
+                      ple_out=np.empty((M, E), np.float32), ones=np.ones(D, np.float32),
+                      gate_up=np.empty(J * 2 * F, np.float32), act=np.empty(J * F, np.float32), ple_proj=pmp)
+    moe = Moe(n_expert=n_expert, chosen=np.zeros((M, k), np.int64), weight=np.empty((M, k), np.float32),
+              logits=np.empty((M, max(n_expert, 1)), np.float32), down=np.empty((J, E), np.float32),
+              n_up=moe_step.job_chunks(2 * F, J, n_workers), n_down=moe_step.job_chunks(E, J, n_workers))
+    dims = rec.dims  # a hybrid's tables (hybrid_step.Recurrent), else stubs
+    C, Hv, Ds = rec.conv_w.shape[1], dims[V_HEADS], dims[V_DIM]
+    hyb = Hybrid(kinds=rec.kinds, conv_w=rec.conv_w, ssm_a=rec.ssm_a, dt_bias=rec.dt_bias, ssm_norm=rec.ssm_norm,
+                 dims=dims, dq=np.empty((M, C), np.float32), ab=np.empty((M, 2 * Hv), np.float32),
+                 gb=np.empty((M, 2 * Hv), np.float32), out=np.empty((M, Hv * Ds), np.float32),
+                 gate=np.empty((M, H * D if rec.gated else 0), np.float32))
     qar = quant_buffers(M, Hv * Ds)  # (no tuple inside the tuples the parallel region gets: numba refuses it)
-    Fs = _rows(mats[0, 10:11])  # a shared expert's width (Qwen3.5-MoE), 0: none
-    shared = (np.empty((M, 2 * Fs), np.float32), np.empty((M, Fs), np.float32), np.empty((M, E), np.float32),
-              np.empty((M, 1), np.float32))
+    Fs = _rows(mats[0, SHEXP_GATE : SHEXP_GATE + 1])  # a shared expert's width (Qwen3.5-MoE), 0: none
+    shared = Shared(gate_up=np.empty((M, 2 * Fs), np.float32), act=np.empty((M, Fs), np.float32),
+                    down=np.empty((M, E), np.float32), gate=np.empty((M, 1), np.float32))
     qfs = quant_buffers(M, Fs)
     part_max = np.empty((M, H, n_split), np.float32)
     part_sum = np.empty((M, H, n_split), np.float32)  # zeroed by each layer's serial phase before attention

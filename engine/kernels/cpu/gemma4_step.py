@@ -10,13 +10,46 @@ output is narrowed back before the output matrix. Prompts (models/gemma4.py) wri
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from engine.kernels.cpu import attention, dequant, ops, rowops
+from engine.kernels.cpu.step_roles import OFFSET, ROW_BYTES, TYPE
 
-VNORM, K_EQ_V, SHARED, END = 1, 2, 4, 8  # flags per layer (shp[layer, 4])
+# columns of shp[l] (Layers): the layer's head width, KV heads, RoPE pairs, MLP width (an expert's in a MoE layer),
+# flags, and whether its queries are widened to the step's head width
+HEAD_DIM, KV_HEADS, ROPE_PAIRS, MLP_WIDTH, FLAGS, WIDE = range(6)
+VNORM, K_EQ_V, SHARED, END = 1, 2, 4, 8  # flags per layer (shp[layer, FLAGS])
+
+
+class Layers(NamedTuple):
+    """Per-layer widths and Gemma 4's tables, built once per model (tables())."""
+    shp: np.ndarray  # (L, 6) per layer [HEAD_DIM, KV_HEADS, ROPE_PAIRS, MLP_WIDTH, FLAGS, WIDE]
+    scales: np.ndarray  # (L,) output scales (1 but in Gemma 4)
+    ple_norm: np.ndarray  # (P,) the per-layer embeddings' projection norm
+    ple_table: np.ndarray  # the per-layer token table's entry (a mats row)
+    ple_proj: np.ndarray  # the per-layer projection's entry, (1, 5), or (0, 5): no per-layer embeddings
+
+
+class LayerBuffers(NamedTuple):
+    """The step's per-layer tables with its buffers for one step over M sequences (decode_step.py builds it):
+    Gemma 4's, and the MLP's, flat, viewed at each layer's width."""
+    shp: np.ndarray
+    scales: np.ndarray
+    ple_norm: np.ndarray
+    q_wide: np.ndarray  # (M, H D) a narrower layer's queries widened
+    a_narrow: np.ndarray  # (M H D,) the attention output narrowed back to the layer's width
+    ple: np.ndarray  # (M, L P) the per-layer inputs
+    ple_mix: np.ndarray  # (M, L P) the projection of the embeddings
+    ple_gate: np.ndarray  # (M, P) a layer's inp_gate output
+    ple_act: np.ndarray  # (M, P) GELU(gate) * the layer's input
+    ple_out: np.ndarray  # (M, E) its projection back
+    ones: np.ndarray  # (D,) the V-norm's weights
+    gate_up: np.ndarray  # (J 2F,) the MLP's [gate | up]
+    act: np.ndarray  # (J F,) its activation
+    ple_proj: np.ndarray  # the per-layer projection's entry, (1, 5) or (0, 5)
 
 
 @njit(cache=True)
@@ -68,9 +101,9 @@ def narrow(a, an, H, D, Dl):
 @njit(cache=True)
 def ple_tokens(buf, entry, ids, scale, out):
     """out (M, L P) = the per-layer token embeddings of ids (rows of a stored table) times scale."""
-    rb, code = entry[2], entry[3]
+    rb, code = entry[ROW_BYTES], entry[TYPE]
     for m in range(ids.shape[0]):
-        o = entry[0] + ids[m] * rb
+        o = entry[OFFSET] + ids[m] * rb
         dequant.dequant_row(buf[o : o + rb], code, out[m])
         for i in range(out.shape[1]):
             out[m, i] *= scale
@@ -114,28 +147,28 @@ def add_scaled(x, y, w, eps, scale):
             x[m, i] *= scale
 
 
-def tables(cfg, w, flags: dict, entry) -> tuple:
-    """(shp (L, 6): per layer [head width, KV heads, RoPE pairs, MLP width, flags, widened]; output scales (L,);
-    the PLE norm (P,); the PLE token table's entry; the PLE projection's entry (1 or 0 rows)) for the step.
-    Uniform models get their one width on every row and no flags. entry(w, name): a matrix's mats row."""
+def tables(cfg, w, flags: dict, entry) -> Layers:
+    """The step's per-layer tables (Layers). Uniform models get their one width on every row and no flags.
+    entry(w, name): a matrix's mats row."""
     L, gemma4 = cfg.n_layer, bool(cfg.layer_head_dim)
     shp = np.zeros((L, 6), np.int64)
     for i in range(L):
-        shp[i, :4] = (cfg.layer_head_dim[i] if gemma4 else cfg.head_dim,
+        shp[i, HEAD_DIM : MLP_WIDTH + 1] = (cfg.layer_head_dim[i] if gemma4 else cfg.head_dim,
                       cfg.layer_kv_heads[i] if gemma4 else cfg.n_head_kv,
                       (cfg.layer_rope_dim[i] if gemma4 else cfg.rope_dim) // 2, _mlp_width(cfg, w, flags, i))
         if gemma4:
             source = cfg.layer_kv_source[i]
-            shp[i, 4] = (VNORM | END | (SHARED if source != i else 0)
+            shp[i, FLAGS] = (VNORM | END | (SHARED if source != i else 0)
                          | (K_EQ_V if source == i and not w.has(f"blk.{i}.attn_v") else 0))
-            shp[i, 5] = 1
+            shp[i, WIDE] = 1
     scales = np.ones(L, np.float32)
     if gemma4:
         scales[:] = [w.vector(f"blk.{i}.layer_output_scale")[0] for i in range(L)]
     if cfg.per_layer_embd:
-        return (shp, scales, w.vector("per_layer_proj_norm"), np.array(entry(w, "per_layer_token_embd"), np.int64),
-                np.array([entry(w, "per_layer_model_proj")], np.int64))
-    return shp, scales, np.ones(1, np.float32), np.zeros(5, np.int64), np.zeros((0, 5), np.int64)
+        return Layers(shp, scales, w.vector("per_layer_proj_norm"),
+                      np.array(entry(w, "per_layer_token_embd"), np.int64),
+                      np.array([entry(w, "per_layer_model_proj")], np.int64))
+    return Layers(shp, scales, np.ones(1, np.float32), np.zeros(5, np.int64), np.zeros((0, 5), np.int64))
 
 
 def _mlp_width(cfg, w, flags: dict, i: int) -> int:

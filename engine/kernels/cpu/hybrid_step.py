@@ -13,11 +13,42 @@ arrays (`state["conv"]`, `state["ssm"]`, a row per recurrent layer), updated in 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from engine.kernels.cpu import int8, recurrent, rowops
+from engine.kernels.cpu.step_roles import OFFSET, ROW_BYTES, ROWS, TYPE
+
+KIND, KV_SLOT, STATE_ROW = 0, 1, 2  # columns of kinds[l] (Recurrent): 0 attention, 1 DeltaNet, 2 LFM2's conv
+K_HEADS, V_HEADS, V_DIM = 0, 1, 2  # dims: a DeltaNet's key heads, value heads, value head width
+
+
+class Recurrent(NamedTuple):
+    """A hybrid's tables, built once per model (tables()); stubs for a model without recurrent layers."""
+    kinds: np.ndarray  # (L, 3) per layer [recurrent kind, KV cache slot, state row]
+    conv_w: np.ndarray  # (R, C, K) the recurrent layers' conv weights
+    ssm_a: np.ndarray  # (R, Hv)
+    dt_bias: np.ndarray  # (R, Hv)
+    ssm_norm: np.ndarray  # (R, D) the gated norm's weights
+    dims: np.ndarray  # [Hk, Hv, D]
+    gated: bool  # attention has an output gate (Qwen3.5)
+
+
+class Hybrid(NamedTuple):
+    """The step's hybrid tables with its buffers for one step over M sequences (decode_step.py builds it)."""
+    kinds: np.ndarray
+    conv_w: np.ndarray
+    ssm_a: np.ndarray
+    dt_bias: np.ndarray
+    ssm_norm: np.ndarray
+    dims: np.ndarray
+    dq: np.ndarray  # (M, C) the convolution's output, q and k normed
+    ab: np.ndarray  # (M, 2 Hv) [alpha | beta] logits
+    gb: np.ndarray  # (M, 2 Hv) [decay | write strength]
+    out: np.ndarray  # (M, Hv D) the delta rule's output, then the gated norm's
+    gate: np.ndarray  # (M, H D) attention's output gate (width 0 without one)
 
 
 @njit(cache=True)
@@ -27,8 +58,9 @@ def inputs(buf, entries, qh, h, ab, tier):
     start = np.int64(0)
     for i in range(entries.shape[0]):
         e = entries[i]
-        int8.rows_into(e[3], buf, e[0], e[2], np.int64(0), e[1], xq8, xs8, xqk, xdk, xbk, h, ab, start, tier)
-        start += e[1]
+        int8.rows_into(e[TYPE], buf, e[OFFSET], e[ROW_BYTES], np.int64(0), e[ROWS], xq8, xs8, xqk, xdk, xbk, h, ab,
+                       start, tier)
+        start += e[ROWS]
 
 
 @njit(cache=True)
@@ -120,21 +152,20 @@ def apply_gate(a, gate):
 @njit(cache=True)
 def recurrent_inputs(buf, entries, qh, h, qkv, hyb, convs, row, eps, tier):
     """The serial phase before the delta rule: alpha and beta, then every sequence's convolution (convs: its
-    state arrays), norms, decay and write strength (prepare). hyb: decode_step's tuple (kinds, conv weights,
-    ssm_a, dt biases, output norms, dq, ab, gb, dims, ...)."""
-    convw, ssm_a, dt_bias, dq, ab, gb, dims = hyb[1], hyb[2], hyb[3], hyb[5], hyb[6], hyb[7], hyb[8]
-    inputs(buf, entries, qh, h, ab, tier)
+    state arrays), norms, decay and write strength (prepare). hyb: the step's Hybrid."""
+    inputs(buf, entries, qh, h, hyb.ab, tier)
+    dims = hyb.dims
     for m in range(qkv.shape[0]):
-        prepare(qkv[m], ab[m], convs[m][row], convw[row], ssm_a[row], dt_bias[row], dims[0], dims[1], dims[2], eps,
-                dq[m], gb[m])
+        prepare(qkv[m], hyb.ab[m], convs[m][row], hyb.conv_w[row], hyb.ssm_a[row], hyb.dt_bias[row], dims[K_HEADS],
+                dims[V_HEADS], dims[V_DIM], eps, hyb.dq[m], hyb.gb[m])
 
 
 @njit(cache=True)
 def shared_expert_gate(buf, entry, qh, h, sg, tier):
     """sg (M, 1) = the shared expert's gate logit (`ffn_gate_inp_shexp`, one row)."""
     xq8, xqn, xs8, xqk, xdk, xbk = qh
-    int8.rows_into(entry[3], buf, entry[0], entry[2], np.int64(0), entry[1], xq8, xs8, xqk, xdk, xbk, h, sg,
-                   np.int64(0), tier)
+    int8.rows_into(entry[TYPE], buf, entry[OFFSET], entry[ROW_BYTES], np.int64(0), entry[ROWS], xq8, xs8, xqk, xdk,
+                   xbk, h, sg, np.int64(0), tier)
 
 
 @njit(cache=True)
@@ -149,10 +180,9 @@ def add_shared(dn, dns, sg):
 _NO_CONV, _NO_SSM = np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32)
 
 
-def tables(cfg, w) -> tuple:
-    """The step's hybrid tables, built once: per layer [recurrent kind (0 attention), KV cache slot, state row]; the
-    recurrent layers' conv weights (R, C, K), ssm_a and dt biases (R, Hv), output norms (R, D); [Hk, Hv, D];
-    whether attention has an output gate. Stubs for a model without recurrent layers (every layer its own slot)."""
+def tables(cfg, w) -> Recurrent:
+    """The step's hybrid tables, built once (Recurrent). Stubs for a model without recurrent layers (every layer its
+    own slot)."""
     L, s = cfg.n_layer, cfg.deltanet
     slot, row = cfg.kv_slot, cfg.state_row
     rows = sorted(row, key=row.get)
@@ -162,16 +192,16 @@ def tables(cfg, w) -> tuple:
     if cfg.shortconv_kernel:  # (C, K) taps per layer; dims [0, 1, E]: its output is one "head" of n_embd
         conv = np.stack([w.vector(f"blk.{i}.shortconv.conv").reshape(cfg.n_embd, -1) for i in rows])
         z = np.zeros((1, 1), np.float32)
-        return kinds, conv.astype(np.float32), z, z, z, np.array([0, 1, cfg.n_embd], np.int64), gated
+        return Recurrent(kinds, conv.astype(np.float32), z, z, z, np.array([0, 1, cfg.n_embd], np.int64), gated)
     if s is None:
         z = np.zeros((1, 1), np.float32)
-        return kinds, _NO_CONV, z, z, z, np.zeros(3, np.int64), gated
+        return Recurrent(kinds, _NO_CONV, z, z, z, np.zeros(3, np.int64), gated)
     conv = np.stack([w.vector(f"blk.{i}.ssm_conv1d").reshape(s.conv_channels, s.conv_kernel) for i in rows])
     ssm_a = np.stack([w.parameter(f"blk.{i}.ssm_a") for i in rows])
     dt = np.stack([w.bias(f"blk.{i}.ssm_dt") for i in rows])
     norm = np.stack([w.vector(f"blk.{i}.ssm_norm") for i in rows])
     dims = np.array([s.k_heads, s.v_heads, s.head_v_dim], np.int64)
-    return kinds, conv.astype(np.float32), ssm_a, dt, norm, dims, gated
+    return Recurrent(kinds, conv.astype(np.float32), ssm_a, dt, norm, dims, gated)
 
 
 def states(caches) -> tuple[list, list]:

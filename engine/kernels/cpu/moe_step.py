@@ -14,13 +14,34 @@ Rows: mats entries as decode_step's: [byte offset, rows (all experts), row bytes
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from engine.kernels.cpu import atomics, int8, rowops
+from engine.kernels.cpu.step_roles import OFFSET, ROW_BYTES, TYPE
 
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # gpt-oss's clamped SwiGLU (as models/moe.py)
+
+
+class Moe(NamedTuple):
+    """A MoE MLP's buffers in the step (decode_step.py builds them per step; n_expert 0: a dense model's stubs)."""
+    n_expert: int
+    chosen: np.ndarray  # (M, k) each sequence's chosen experts
+    weight: np.ndarray  # (M, k) their weights
+    logits: np.ndarray  # (M, n_expert) the router's
+    down: np.ndarray  # (M k, E) each job's down output
+    n_up: int  # row ranges per job of the gate|up phase
+    n_down: int  # of the down phase
+
+
+class Shared(NamedTuple):
+    """A shared expert's buffers (Qwen3.5-MoE; width 0 without one)."""
+    gate_up: np.ndarray  # (M, 2 Fs)
+    act: np.ndarray  # (M, Fs)
+    down: np.ndarray  # (M, E)
+    gate: np.ndarray  # (M, 1) its gate's logit
 
 
 @njit(cache=True)
@@ -57,8 +78,8 @@ def _job_rows(buf, entry, e, per_expert, x_row, q, out_row, out_off, r0, r1, tie
     of one sequence or job), into out_row[0, out_off + r]."""
     xq8, xqn, xs8, xqk, xdk, xbk = q
     base = np.int64(e) * per_expert
-    int8.rows_into(entry[3], buf, entry[0], entry[2], base + r0, base + r1, xq8, xs8, xqk, xdk, xbk, x_row, out_row,
-                   np.int64(out_off) - base, tier)
+    int8.rows_into(entry[TYPE], buf, entry[OFFSET], entry[ROW_BYTES], base + r0, base + r1, xq8, xs8, xqk, xdk, xbk,
+                   x_row, out_row, np.int64(out_off) - base, tier)
 
 
 @njit(cache=True)

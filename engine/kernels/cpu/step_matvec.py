@@ -1,7 +1,7 @@
 """The compiled decode step's matrix work (decode_step.py runs it): an input quantized in the forms its matrices
 read (legacy blocks pair-interleaved or natural order, K super-blocks), and a matvec phase: the rows of matrices
 side by side, in row ranges claimed by whichever thread of the step's parallel region is free (atomics.py).
-Weights are mats rows [byte offset, rows, row bytes, type, packed offset] into the model's one buffer and the
+Weights are mats rows [OFFSET, ROWS, ROW_BYTES, TYPE, PACKED] (step_roles.py) into the model's one buffer and the
 buffer of packed copies (packed.py). Quantization buffers come whole (quant_buffers) or flat, viewed at a
 layer's own width (flat_quant, quant_view: C-contiguous views, no new kernel specializations).
 """
@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from engine.kernels.cpu import atomics, int8, packed, quantize
+from engine.kernels.cpu.step_roles import OFFSET, PACKED, ROW_BYTES, ROWS, TYPE
 
 LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
 K_CODES = tuple(int(t) for t in int8.K_TYPES)
@@ -23,15 +24,15 @@ def needs(mats):
     order, legacy blocks in natural order (packed matrices), K super-blocks)."""
     legacy = natural = kq = False
     for i in range(mats.shape[0]):
-        c = mats[i, 3]
+        c = mats[i, TYPE]
         is_legacy = False
         for t in LEGACY_CODES:
             is_legacy |= c == t
         for t in K_CODES:
             kq |= c == t
-        if is_legacy and mats[i, 4] >= 0:
+        if is_legacy and mats[i, PACKED] >= 0:
             natural = True
-            legacy |= mats[i, 1] % packed.ROWS != 0  # rows past the last group stay in GGUF order
+            legacy |= mats[i, ROWS] % packed.ROWS != 0  # rows past the last group stay in GGUF order
         else:
             legacy |= is_legacy
     return legacy, natural, kq
@@ -43,20 +44,20 @@ def chunk(buf, pbuf, mats, xq8, xqn, xs8, xqk, xdk, xbk, x, out, lo, hi, tier):
     holds its first row (so chunks may split groups and each group still runs once)."""
     start = np.int64(0)  # not a literal 0: rows_into would compile a variant of its own for it
     for i in range(mats.shape[0]):
-        rows = mats[i, 1]
+        rows = mats[i, ROWS]
         a, z = max(lo, start) - start, min(hi, start + rows) - start
         if a < z:
-            code, rb = mats[i, 3], mats[i, 2]
+            code, rb = mats[i, TYPE], mats[i, ROW_BYTES]
             done = a
-            if mats[i, 4] >= 0:
+            if mats[i, PACKED] >= 0:
                 n8 = rows // packed.ROWS * packed.ROWS
                 g0, g1 = -(-a // packed.ROWS), min(-(-z // packed.ROWS), n8 // packed.ROWS)
                 if g1 > g0:
-                    packed.groups_into(code, pbuf, mats[i, 4], xqn.shape[1] // 32, g0, g1, xqn, xs8, out, start,
+                    packed.groups_into(code, pbuf, mats[i, PACKED], xqn.shape[1] // 32, g0, g1, xqn, xs8, out, start,
                                        tier)
                 done = max(a, n8)
             if done < z:
-                int8.rows_into(code, buf, mats[i, 0], rb, done, z, xq8, xs8, xqk, xdk, xbk, x, out, start, tier)
+                int8.rows_into(code, buf, mats[i, OFFSET], rb, done, z, xq8, xs8, xqk, xdk, xbk, x, out, start, tier)
         start += rows
 
 

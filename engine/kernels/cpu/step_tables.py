@@ -10,13 +10,12 @@ from numba.typed import List
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
 from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step, ops
-from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, decode_step
+from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, Biases, decode_step
 from engine.kernels.cpu.kv_cache import KVCache
-from engine.kernels.cpu.step_roles import ROLES, role_tensors
+from engine.kernels.cpu.step_roles import ATTN_Q, ATTN_V, NORMS, POST_ATTN_NORM, ROLES, role_tensors
 from engine.kernels.threads import get_threads
 
 _EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
-_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "post_norm")  # rows of norms[l]
 _NO_PACKED = np.empty(0, np.uint8)
 _ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # iparams' activation slot: the MLP's activation
 
@@ -34,12 +33,12 @@ class DecodeStep:
         self.mats = np.array([[self._entry(w, n) if n and w.has_weight(n) else _EMPTY for n in role_tensors(i, flags)]
                               for i in range(L)], np.int64)
         self.head = np.array([self._entry(w, "output" if w.has("output") else "token_embd")], np.int64)
-        self.norms = np.zeros((L, len(_NORMS), E), np.float32)
+        self.norms = np.zeros((L, len(NORMS), E), np.float32)
         self.qk_norms = np.zeros((L, 2, D), np.float32)
         for i in range(L):
-            for j, n in enumerate(_NORMS):
+            for j, n in enumerate(NORMS):
                 n = flags.get("ffn_norm", n) if n == "ffn_norm" else n  # gpt-oss names it post_attention_norm
-                if w.has(f"blk.{i}.{n}") and not (j == 2 and not flags["post_norms"]):
+                if w.has(f"blk.{i}.{n}") and not (j == POST_ATTN_NORM and not flags["post_norms"]):
                     self.norms[i, j] = w.vector(f"blk.{i}.{n}")
             for j, n in enumerate(("attn_q_norm", "attn_k_norm")):  # (a hybrid's recurrent layers have none)
                 if flags["qk_norm"] and w.has(f"blk.{i}.{n}"):
@@ -47,9 +46,10 @@ class DecodeStep:
                     self.qk_norms[i, j, : len(v)] = v  # a narrower layer's in its leading dims (Gemma 4)
         self.qkv_bias = np.zeros((L, 1), np.float32)  # q|k|v biases, where the family has them
         if flags.get("qkv_bias"):
-            self.qkv_bias = np.zeros((L, sum(w.tensor(f"blk.0.{r}").rows for r in ROLES[:3])), np.float32)
+            qkv = ROLES[ATTN_Q : ATTN_V + 1]
+            self.qkv_bias = np.zeros((L, sum(w.tensor(f"blk.0.{r}").rows for r in qkv)), np.float32)
             for i in range(L):
-                self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in ROLES[:3]])
+                self.qkv_bias[i] = np.concatenate([w.bias(f"blk.{i}.{r}") for r in qkv])
         self.out_norm = w.vector(flags.get("final_norm", "output_norm"))
         sinks = np.full((L, cfg.n_head), -np.inf, np.float32)  # attention sinks (gpt-oss), -inf: none
         o_bias = np.zeros((L, 1), np.float32)
@@ -57,7 +57,7 @@ class DecodeStep:
             sinks[:] = [w.vector(f"blk.{i}.attn_sinks") for i in range(L)]
         if cfg.attn_out_bias:
             o_bias = np.stack([w.bias(f"blk.{i}.attn_output") for i in range(L)])
-        self.biases = (sinks, o_bias) + moe_step.bias_tables(cfg, w, flags)
+        self.biases = Biases(sinks, o_bias, *moe_step.bias_tables(cfg, w, flags))
         self.rec = hybrid_step.tables(cfg, w)
         factors, rel = frequency_divisors(cfg, w), np.divide(cfg.layer_rope_scale, cfg.rope_scaling.factor)
         self.inv_freq = np.stack([ops.inv_freq(cfg.rope_dim, b, factors) for b in cfg.layer_rope_base]) / rel[:, None]
