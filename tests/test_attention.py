@@ -1,4 +1,4 @@
-"""The decode attention kernels (engine/kernels/attention.py) and the f16 KV cache against numpy.
+"""The decode attention kernels (engine/kernels/cpu/attention.py) and the f16 KV cache against numpy.
 
 Scores and weighted values are checked for every group size a kernel call takes (1-4) and larger groups (run
 four heads at a time), position counts on and off the 16-wide tiles (the masked tail), f32 and half storage;

@@ -1,4 +1,4 @@
-"""The row-interleaved layout of the 4/5-bit legacy blocks (engine/kernels/packed.py).
+"""The row-interleaved layout of the 4/5-bit legacy blocks (engine/kernels/cpu/packed.py).
 
 Repacking then dequantizing equals gguf.quants' dequantization bit for bit (every packable type, random
 blocks and row counts off the groups of 8); the group kernel equals the integer math of int8 activations
