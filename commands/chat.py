@@ -55,12 +55,26 @@ A thinking model's reasoning prints dimmed on stderr before its answer (--hide-t
 the answer goes to stdout and into the conversation.
 
 In the REPL: /retry (a new reply to the last message), /undo (drop the last exchange), /reset, /system TEXT,
-/temp T, /seed N, /max N, /think MODE, /quit. Ctrl-C stops a reply; Ctrl-D quits. A --session file follows the
-conversation: rewritten after each reply and /undo, removed by /reset and /system.
+/temp T, /seed N, /max N, /think MODE, /quit; /help (or /?) lists them, and each says what it changed. Ctrl-C stops
+a reply; Ctrl-D quits. A --session file follows the conversation: rewritten after each reply and /undo, removed by
+/reset and /system.
 """
 
-REPL_HELP = ("/retry  /undo  /reset  /system TEXT  /temp T  /seed N  /max N  /think template|asis|on|off  "
-             "/effort low|medium|high  /verbose  /quit   (Ctrl-C stops a reply, Ctrl-D quits)")
+REPL_COMMANDS = (  # what /help and /? list, one line each
+    ("/help, /?", "this list"),
+    ("/retry", "a new reply to the last message (marked \"(retry)\")"),
+    ("/undo", "drop the last exchange (your message and its reply)"),
+    ("/reset", "clear the conversation; the system prompt stays"),
+    ("/system TEXT", "set the system prompt (no TEXT: remove it); clears the conversation"),
+    ("/temp T", "sampling temperature, T >= 0 (0: greedy)"),
+    ("/seed N", "sampling seed (no N: a random one each reply)"),
+    ("/max N", "the most tokens a reply may have, N >= 1"),
+    ("/think MODE", "thinking: " + ", ".join(MODES)),
+    ("/effort LEVEL", "gpt-oss reasoning effort: " + ", ".join(EFFORTS)),
+    ("/verbose", "timings after each reply, on or off"),
+    ("/quit, /exit, /q", "leave (Ctrl-D too; Ctrl-C stops a reply)"),
+)
+REPL_HINT = "/help lists the commands (Ctrl-C stops a reply, Ctrl-D quits)"
 
 
 @dataclass
@@ -273,7 +287,7 @@ def _repl(llm, session: ChatState) -> None:
     reader = _terminal_reader() if interactive else _pipe_reader()
     if interactive:
         lora = "".join(f" + LoRA {a['adapter']}" for a in llm.adapters)
-        say(f"ready{lora} ({placement_text(llm.placement)}). {REPL_HELP}", lead=llm.name, lead_style="bold")
+        say(f"ready{lora} ({placement_text(llm.placement)}). {REPL_HINT}", lead=llm.name, lead_style="bold")
     while True:
         try:
             line = reader()
@@ -291,6 +305,7 @@ def _repl(llm, session: ChatState) -> None:
                 say("nothing to retry")
                 continue
             retried = session.messages.pop()
+            say("(retry)", style="dim")  # the reply that follows replaces the last one
         elif line.startswith("/"):
             if _command(line, session):
                 return
@@ -337,9 +352,14 @@ def _command(line: str, session: ChatState) -> bool:
     try:
         if name in ("/quit", "/exit", "/q"):
             return True
-        if name == "/reset":
+        if name in ("/help", "/?"):
+            width = max(len(usage) for usage, _ in REPL_COMMANDS)
+            for usage, what in REPL_COMMANDS:
+                say(f"{usage.ljust(width)}  {what}")
+        elif name == "/reset":
             session.messages.clear()
-            say("conversation cleared")
+            say("conversation cleared; " + (f"system prompt kept: {_shorten(session.system)}" if session.system
+                                            else "no system prompt set"))
         elif name == "/undo":
             if not session.messages:
                 say("nothing to undo")
@@ -350,14 +370,16 @@ def _command(line: str, session: ChatState) -> bool:
         elif name == "/system":
             session.system = arg or None
             session.messages.clear()
-            say("system prompt " + ("set" if arg else "removed") + "; conversation cleared")
+            say((f"system prompt: {_shorten(arg)}" if arg else "system prompt removed") + "; conversation cleared")
         elif name == "/temp":
             value = float(arg)
             if value < 0:
                 raise ValueError
             session.options = replace(session.options, temperature=value)
+            say(f"temperature: {value:g}" + (" (greedy)" if value == 0 else ""))
         elif name == "/seed":
             session.options = replace(session.options, seed=int(arg) if arg else None)
+            say(f"seed: {session.options.seed}" if arg else "seed: none (a random one each reply)")
         elif name == "/think":
             if arg not in MODES:
                 raise ValueError
@@ -376,11 +398,18 @@ def _command(line: str, session: ChatState) -> bool:
             if value < 1:
                 raise ValueError
             session.options = replace(session.options, max_tokens=value)
+            say(f"max tokens: {value}")
         else:
-            say(f"unknown command {name}. {REPL_HELP}")
+            say(f"unknown command {name}; /help lists the commands")
     except ValueError:
         say(f"invalid value for {name}: {arg!r}")
     return False
+
+
+def _shorten(text: str, width: int = 60) -> str:
+    """A system prompt as a notice quotes it: one line, at most `width` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width - 1] + "…"
 
 
 def _terminal_reader():

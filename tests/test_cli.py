@@ -51,6 +51,32 @@ def test_repl_reads_commands_and_turns_from_a_pipe(smollm2_gguf):
     assert "invalid value for /temp" in r.stderr
 
 
+def test_repl_help_lists_the_commands_and_each_says_what_it_changed(smollm2_gguf):
+    """/help and /? list every command on a line of its own; a setting says its new value, /reset what it keeps,
+    and a /retry reply is marked as one ("nothing to retry" is not)."""
+    system = "Answer briefly, in plain words, and always be polite to whoever is asking the question."
+    script = (f"/help\n/?\n/retry\n/temp 0.5\n/temp 0\n/seed 7\n/seed\n/max 12\n/reset\n/system {system}\n"
+              "/reset\n/system\n/nope\nHello\n/retry\n/quit\n")
+    r = goinfer("chat", "--model", str(smollm2_gguf), stdin=script)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    for command in ("/help", "/retry", "/undo", "/reset", "/system", "/temp", "/seed", "/max", "/think", "/effort",
+                    "/verbose", "/quit"):
+        listed = [ln for ln in lines if ln.split(" ")[0].rstrip(",") == command]
+        assert len(listed) == 2 and len(listed[0].split()) > 2, (command, r.stderr)  # once per /help and /?
+    assert [ln for ln in lines if "unknown command" in ln] == ["unknown command /nope; /help lists the commands"]
+    for said in ("nothing to retry", "temperature: 0.5", "temperature: 0 (greedy)", "seed: 7",
+                 "seed: none (a random one each reply)", "max tokens: 12", "conversation cleared; no system prompt set",
+                 f"system prompt: {system[:59]}…; conversation cleared",  # a long prompt: its first 60 characters
+                 f"conversation cleared; system prompt kept: {system[:59]}…",
+                 "system prompt removed; conversation cleared"):
+        assert said in lines, (said, r.stderr)
+    assert lines.count("(retry)") == 1 and lines.index("(retry)") > lines.index("unknown command /nope; /help lists "
+                                                                              "the commands")
+    half = len(r.stdout) // 2  # greedy: the retried reply is the first again
+    assert r.stdout.strip() and r.stdout[:half] == r.stdout[half:], r.stdout
+
+
 def test_repl_retry_and_undo_resume_from_the_warm_cache(tmp_path):
     """/retry answers the last message again and /undo drops the last exchange; on a recurrent model (whose cache
     resumes only from snapshots) both start from the warm cache, not from nothing (chat -v prints what was
