@@ -6,12 +6,15 @@ integer field, the model's probability over what the schema allowed at the posit
     field_confidences(...)      after the answer: its JSON walked with byte offsets, each field's kind read from
                                 the schema, and its record built from the steps that wrote its value
 
-A record: {"path", "kind", "value", "confidence", "distribution", "free_tokens", "calibrated": false}.
+A record: {"path", "kind", "value", "confidence", "distribution", "undecided", "free_tokens", "calibrated": false}.
 - enum / boolean: the deciding position is the step at which the value's text first fits one option only;
   `distribution` sums, by the option each spells, the probabilities of every token the grammar allowed there (a
-  literal split across tokens is not diluted); "undecided" is the mass of tokens that fit several options yet, or
-  none. `confidence` is the chosen option's share.
-- integer: `confidence` is the lowest probability among the tokens that wrote its digits; no distribution.
+  literal split across tokens is not diluted). Its keys are exactly the schema's options (a string option as
+  itself, any other as its JSON text: "true", "false", "3"); `undecided`, a field of its own beside it, is the mass
+  of tokens that fit several options yet, or none. The distribution's values and `undecided` sum to 1.
+  `confidence` is the chosen option's share.
+- integer: `confidence` is the lowest probability among the tokens that wrote its digits; no distribution and no
+  `undecided` (both null).
 - `free_tokens`: the value's steps at which the grammar allowed more than one token. A field with none (a
   one-option enum, a const) says nothing about the model and is not reported; neither are numbers and strings.
 It is the model's probability over what the schema allowed, not the probability that the value is right.
@@ -194,14 +197,15 @@ def field_confidences(rec: ConfidenceGrammar, schema, tokenizer) -> list[dict]:
         if not free:
             continue  # the schema forced it
         record = {"path": path, "kind": kind, "value": value, "confidence": None, "distribution": None,
-                  "free_tokens": len(free), "calibrated": False}
+                  "undecided": None, "free_tokens": len(free), "calibrated": False}
         if kind == "integer":
             record["confidence"] = round(min(rec.steps[k].p_chosen for k in free), 6)
         else:
             options = _schema_at(schema, _path_parts(path), schema).get("enum") if kind == "enum" else [True, False]
-            dist = _distribution(rec, text, starts, s, e, steps, options, tokenizer)
-            if dist is None:
+            found = _distribution(rec, text, starts, s, e, steps, options, tokenizer)
+            if found is None:
                 continue
+            dist, record["undecided"] = found
             record["distribution"] = dist
             record["confidence"] = dist.get(_key(value), 0.0)
         out.append(record)
@@ -212,7 +216,9 @@ def _key(v) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def _distribution(rec, text: bytes, starts, s: int, e: int, steps: list[int], options: list, tokenizer):
+def _distribution(rec, text: bytes, starts, s: int, e: int, steps: list[int], options: list,
+                  tokenizer) -> tuple[dict, float] | None:
+    """({option: probability} over exactly the schema's options, the undecided mass) at the deciding step."""
     literals = [(_key(o), json.dumps(o, ensure_ascii=False, separators=(",", ":")).encode()) for o in options]
     for k in steps:  # the deciding step: the first after which the value's text fits one option only
         done = text[s:min(e, starts[k + 1])]
@@ -239,7 +245,4 @@ def _distribution(rec, text: bytes, starts, s: int, e: int, steps: list[int], op
             mass[fit[0]] += p
         else:
             undecided += p
-    dist = {key: round(v, 6) for key, v in mass.items()}
-    if undecided > 1e-6:
-        dist["undecided"] = round(undecided, 6)
-    return dist
+    return {key: round(v, 6) for key, v in mass.items()}, round(undecided, 6)
