@@ -31,13 +31,29 @@ def _print_version(asked: bool) -> None:
         raise typer.Exit()
 
 
-def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+def _root(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
                                        help="Print goinfer's version and exit.")) -> None:
     """goinfer: a local LLM runtime."""
 
 
+def _flags_take_no_value() -> None:
+    """Typer 0.29's Rich help shows a flag's type as its value (`--version <bool>`, `--help <bool>`), though a
+    flag takes none (its plain help leaves it out): show nothing there, as click does."""
+    from typer.core import TyperOption
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_bare", False):  # an older Typer (nothing to mend), or mended
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich.flags_bare = True
+    TyperOption.display_type_rich = display_type_rich
+
+
 def build(names=tuple(COMMANDS)) -> typer.Typer:
     """The CLI with these commands (all by default), in COMMANDS' order."""
+    _flags_take_no_value()
     cli = typer.Typer(
         name="goinfer",
         help="Run open LLMs locally: chat in the terminal, serve OpenAI/Anthropic-compatible APIs, batch jobs.",
