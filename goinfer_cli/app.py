@@ -15,19 +15,15 @@ import typer
 # command -> (its module, no_args_is_help); a module holds HELP and a function of the command's name ("-" as "_"),
 # or (cache) a Typer app of its own
 COMMANDS = {"chat": ("commands.chat", False), "batch": ("commands.batch", True), "serve": ("commands.serve", False),
-            "pull": ("commands.pull", True), "cache": ("commands.cache", None), "check": ("commands.check", True),
+            "pull": ("commands.pull", True), "cache": ("commands.cache", None), "check": ("commands.check", False),
             "decisions-calibrate": ("commands.decisions_calibrate", True)}
 
 
 def _print_version(asked: bool) -> None:
     if asked:
-        from importlib import metadata
+        from commands.version import goinfer_version
 
-        try:
-            version = metadata.version("goinfer")
-        except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-            version = "unknown (not installed)"
-        typer.echo(f"goinfer {version} (Python {sys.version.split()[0]})")
+        typer.echo(f"goinfer {goinfer_version()}, Python {sys.version.split()[0]}")
         raise typer.Exit()
 
 
