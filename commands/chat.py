@@ -18,7 +18,7 @@ import typer
 from commands.errors import fail, user_errors
 from commands.options import (BackendOption, DraftMaxOption, LoraOption, ModelOption, NoSelftestOption, QuantOption,
                              ReasoningBudgetOption, SpeculateOption, ThinkingOption, ThreadsOption, backend_choice,
-                             lora_choice, speculation_choice, thinking_settings)
+                             in_panel, lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text, say, thought
 from engine import load_model, set_threads
 from engine.constrain import Grammar, json_schema_grammar
@@ -103,47 +103,62 @@ class ChatState:
                                  reasoning_effort=self.effort)
 
 
+# --help panels
+MODEL, TALK, SAMPLING, REASONING = "Model", "Conversation", "Sampling", "Reasoning"
+
+
 def chat(
-    model: ModelOption = None,
-    system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
-    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.7,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.95,
+    model: in_panel(ModelOption, MODEL) = None,
+    system: Annotated[Optional[str], typer.Option(help="System prompt.", rich_help_panel=TALK)] = None,
+    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.",
+                                        rich_help_panel=SAMPLING)] = 0.7,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).",
+                                       rich_help_panel=SAMPLING)] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.", rich_help_panel=SAMPLING)] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens less likely than this fraction of the most "
-                                                         "likely one (0 = off).")] = 0.0,
+                                                         "likely one (0 = off).", rich_help_panel=SAMPLING)] = 0.0,
     repeat_penalty: Annotated[float, typer.Option(
-        "--repeat-penalty", help="Divide the logits of tokens already in the conversation by this (1 = off).")] = 1.0,
+        "--repeat-penalty", help="Divide the logits of tokens already in the conversation by this (1 = off).",
+        rich_help_panel=SAMPLING)] = 1.0,
     presence_penalty: Annotated[float, typer.Option(
-        "--presence-penalty", help="Subtract this from tokens already generated (0 = off).")] = 0.0,
+        "--presence-penalty", help="Subtract this from tokens already generated (0 = off).",
+        rich_help_panel=SAMPLING)] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(
-        "--frequency-penalty", help="Subtract this times each token's count so far (0 = off).")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.")] = 512,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).")] = None,
-    quant: QuantOption = "auto",
-    backend: BackendOption = "cpu",
-    threads: ThreadsOption = None,
+        "--frequency-penalty", help="Subtract this times each token's count so far (0 = off).",
+        rich_help_panel=SAMPLING)] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.",
+                                                rich_help_panel=SAMPLING)] = None,
+    max_tokens: Annotated[int, typer.Option("--max", help="Most tokens per reply.", rich_help_panel=SAMPLING)] = 512,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this once and exit ('-' reads stdin).",
+                                                  rich_help_panel=TALK)] = None,
+    quant: in_panel(QuantOption, MODEL) = "auto",
+    backend: in_panel(BackendOption, MODEL) = "cpu",
+    threads: in_panel(ThreadsOption, MODEL) = None,
     ctx: Annotated[Optional[int], typer.Option(
-        "--ctx", help="Context window of the conversation, in tokens (default and cap: the model's own).")] = None,
-    no_selftest: NoSelftestOption = False,
-    schema: Annotated[Optional[Path], typer.Option("--schema", help="A JSON schema file: every reply is JSON valid under it.")] = None,
+        "--ctx", help="Context window of the conversation, in tokens (default and cap: the model's own).",
+        rich_help_panel=MODEL)] = None,
+    no_selftest: in_panel(NoSelftestOption, MODEL) = False,
+    schema: Annotated[Optional[Path], typer.Option(
+        "--schema", help="A JSON schema file: every reply is JSON valid under it.", rich_help_panel=TALK)] = None,
     session_file: Annotated[Optional[Path], typer.Option(
         "--session", help="Resume the conversation saved in this file (its messages and KV cache); written after "
-                          "each turn.")] = None,
-    thinking: ThinkingOption = "template",
-    reasoning_budget: ReasoningBudgetOption = "auto",
-    speculate: SpeculateOption = "ngram",
-    draft_max: DraftMaxOption = 4,
-    lora: LoraOption = None,
+                          "each turn.", rich_help_panel=TALK)] = None,
+    thinking: in_panel(ThinkingOption, REASONING) = "template",
+    reasoning_budget: in_panel(ReasoningBudgetOption, REASONING) = "auto",
+    speculate: in_panel(SpeculateOption, MODEL) = "ngram",
+    draft_max: in_panel(DraftMaxOption, MODEL) = 4,
+    lora: in_panel(LoraOption, MODEL) = None,
     verbose: Annotated[bool, typer.Option(
         "--verbose", "-v", help="After each reply, print its timings on stderr: the prompt's tokens (how many came "
-                                "from the warm cache) and time, the reply's tokens and tokens per second.")] = False,
+                                "from the warm cache) and time, the reply's tokens and tokens per second.",
+        rich_help_panel=TALK)] = False,
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking", help="Print a thinking model's reasoning (dimmed, on stderr) before its "
-                                                 "answer, or only a marker.")] = True,
+                                                 "answer, or only a marker.", rich_help_panel=REASONING)] = True,
     reasoning_effort: Annotated[Optional[str], typer.Option(
         "--reasoning-effort", help="gpt-oss: low, medium or high, written on its template's Reasoning line "
-                                   "(default: the template's, medium). Other models ignore it.")] = None,
+                                   "(default: the template's, medium). Other models ignore it.",
+        rich_help_panel=REASONING)] = None,
 ) -> None:
     options = sampling_options(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,

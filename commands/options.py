@@ -7,18 +7,19 @@ Options whose meaning differs between commands (serve's repeatable --model NAME=
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
+import copy
+from typing import Annotated, List, Optional, get_args
 
 import typer
 
-__all__ = ["BackendOption", "ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption",
+__all__ = ["in_panel", "BackendOption", "ModelOption", "NoSelftestOption", "QuantOption", "ReasoningBudgetOption",
            "ReasoningFormatOption",
            "LoraOption", "SpeculateOption", "DraftMaxOption", "lora_choice", "ThinkingOption", "ThreadsOption", "backend_choice",
            "speculation_choice", "thinking_settings"]
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="A .gguf path, a safetensors checkpoint directory, a built-in name or "
-                          "hf:OWNER/REPO[:QUANT|:safetensors].")]
+                          "hf:OWNER/REPO[:QUANT] (or :safetensors).")]
 
 QuantOption = Annotated[str, typer.Option(help="Compute path: auto or f32.")]
 
@@ -60,6 +61,15 @@ ReasoningFormatOption = Annotated[str, typer.Option(
 ReasoningBudgetOption = Annotated[str, typer.Option(
     "--reasoning-budget", help="Tokens a reply may think before its answer is forced: N, auto (at most 3/4 of the "
                                "reply's max tokens) or unlimited. A request's own budget comes first.")]
+
+
+def in_panel(option, panel: str):
+    """A shared option (one of the Annotated types above) listed under the help panel PANEL of a command's --help
+    (Typer's rich_help_panel), the shared definition left as it is."""
+    kind, info = get_args(option)[:2]
+    info = copy.copy(info)
+    info.rich_help_panel = panel
+    return Annotated[kind, info]
 
 
 def backend_choice(value: str) -> str:

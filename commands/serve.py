@@ -23,7 +23,7 @@ import typer
 from commands.errors import fail, user_errors
 from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, NoSelftestOption, QuantOption,
                               ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption, ThinkingOption,
-                              backend_choice, lora_choice, speculation_choice, thinking_settings)
+                              backend_choice, in_panel, lora_choice, speculation_choice, thinking_settings)
 from commands.ui import FetchProgress, placement_text
 from engine import get_threads, load_model, set_threads
 from engine.loading.load import QUANT_MODES, check_model_file
@@ -51,15 +51,15 @@ With --api-key (or GOINFER_API_KEY) every route needs "Authorization: Bearer KEY
 
 Examples:
 
-  goinfer serve                                              # smollm2-135m on http://127.0.0.1:8080
+  goinfer serve  # smollm2-135m on http://127.0.0.1:8080
 
   goinfer serve --model gemma3-270m --ctx 8192
 
   goinfer serve -m small=smollm2-135m -m gemma=gemma3-270m --max-queue 4
 
-  goinfer serve --max-concurrent 8 --prefill-chunk 256           # more streams at once, shorter prompt pauses
+  goinfer serve --max-concurrent 8 --prefill-chunk 256  # more streams
 
-  goinfer serve --session-dir ~/.cache/goinfer/sessions          # warm conversations survive a restart
+  goinfer serve --session-dir ~/.cache/goinfer/sessions  # survive restarts
 
   GOINFER_API_KEY=secret goinfer serve --addr 0.0.0.0:8443 --tls-cert cert.pem --tls-key key.pem
 
@@ -69,87 +69,101 @@ Ctrl-C (or SIGTERM) stops the server: requests in flight are cancelled. See docs
 """
 
 
+MODEL, SERVER, SECURITY, LIMITS, SESSIONS = "Model", "Server", "Security", "Limits", "Sessions"
+REASONING, EMBEDDINGS, DECISIONS = "Reasoning", "Embeddings", "Decisions"
+
+
 def serve(
     model: Annotated[Optional[List[str]], typer.Option(
-        "--model", "-m", metavar="[NAME=]REF[,ctx=N][,quant=Q][,backend=B][,lora=DIR[,lora-scale=S]]",
-        help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, optionally served as NAME, "
-             "with its own --ctx / --quant / --backend after commas, and a LoRA adapter (a PEFT directory) merged at "
-             "load; repeatable.")] = None,
-    embed_model: Annotated[Optional[List[str]], typer.Option(
-        "--embed-model", metavar="[NAME=]REF",
-        help="An embedding model for /v1/embeddings (minilm-l6, or a sentence-transformers directory), optionally "
-             "served as NAME; repeatable. Without --model, only embeddings are served.")] = None,
-    embed_quant: EmbedQuantOption = "f32",
-    addr: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
+        "--model", "-m", metavar="[NAME=]REF[,K=V]", rich_help_panel=MODEL,
+        help="A .gguf path, checkpoint directory, built-in name or hf:OWNER/REPO:QUANT, served as NAME if given; "
+             "after commas its own ctx=N, quant=Q, backend=B, lora=DIR (a PEFT adapter merged at load), "
+             "lora-scale=S. Repeatable.")] = None,
+    ctx: Annotated[int, typer.Option(
+        rich_help_panel=MODEL, help="Context window per request, in tokens (capped at the model's own; past a "
+                                    "Phi-3 model's original window, its long RoPE factors).")] = DEFAULT_CTX,
+    quant: in_panel(QuantOption, MODEL) = "auto",
+    backend: in_panel(BackendOption, MODEL) = "cpu",  # for every --model (embedding models stay on the CPU)
+    threads: Annotated[Optional[int], typer.Option(
+        rich_help_panel=MODEL, help="Compute threads per model (default: all cores).")] = None,
+    no_selftest: in_panel(NoSelftestOption, MODEL) = False,
+    speculate: in_panel(SpeculateOption, MODEL) = "ngram",
+    draft_max: in_panel(DraftMaxOption, MODEL) = 4,
+    addr: Annotated[str, typer.Option(
+        rich_help_panel=SERVER, help="HOST:PORT to listen on (port 0: any free port).")] = DEFAULT_ADDR,
+    web: Annotated[bool, typer.Option(
+        "--web/--no-web", rich_help_panel=SERVER,
+        help="Serve the built-in chat page at / (static; it asks for the API key).")] = True,
+    sse_keepalive: Annotated[float, typer.Option(
+        "--sse-keepalive", rich_help_panel=SERVER,
+        help="Seconds of silence after which a stream gets a keep-alive comment.")] = DEFAULT_KEEPALIVE_S,
+    batch_dir: Annotated[Optional[Path], typer.Option(
+        "--batch-dir", rich_help_panel=SERVER,
+        help="Keep uploaded files and /v1/batches here, and resume unfinished batches at start (default: a "
+             "temporary directory, removed at shutdown).")] = None,
+    allow_admin: Annotated[bool, typer.Option(
+        "--allow-admin", rich_help_panel=SERVER,
+        help="Serve /admin/models: load and unload models while running (needs an API key).")] = False,
+    unload_drain_wait: Annotated[float, typer.Option(
+        "--unload-drain-wait", metavar="SECONDS", rich_help_panel=SERVER,
+        help="How long an admin unload lets running requests finish before cancelling them.")] = 5.0,
     api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="GOINFER_API_KEY", show_envvar=True,
+        "--api-key", envvar="GOINFER_API_KEY", show_envvar=True, rich_help_panel=SECURITY,
         help="Require this key on every route (Bearer or x-api-key).")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(
+        "--api-key-file", rich_help_panel=SECURITY,
+        help="A file of API keys, one a line (each accepted, beside --api-key).")] = None,
+    tls_cert: Annotated[Optional[Path], typer.Option(
+        "--tls-cert", rich_help_panel=SECURITY, help="PEM certificate: serve HTTPS.")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(
+        "--tls-key", rich_help_panel=SECURITY, help="PEM private key for --tls-cert.")] = None,
     cors_origin: Annotated[Optional[List[str]], typer.Option(
-        "--cors-origin", metavar="ORIGIN",
+        "--cors-origin", metavar="ORIGIN", rich_help_panel=SECURITY,
         help="A web page origin (http://host:port) whose scripts may read the answers, besides this machine's "
              "(localhost, 127.0.0.1, [::1]); * for any; repeatable.")] = None,
-    api_key_file: Annotated[Optional[Path], typer.Option(
-        "--api-key-file", help="A file of API keys, one a line (each accepted, beside --api-key).")] = None,
-    tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="PEM certificate: serve HTTPS.")] = None,
-    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key for --tls-cert.")] = None,
-    ctx: Annotated[int, typer.Option(help="Context window per request, in tokens (capped at the model's own; "
-                                          "past a Phi-3 model's original window, its long RoPE factors).")]
-    = DEFAULT_CTX,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait per model.")]
-    = DEFAULT_MAX_QUEUE,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", rich_help_panel=LIMITS, help="Requests that may wait per model.")] = DEFAULT_MAX_QUEUE,
     max_concurrent: Annotated[int, typer.Option(
-        "--max-concurrent", help="Sequences per model decoded together (a request with n choices takes n).")]
-    = DEFAULT_MAX_CONCURRENT,
+        "--max-concurrent", rich_help_panel=LIMITS,
+        help="Sequences per model decoded together (a request with n choices takes n).")] = DEFAULT_MAX_CONCURRENT,
     prefill_chunk: Annotated[int, typer.Option(
-        "--prefill-chunk", help="Prompt tokens evaluated between two decode steps of the running sequences.")]
-    = PREFILL_CHUNK,
+        "--prefill-chunk", rich_help_panel=LIMITS,
+        help="Prompt tokens evaluated between two decode steps of the running sequences.")] = PREFILL_CHUNK,
     max_body_bytes: Annotated[int, typer.Option(
-        "--max-body-bytes", help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
-    quant: QuantOption = "auto",
-    backend: BackendOption = "cpu",  # for every --model (embedding models stay on the CPU)
-    threads: Annotated[Optional[int], typer.Option(help="Compute threads per model (default: all cores).")] = None,
-    no_selftest: NoSelftestOption = False,
-    sse_keepalive: Annotated[float, typer.Option(
-        "--sse-keepalive", help="Seconds of silence after which a stream gets a keep-alive comment.")]
-    = DEFAULT_KEEPALIVE_S,
-    kv_sessions: Annotated[int, typer.Option(
-        "--kv-sessions", help="Warm sessions kept per model: a prompt that starts as a kept one did evaluates only "
-                              "the rest (0: none).")] = DEFAULT_SESSIONS,
-    session_memory: Annotated[Optional[int], typer.Option(
-        "--session-memory", metavar="MIB", help="KV memory the warm sessions of a model may hold "
-                                                "(default: 2048, or a quarter of the available memory if less).")]
-    = None,
+        "--max-body-bytes", rich_help_panel=LIMITS,
+        help="Request-body limit; 0 derives it from the context window (at least 4 MiB).")] = 0,
     max_connections: Annotated[int, typer.Option(
-        "--max-connections", help="Open connections at most; beyond, new ones get 503 with Retry-After.")]
-    = DEFAULT_MAX_CONNECTIONS,
+        "--max-connections", rich_help_panel=LIMITS,
+        help="Open connections at most; beyond, new ones get 503 with Retry-After.")] = DEFAULT_MAX_CONNECTIONS,
     read_deadline: Annotated[float, typer.Option(
-        "--read-deadline", help="Seconds a client has to send a request's headers and body (from connecting, or "
-                                "from its last answer); a slower one is cut off.")] = DEFAULT_READ_DEADLINE_S,
-    web: Annotated[bool, typer.Option(
-        "--web/--no-web", help="Serve the built-in chat page at / (static; it asks for the API key).")] = True,
-    allow_admin: Annotated[bool, typer.Option(
-        "--allow-admin", help="Serve /admin/models: load and unload models while running (needs an API key).")]
-    = False,
-    unload_drain_wait: Annotated[float, typer.Option(
-        "--unload-drain-wait", metavar="SECONDS",
-        help="How long an admin unload lets running requests finish before cancelling them.")] = 5.0,
-    batch_dir: Annotated[Optional[Path], typer.Option(
-        "--batch-dir", help="Keep uploaded files and /v1/batches here, and resume unfinished batches at start "
-                            "(default: a temporary directory, removed at shutdown).")] = None,
+        "--read-deadline", rich_help_panel=LIMITS,
+        help="Seconds a client has to send a request's headers and body (from connecting, or from its last "
+             "answer); a slower one is cut off.")] = DEFAULT_READ_DEADLINE_S,
+    kv_sessions: Annotated[int, typer.Option(
+        "--kv-sessions", rich_help_panel=SESSIONS,
+        help="Warm sessions kept per model: a prompt that starts as a kept one did evaluates only the rest "
+             "(0: none).")] = DEFAULT_SESSIONS,
+    session_memory: Annotated[Optional[int], typer.Option(
+        "--session-memory", metavar="MIB", rich_help_panel=SESSIONS,
+        help="KV memory the warm sessions of a model may hold (default: 2048, or a quarter of the available "
+             "memory if less).")] = None,
     session_dir: Annotated[Optional[Path], typer.Option(
-        "--session-dir", help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")]
-    = None,
-    speculate: SpeculateOption = "ngram",
-    draft_max: DraftMaxOption = 4,
-    thinking: ThinkingOption = "template",
-    reasoning_budget: ReasoningBudgetOption = "auto",
-    reasoning_format: ReasoningFormatOption = "auto",
+        "--session-dir", rich_help_panel=SESSIONS,
+        help="Write warm sessions here (on eviction and at shutdown) and restore them at start.")] = None,
+    thinking: in_panel(ThinkingOption, REASONING) = "template",
+    reasoning_budget: in_panel(ReasoningBudgetOption, REASONING) = "auto",
+    reasoning_format: in_panel(ReasoningFormatOption, REASONING) = "auto",
+    embed_model: Annotated[Optional[List[str]], typer.Option(
+        "--embed-model", metavar="[NAME=]REF", rich_help_panel=EMBEDDINGS,
+        help="An embedding model for /v1/embeddings (minilm-l6, or a sentence-transformers directory), optionally "
+             "served as NAME; repeatable. Without --model, only embeddings are served.")] = None,
+    embed_quant: in_panel(EmbedQuantOption, EMBEDDINGS) = "f32",
     decisions_template: Annotated[str, typer.Option(
-        "--decisions-template", help="How POST /v1/systemone shows a question to the model: chat-v1 (its chat "
-                                     "template; instruct models) or bare-v1 (plain text; base models).")]
-    = "chat-v1",
+        "--decisions-template", rich_help_panel=DECISIONS,
+        help="How POST /v1/systemone shows a question to the model: chat-v1 (its chat template; instruct models) "
+             "or bare-v1 (plain text; base models).")] = "chat-v1",
     decisions_calibration: Annotated[Optional[Path], typer.Option(
-        "--decisions-calibration", metavar="FILE",
+        "--decisions-calibration", metavar="FILE", rich_help_panel=DECISIONS,
         help="A calibration.json from `goinfer decisions-calibrate`: its temperatures calibrate /v1/systemone on the "
              "model it was fitted for (refused for another model or template).")] = None,
 ) -> None:

@@ -15,29 +15,41 @@ import typer
 # command -> (its module, no_args_is_help); a module holds HELP and a function of the command's name ("-" as "_"),
 # or (cache) a Typer app of its own
 COMMANDS = {"chat": ("commands.chat", False), "batch": ("commands.batch", True), "serve": ("commands.serve", False),
-            "pull": ("commands.pull", True), "cache": ("commands.cache", None), "check": ("commands.check", True),
+            "pull": ("commands.pull", True), "cache": ("commands.cache", None), "check": ("commands.check", False),
             "decisions-calibrate": ("commands.decisions_calibrate", True)}
 
 
 def _print_version(asked: bool) -> None:
     if asked:
-        from importlib import metadata
+        from commands.version import goinfer_version
 
-        try:
-            version = metadata.version("goinfer")
-        except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-            version = "unknown (not installed)"
-        typer.echo(f"goinfer {version} (Python {sys.version.split()[0]})")
+        typer.echo(f"goinfer {goinfer_version()}, Python {sys.version.split()[0]}")
         raise typer.Exit()
 
 
-def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+def _root(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
                                        help="Print goinfer's version and exit.")) -> None:
     """goinfer: a local LLM runtime."""
 
 
+def _flags_take_no_value() -> None:
+    """Typer 0.29's Rich help shows a flag's type as its value (`--version <bool>`, `--help <bool>`), though a
+    flag takes none (its plain help leaves it out): show nothing there, as click does."""
+    from typer.core import TyperOption
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_bare", False):  # an older Typer (nothing to mend), or mended
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich.flags_bare = True
+    TyperOption.display_type_rich = display_type_rich
+
+
 def build(names=tuple(COMMANDS)) -> typer.Typer:
     """The CLI with these commands (all by default), in COMMANDS' order."""
+    _flags_take_no_value()
     cli = typer.Typer(
         name="goinfer",
         help="Run open LLMs locally: chat in the terminal, serve OpenAI/Anthropic-compatible APIs, batch jobs.",

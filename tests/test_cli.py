@@ -200,7 +200,10 @@ def test_version_prints_the_installed_version():
     from importlib import metadata
 
     r = goinfer("--version")
-    assert r.returncode == 0 and r.stdout.startswith(f"goinfer {metadata.version('goinfer')} (Python ")
+    assert r.returncode == 0 and r.stdout.startswith(f"goinfer {metadata.version('goinfer')}")
+    assert r.stdout.rstrip().endswith(f", Python {sys.version.split()[0]}")
+    if (ROOT / ".git").exists():  # a checkout: its commit beside the version, "goinfer 0.1.0 (a1b2c3d), Python ..."
+        assert " (" in r.stdout.split(",")[0], r.stdout
 
 
 def test_chat_sampling_penalties_reach_the_sampler(smollm2_gguf):

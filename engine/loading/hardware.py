@@ -126,21 +126,30 @@ def _unpersonal(path) -> str | None:
     return "~/" + str(Path(path).relative_to(home)) if Path(path).is_relative_to(home) else str(path)
 
 
-def gpu_backends(selftest: bool = False) -> dict[str, dict[str, Any]]:
+NO_CUDA_BACKEND = "no CUDA backend yet (goinfer runs on the CPU, or a GPU through WebGPU)"
+
+
+def gpu_backends(selftest: bool = False, *, software_selftest: bool = False, say=None) -> dict[str, dict[str, Any]]:
     """Each GPU backend: importable and its device, or why not (never raises). selftest: the WebGPU self-test
-    (engine/loading/gpu_selftest.py) on the adapter `--backend webgpu` takes, with its figures."""
-    return {"cuda": _library("cupy", "cuda", "no usable CUDA device", _cuda),
-            "webgpu": _library("wgpu", "webgpu", "no WebGPU adapter", lambda wgpu: _webgpu(selftest))}
+    (engine/loading/gpu_selftest.py), with its figures, on the best real GPU adapter; on a software one (which
+    only `--backend webgpu` takes, and which takes 5-60 s) only with software_selftest, else the entry says why
+    it was skipped. say(line): a progress line before a self-test starts. CUDA: the device cupy sees, if any,
+    but no backend uses it yet (available is False)."""
+    return {"cuda": _library("cupy", None, "no usable CUDA device", _cuda),
+            "webgpu": _library("wgpu", "webgpu", "no WebGPU adapter",
+                               lambda wgpu: _webgpu(selftest, software_selftest, say))}
 
 
-def _library(name: str, extra: str, unusable: str, probe) -> dict[str, Any]:
+def _library(name: str, extra: str | None, unusable: str, probe) -> dict[str, Any]:
     """A GPU library's entry: probe(module)'s findings, or why it cannot be used (not installed, failed to import,
-    no device)."""
+    no device). extra: the goinfer extra that installs it (None: no backend uses it yet, so none to advise)."""
     import importlib
 
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
+        if extra is None:
+            return {"available": False, "reason": f"{NO_CUDA_BACKEND}; {name} is not installed"}
         return {"available": False, "reason": f"{name} is not installed (pip install 'goinfer[{extra}]'): {exc}"}
     except Exception as exc:
         return {"available": False, "reason": f"importing {name} failed: {type(exc).__name__}: {str(exc)[:200]}"}
@@ -157,14 +166,15 @@ def _cuda(cupy) -> dict[str, Any]:
     n = cupy.cuda.runtime.getDeviceCount()
     props = cupy.cuda.runtime.getDeviceProperties(0) if n else {}
     name = props.get("name", b"")
-    out = {"available": bool(n), "devices": n, "memory_bytes": props.get("totalGlobalMem"),
-           "device": name.decode() if isinstance(name, bytes) else str(name) or None}
+    # the device is reported (a bug report may want it), but nothing runs on it: not available to goinfer
+    out = {"available": False, "devices": n, "memory_bytes": props.get("totalGlobalMem"),
+           "device": name.decode() if isinstance(name, bytes) else str(name) or None, "reason": NO_CUDA_BACKEND}
     if not n:
-        out["reason"] = "cupy imports but sees no CUDA device"
+        out["reason"] += "; cupy imports but sees no CUDA device"
     return out
 
 
-def _webgpu(selftest: bool) -> dict[str, Any]:
+def _webgpu(selftest: bool, software_selftest: bool = False, say=None) -> dict[str, Any]:
     from engine.kernels.webgpu.device import adapters, pick
 
     found = adapters()
@@ -178,7 +188,15 @@ def _webgpu(selftest: bool) -> dict[str, Any]:
     if found and selftest:
         from engine.loading.placement import webgpu_selftest
 
-        out["selftest"] = webgpu_selftest(pick(found, "webgpu"))
+        adapter = pick(found, "webgpu" if software_selftest else "auto")
+        if adapter is None:  # software adapters only: slow (a CPU emulating a GPU), and auto never takes them
+            best = pick(found, "webgpu")
+            out["selftest"] = {"backend": "webgpu", "adapter": best.name, "status": "skipped",
+                               "reason": "a software adapter, which auto never takes; --webgpu-selftest runs it"}
+        else:
+            if say is not None:
+                say(f"self-test: WebGPU on {adapter.name} ...")
+            out["selftest"] = webgpu_selftest(adapter)
     return out
 
 
@@ -239,12 +257,16 @@ def supported_models() -> dict[str, Any]:
 
 
 def hardware_report(*, selftest: bool = True, fit: str | None = None, context: int | None = None,
-                    progress=None) -> dict[str, Any]:
+                    progress=None, software_selftest: bool = False, say=None) -> dict[str, Any]:
+    """The report. selftest: the CPU kernels' self-test and the WebGPU one (software_selftest: on a software
+    adapter too; gpu_backends); say(line): a progress line before each self-test starts (they take seconds)."""
     import numpy as np
 
     from engine.kernels.cpu import selftest as st
 
     if selftest:
+        if say is not None:
+            say("self-test: CPU kernels ...")
         st.run_selftest(warn=lambda line: None)  # failures are in the report itself
     else:
         st.mark_skipped()
@@ -259,7 +281,7 @@ def hardware_report(*, selftest: bool = True, fit: str | None = None, context: i
         "cpu": cpu_info(),
         "kernels": _kernel_tier(),
         "memory": memory_info(),
-        "gpu": gpu_backends(selftest),
+        "gpu": gpu_backends(selftest, software_selftest=software_selftest, say=say),
         "selftest": st.report(),
         "models": supported_models(),
     }
