@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from commands.errors import EXIT_INTERRUPTED, fail, user_errors
+from commands.errors import EXIT_INTERRUPTED, EXIT_USAGE, fail, user_errors
 from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, LoraOption, ModelOption,
                               NoSelftestOption, QuantOption, ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption,
                               ThinkingOption, ThreadsOption, backend_choice, lora_choice, speculation_choice,
@@ -23,10 +23,11 @@ from commands.ui import FetchProgress, err, say
 from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
-from engine.batch import BatchPlan, LineResult, run_batch
+from engine.batch import BatchPlan, LineResult, check_input, run_batch
 from engine.requests.request import SamplingOptions
 
 EXIT_SOME_FAILED = 1
+SHOWN = 20  # problems listed before '... and N more'
 
 HELP = """Run a JSONL file of OpenAI Batch requests through a model; rerun the same command to resume.
 
@@ -43,6 +44,8 @@ Examples:
   goinfer batch evals.jsonl -o out.jsonl --model gemma3-270m --system "Answer with one word."
 
   goinfer batch requests.jsonl -o results.jsonl --parallel 4        # 4 lines decoded together
+
+Every line is checked first: if any is not a valid request, nothing runs (exit 2, each bad line named).
 
 Exit status: 0 every line done, 1 some lines failed, 2 bad usage or input file, 130 interrupted. See docs/batch.md.
 """
@@ -99,6 +102,8 @@ def batch(
     adapters = lora_choice(lora)
     defaults = SamplingOptions(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                                seed=None if seed is None else seed % (1 << 64))
+    with user_errors():
+        _check_lines(input_file)
     view = _ProgressView()
     stop = _StopOnCtrlC()
 
@@ -131,6 +136,28 @@ def batch(
         raise typer.Exit(EXIT_INTERRUPTED)
     if summary.failed:
         raise typer.Exit(EXIT_SOME_FAILED)
+
+
+def _check_lines(path: Path) -> None:
+    """Refuse the whole file, before anything runs, when any line is not a request the run can take: every bad
+    line named (a run that only finds one when its turn comes, and records it as failed, fails it again on
+    every rerun)."""
+    problems = check_input(path)
+    if not problems:
+        return
+    for lineno, message in problems[:SHOWN]:
+        print(f"goinfer: error: {path}:{lineno}: {message}", file=sys.stderr)
+    if len(problems) > SHOWN:
+        print(f"goinfer: error: ... and {len(problems) - SHOWN} more", file=sys.stderr)
+    what = "this line" if len(problems) == 1 else f"these {len(problems)} lines"
+    raise fail(f"nothing was run: fix {what} of {path} and run again", EXIT_USAGE)
+
+
+def _line_list(numbers: list[int]) -> str:
+    """'line 7' / 'lines 3, 7, 9' (at most SHOWN of them, then 'and N more')."""
+    shown = ", ".join(map(str, numbers[:SHOWN]))
+    more = f" and {len(numbers) - SHOWN} more" if len(numbers) > SHOWN else ""
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}{more}"
 
 
 class _StopOnCtrlC:
@@ -173,7 +200,8 @@ class _ProgressView:
         self._finished = 0  # lines finished this run
         self._tokens = 0  # completion tokens of finished lines
         self._line_tokens = 0  # tokens of the line in flight
-        self._start = self._said = time.monotonic()
+        self._failed: list[int] = []  # input line numbers of the lines that failed this run
+        self._start = self._said = self._ended = time.monotonic()  # _ended: when the last line finished
 
     def plan(self, plan: BatchPlan) -> None:
         self._plan = plan
@@ -189,16 +217,16 @@ class _ProgressView:
         if self._tty and self._progress is None and self._plan is not None:
             self._progress = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[tps]}"), TimeElapsedColumn(),
-                                      TextColumn("eta"), TimeRemainingColumn(), console=err)
+                                      TextColumn("eta {task.fields[eta]}"), console=err)
             self._progress.start()
             self._task = self._progress.add_task("batch", total=self._plan.total, completed=self._plan.done,
-                                                 tps="")
+                                                 tps="", eta=self._eta())
 
     def token(self, n: int) -> None:
         self._line_tokens = n
         if self._tty:
             self._bar()
-            self._progress.update(self._task, tps=self._rate())
+            self._progress.update(self._task, tps=self._rate(), eta=self._eta())
             return
         now = time.monotonic()
         if now - self._said >= STILL_RUNNING_S and self._plan is not None:
@@ -206,6 +234,13 @@ class _ProgressView:
             done = self._plan.done + self._finished
             _note(f"[{done}/{self._plan.total}] still running: {n} tok into the current request, {self._rate()} "
                   f"elapsed {_duration(now - self._start)}")
+
+    def _eta(self) -> str:
+        """The time left at the pace of the lines finished this run, counting down from the last one's end."""
+        if self._plan is None or not self._finished:
+            return eta(0, 0, 1)
+        left = eta_seconds(self._ended - self._start, self._finished, self._plan.to_run - self._finished)
+        return _duration(max(0.0, left - (time.monotonic() - self._ended)))
 
     def _rate(self) -> str:
         seconds = time.monotonic() - self._start
@@ -215,20 +250,23 @@ class _ProgressView:
         self._finished += 1
         self._tokens += r.completion_tokens
         self._line_tokens = 0
+        self._ended = time.monotonic()
+        if not r.ok:
+            self._failed.append(r.lineno)
         done = self._plan.done + self._finished
         if self._tty:
             self._bar()
-            self._progress.update(self._task, completed=done, tps=self._rate())
+            self._progress.update(self._task, completed=done, tps=self._rate(), eta=self._eta())
             if not r.ok:
                 say(r.error, lead="error", lead_style="red", console=self._progress.console)
             return
         elapsed = time.monotonic() - self._start
         what = f"ok {r.completion_tokens} tok {self._rate()}" if r.ok else f"error: {r.error}"
         left = self._plan.to_run - self._finished
-        eta = f" eta ~{_duration(elapsed / self._finished * left)}" if left else ""
+        remaining = f" eta ~{eta(elapsed, self._finished, left)}" if left else ""
         who = r.custom_id if r.custom_id is not None else f"(line {r.lineno})"
         self._said = time.monotonic()
-        _note(f"[{done}/{self._plan.total}] {who} {what} elapsed {_duration(elapsed)}{eta}")
+        _note(f"[{done}/{self._plan.total}] {who} {what} elapsed {_duration(elapsed)}{remaining}")
 
     def close(self) -> None:
         if self._progress is not None:
@@ -243,14 +281,30 @@ class _ProgressView:
         elif plan.to_run == 0:
             _note(f"batch: nothing to do: all {plan.total} requests are already in {plan.output}")
         elif summary.failed:
-            _note(f"batch: {summary.succeeded} done, {summary.failed} failed (see {plan.errors}); "
-                  "rerun the same command to retry them")
+            # Every line was checked before the run: these failed while running (e.g. a prompt longer than the
+            # model's context). A rerun retries exactly them, and most such causes are in the line itself.
+            _note(f"batch: {summary.succeeded} done, {summary.failed} failed: input {_line_list(sorted(self._failed))}"
+                  f" (why: {plan.errors}). Failed lines are not in {plan.output}: rerunning the same command retries "
+                  "only them, and fails them the same way unless their cause is fixed first")
         else:
             _note(f"batch: {summary.succeeded} done; all {plan.total} requests are in {plan.output}")
 
 
 def _note(text: str) -> None:
     print(f"goinfer: {text}", file=sys.stderr, flush=True)
+
+
+def eta_seconds(elapsed: float, finished: int, left: int) -> float | None:
+    """Seconds left for `left` lines at the pace of the `finished` ones that took `elapsed`; None before any."""
+    if left <= 0:
+        return 0.0
+    return elapsed / finished * left if finished > 0 else None
+
+
+def eta(elapsed: float, finished: int, left: int) -> str:
+    """eta_seconds as the progress line shows it: '-:--:--' until a line has finished."""
+    seconds = eta_seconds(elapsed, finished, left)
+    return "-:--:--" if seconds is None else _duration(seconds)
 
 
 def _duration(seconds: float) -> str:

@@ -214,11 +214,26 @@ def test_duplicate_custom_id_is_refused_before_any_work(tmp_path):
     inp = write_input(tmp_path / "in.jsonl", [cmpl("a", "x"), cmpl("b", "y"), "", cmpl("a", "z")])
     out = tmp_path / "out.jsonl"
     r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"))
-    one_error_line(r, "duplicate custom_id", "'a'", "lines 1 and 4")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == [f"goinfer: error: {inp}:4: duplicate custom_id 'a' on lines 1 and 4",
+                                     f"goinfer: error: nothing was run: fix this line of {inp} and run again"]
     assert not out.exists()
 
 
-def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smollm2_gguf, clean):
+def bad_lines(r: subprocess.CompletedProcess, inp: Path) -> dict[int, str]:
+    """The refusal of a file with bad lines: exit 2, line number -> problem, one stderr line each."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    *problems, last = r.stderr.splitlines()
+    assert last == f"goinfer: error: nothing was run: fix these {len(problems)} lines of {inp} and run again", last
+    found = {}
+    for line in problems:
+        m = re.fullmatch(rf"goinfer: error: {re.escape(str(inp))}:(\d+): (.+)", line)
+        assert m, line
+        found[int(m[1])] = m[2]
+    return found
+
+
+def test_bad_lines_stop_the_run_before_it_starts_each_named_by_its_line(tmp_path, smollm2_gguf, clean):
     lines = [
         "{not json",
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
@@ -235,31 +250,57 @@ def test_malformed_lines_become_error_records_and_the_run_goes_on(tmp_path, smol
         # a role that is not a string once raised out of the parser and ended the run with a traceback
         json.dumps({"custom_id": "m10", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"messages": [{"role": {}, "content": "x"}]}}),
+        '{"custom_id": "m12", "method": "POST" "url": "/v1/completions"}',
+        LINES[1],
+        json.dumps(cmpl("m4", "the custom_id of line 4 again")),
     ]
     inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
-    assert r.returncode == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    ok = records(out)
-    assert [rec["custom_id"] for rec in ok] == ["c1"]
-    assert comparable(ok[0]["response"]["body"]) == comparable(clean["bodies"]["c1"])
-    errs = records(tmp_path / "out.errors.jsonl")
-    got = {(e["custom_id"], e["error"]["code"]) for e in errs}
-    assert got == {(None, "invalid_json_line"), (None, "missing_required_parameter"), ("m4", "invalid_method"),
-                   ("m5", "invalid_url"), ("m6", "missing_required_parameter"), ("m7", "invalid_value"),
-                   ("m8", "invalid_value"), ("m9", "unsupported_parameter"), ("m10", "invalid_type")}
-    assert len(errs) == 10
-    for e in errs:
-        assert e["response"] is None and e["id"].startswith("batch_req_")
-        assert re.match(r"line \d+: ", e["error"]["message"])
-    assert any("line 1:" in e["error"]["message"] for e in errs)
-    assert any("temperature" in e["error"]["message"] for e in errs if e["custom_id"] == "m8")
-    # a rerun retries the failures (they fail again) and skips the finished line; the errors file holds
-    # only this run's failures, and with no runnable line left the model is not even loaded
+    # the model is never loaded: the file is refused first, and nothing is written
     r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"), *FLAGS)
-    assert r.returncode == 1, r.stderr
-    assert len(records(tmp_path / "out.errors.jsonl")) == 10
-    assert [rec["custom_id"] for rec in records(out)] == ["c1"]
+    found = bad_lines(r, inp)
+    assert sorted(found) == [1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14]  # 3 and 13 are good lines
+    assert not out.exists() and not (tmp_path / "out.errors.jsonl").exists()
+    assert "not valid JSON" in found[1] and "column 2" in found[1]
+    assert "custom_id is missing" in found[2]
+    assert "'GET'" in found[4] and "'/v1/images/generations'" in found[5] and "body is missing" in found[6]
+    assert "messages" in found[7] and "temperature" in found[8] and "frobnicate" in found[9]
+    assert "JSON object" in found[10] and "role" in found[11]
+    assert "Expecting ',' delimiter at column 39" in found[12]
+    assert found[14] == "duplicate custom_id 'm4' on lines 4 and 14"
+
+    # more than 20: the first 20 named, then how many more
+    many = write_input(tmp_path / "many.jsonl", [LINES[0]] + [f"{{broken {i}" for i in range(25)])
+    r = goinfer_batch(str(many), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"), *FLAGS)
+    assert r.returncode == 2 and not out.exists(), r.stderr
+    shown = r.stderr.splitlines()
+    assert len(shown) == 22 and shown[0].startswith(f"goinfer: error: {many}:2: not valid JSON")
+    assert shown[19].startswith(f"goinfer: error: {many}:21: ") and shown[20] == "goinfer: error: ... and 5 more"
+    assert shown[21] == f"goinfer: error: nothing was run: fix these 25 lines of {many} and run again"
+
+    # the lines fixed, the file runs
+    write_input(inp, [LINES[0], LINES[1]])
+    r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+    assert r.returncode == 0, r.stderr
+    assert [comparable(rec["response"]["body"]) for rec in records(out)] == \
+        [comparable(clean["bodies"][c]) for c in ("c1", "c2")]
+
+
+def test_a_line_that_fails_while_running_is_named_and_a_rerun_retries_only_it(tmp_path, smollm2_gguf, clean):
+    # valid as a request, refused only by the model: a prompt longer than its context window
+    lines = [LINES[0], cmpl("long", "hello " * 9000), LINES[2]]
+    inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    errors = tmp_path / "out.errors.jsonl"
+    for _ in range(2):  # the rerun retries the failed line (and fails it the same way), nothing else
+        r = goinfer_batch(str(inp), "-o", str(out), "--model", str(smollm2_gguf), *FLAGS)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert [rec["custom_id"] for rec in records(out)] == ["c1", "c3"]
+        (err,) = records(errors)
+        assert err["custom_id"] == "long" and "context window" in err["error"]["message"]
+        summary = r.stderr.splitlines()[-1]
+        assert "1 failed: input line 2 " in summary and str(errors) in summary, summary
+        assert "retries only them" in summary and "unless their cause is fixed" in summary, summary
+        assert "rerun the same command to retry" not in r.stderr
+    assert "0 done, 1 failed" in summary  # c1 and c3 were not run again
 
 
 def test_lines_asking_for_what_the_runner_cannot_do_are_refused_by_name(tmp_path):
@@ -274,14 +315,13 @@ def test_lines_asking_for_what_the_runner_cannot_do_are_refused_by_name(tmp_path
     ]
     inp, out = write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     r = goinfer_batch(str(inp), "-o", str(out), "--model", str(tmp_path / "no-such-model.gguf"))
-    assert r.returncode == 1, r.stderr
-    errs = {e["custom_id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
+    found = bad_lines(r, inp)
     # tools are run (as the server runs them); a schema that cannot be enforced is refused by name
-    assert "tools[0].function.parameters" in errs["t1"]["message"] and errs["t1"]["code"] == "invalid_schema"
-    assert "image" in errs["t2"]["message"] and "messages[0].content[1]" in errs["t2"]["message"]
-    assert "at most 16 choices" in errs["t3"]["message"] and "got 17" in errs["t3"]["message"]
-    assert "at most 16 choices" in errs["t4"]["message"]
-    assert out.read_text() == ""
+    assert "tools[0].function.parameters" in found[1]
+    assert "image" in found[2] and "messages[0].content[1]" in found[2]
+    assert "at most 16 choices" in found[3] and "got 17" in found[3]
+    assert "at most 16 choices" in found[4]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
@@ -356,3 +396,38 @@ def test_a_messages_line_is_answered_with_an_anthropic_message(tmp_path, smollm2
     message = record["response"]["body"]
     assert summary.succeeded == 1 and message["type"] == "message" and message["role"] == "assistant"
     assert message["content"][0]["type"] == "text" and message["usage"]["output_tokens"] >= 1
+
+
+def test_the_eta_shows_a_time_once_a_line_has_finished():
+    from commands.batch import eta
+
+    assert eta(5.0, 0, 4) == "-:--:--"  # nothing finished yet: no pace to go by
+    assert eta(30.0, 1, 3) == "1m30s" and eta(10.0, 2, 1) == "5s" and eta(10.0, 2, 0) == "0s"
+
+
+def test_the_progress_bar_on_a_terminal_shows_an_eta_after_the_first_line(monkeypatch, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from commands import batch
+    from engine.batch.runner import BatchPlan, LineResult
+
+    screen = io.StringIO()
+    monkeypatch.setattr(batch, "err", Console(file=screen, force_terminal=True, width=120, no_color=True))
+    clock = [1000.0]
+    monkeypatch.setattr(batch.time, "monotonic", lambda: clock[0])
+    view = batch._ProgressView()
+    view.plan(BatchPlan(total=5, done=1, to_run=4, output=tmp_path / "o.jsonl", errors=tmp_path / "e.jsonl"))
+    view.token(1)
+    view._progress.refresh()
+    assert "eta -:--:--" in screen.getvalue()  # before any line finished
+    clock[0] += 20.0  # the first line takes 20 s: three left, about a minute
+    view.line(LineResult("q2", 2, True, 8, 20.0))
+    view._progress.refresh()
+    assert "eta 1m00s" in screen.getvalue()
+    clock[0] += 5.0  # and it counts down while the next line runs
+    view.token(3)
+    view._progress.refresh()
+    view.close()
+    assert "eta 55s" in screen.getvalue() and "-:--:--" not in screen.getvalue().split("eta 1m00s", 1)[1]

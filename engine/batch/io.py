@@ -52,6 +52,23 @@ def read_input(path: str | Path) -> list[BatchLine]:
 
     A malformed line becomes a BatchLine with `error` set (the run goes on). The file as a whole is
     refused (BatchFileError) when it cannot be read, holds no request, or repeats a custom_id."""
+    lines = _read_lines(path)
+    for _, message in _duplicates(lines):
+        raise BatchFileError(f"{path}: {message}")
+    return lines
+
+
+def check_input(path: str | Path) -> list[tuple[int, str]]:
+    """Every problem of a batch input file that shows without a model, as (line number, message) in line order:
+    lines that are not JSON, not the Batch line shape, or whose body the run's parser refuses, and repeated
+    custom_ids. Empty when every line can run. An unreadable or empty file raises BatchFileError, as in
+    read_input; the checks are read_input's own, so a file this passes is one the run reads the same way."""
+    lines = _read_lines(path)
+    problems = [(ln.lineno, ln.error[1].removeprefix(f"line {ln.lineno}: ")) for ln in lines if ln.error]
+    return sorted(problems + _duplicates(lines))
+
+
+def _read_lines(path: str | Path) -> list[BatchLine]:
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -64,15 +81,22 @@ def read_input(path: str | Path) -> list[BatchLine]:
     lines = [_parse_line(n, text) for n, text in enumerate(raw.split(b"\n"), 1) if text.strip()]
     if not lines:
         raise BatchFileError(f"{path}: no requests (the file is empty)")
+    return lines
+
+
+def _duplicates(lines: list[BatchLine]) -> list[tuple[int, str]]:
+    """(line number, message) for each line whose custom_id an earlier line has."""
     seen: dict[str, int] = {}
+    found = []
     for line in lines:
         if line.custom_id is None:
             continue
         if line.custom_id in seen:
-            raise BatchFileError(f"{path}: duplicate custom_id {line.custom_id!r} on lines "
-                                 f"{seen[line.custom_id]} and {line.lineno}")
-        seen[line.custom_id] = line.lineno
-    return lines
+            found.append((line.lineno, f"duplicate custom_id {line.custom_id!r} on lines "
+                                       f"{seen[line.custom_id]} and {line.lineno}"))
+        else:
+            seen[line.custom_id] = line.lineno
+    return found
 
 
 def _parse_line(lineno: int, raw: bytes) -> BatchLine:
