@@ -39,9 +39,9 @@ def in_reference(*parts: str) -> Path:
 def pytest_terminal_summary(terminalreporter):
     """One line where the kit or the reference outputs are absent: where, how many tests skipped, which setting."""
     skipped = [str(r.longrepr) for r in terminalreporter.stats.get("skipped", [])]
-    missing = [f"{why.split(' (set ')[0]}: {sum(why in s for s in skipped)} tests skipped (set {setting})"
-               for have, why, setting in ((HAVE_KIT, KIT_MISSING, "GOINFER_KIT"),
-                                          (HAVE_REFERENCE, REFERENCE_MISSING, "GOINFER_REFERENCE")) if not have]
+    counts = [(why, setting, sum(why in s for s in skipped)) for why, setting in
+              ((KIT_MISSING, "GOINFER_KIT"), (REFERENCE_MISSING, "GOINFER_REFERENCE"))]
+    missing = [f"{why.split(' (set ')[0]}: {n} tests skipped (set {setting})" for why, setting, n in counts if n]
     if missing:
         terminalreporter.write_line("; ".join(missing))
 
