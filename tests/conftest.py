@@ -5,8 +5,45 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-REFERENCE = SHARED / "reference"
+ROOT = Path(__file__).resolve().parents[1]
+
+# Two folders beside the repository that some tests read and a fresh clone does not have: the family kit (tiny
+# models of every family with llama.cpp's and the f32 oracle's outputs) and ../shared/reference (llama.cpp's outputs
+# on the two real models). Each is named by one setting, read here only (a relative path is taken from the
+# repository root); every test file gets the paths from here. Where one is absent its tests skip, and the run ends
+# with one line that says so (pytest_terminal_summary below); .ci/run sets both and fails without them.
+KIT = ROOT / os.environ.get("GOINFER_KIT", "../shared/families")
+REFERENCE = ROOT / os.environ.get("GOINFER_REFERENCE", "../shared/reference")
+KIT_MISSING = f"family kit not found at {KIT.resolve()} (set GOINFER_KIT)"
+REFERENCE_MISSING = f"reference outputs not found at {REFERENCE.resolve()} (set GOINFER_REFERENCE)"
+HAVE_KIT = KIT.is_dir()
+HAVE_REFERENCE = REFERENCE.is_dir()
+needs_kit = pytest.mark.skipif(not HAVE_KIT, reason=KIT_MISSING)
+needs_reference = pytest.mark.skipif(not HAVE_REFERENCE, reason=REFERENCE_MISSING)
+
+
+def in_kit(*parts: str) -> Path:
+    """A path in the family kit, for a test or fixture body: skips the test where the kit is absent."""
+    if not HAVE_KIT:
+        pytest.skip(KIT_MISSING)
+    return KIT.joinpath(*parts)
+
+
+def in_reference(*parts: str) -> Path:
+    """A path in ../shared/reference (GOINFER_REFERENCE), as in_kit."""
+    if not HAVE_REFERENCE:
+        pytest.skip(REFERENCE_MISSING)
+    return REFERENCE.joinpath(*parts)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line where the kit or the reference outputs are absent: where, how many tests skipped, which setting."""
+    skipped = [str(r.longrepr) for r in terminalreporter.stats.get("skipped", [])]
+    counts = [(why, setting, sum(why in s for s in skipped)) for why, setting in
+              ((KIT_MISSING, "GOINFER_KIT"), (REFERENCE_MISSING, "GOINFER_REFERENCE"))]
+    missing = [f"{why.split(' (set ')[0]}: {n} tests skipped (set {setting})" for why, setting, n in counts if n]
+    if missing:
+        terminalreporter.write_line("; ".join(missing))
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"

@@ -10,13 +10,13 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import SHARED
+from tests.conftest import KIT as FAMILIES, in_kit, needs_kit
 from tests.test_cli import goinfer
 from tests.test_server import start_server, stop
 
 KEY = "admin-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-KIT = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
+KIT = FAMILIES / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
 ASK = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
 
 
@@ -32,6 +32,7 @@ def post(server, path: str, body: dict, timeout: float = 300) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=AUTH, timeout=timeout)
 
 
+@needs_kit
 def test_a_model_loaded_at_runtime_answers_and_an_unloaded_one_is_gone(admin):
     import engine
     from engine.api.openai import parse_chat_request
@@ -72,7 +73,7 @@ def test_an_unload_lets_a_running_request_finish(admin, smollm2_gguf):
 
 
 @pytest.mark.parametrize("path,body,status,param", [
-    ("/admin/models/load", {"model": str(KIT), "name": "smol"}, 409, "name"),
+    pytest.param("/admin/models/load", {"model": str(KIT), "name": "smol"}, 409, "name", marks=needs_kit),
     ("/admin/models/load", {"name": "x"}, 400, "model"),
     ("/admin/models/load", {"model": "/no/such/model.gguf"}, 400, "model"),
     ("/admin/models/unload", {"name": "nope"}, 404, "name")])
@@ -99,7 +100,7 @@ def test_a_model_loaded_with_a_lora_adapter_answers_as_the_merge_by_hand(admin, 
     from engine.requests.request import execute
     from tests.test_lora import make_adapter, merged_checkpoint
 
-    base = SHARED / "families" / "llama" / "hf"
+    base = in_kit("llama", "hf")
     pairs = make_adapter(tmp_path / "tuned", base)
     r = post(admin, "/admin/models/load", {"model": str(base), "lora": str(tmp_path / "tuned"), "lora_scale": 0.5})
     assert r.status_code == 200 and r.json()["id"] == "hf+tuned"

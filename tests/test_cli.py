@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from testdata import make_fixtures
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_repl_retry_and_undo_resume_from_the_warm_cache(tmp_path):
     """/retry answers the last message again and /undo drops the last exchange; on a recurrent model (whose cache
     resumes only from snapshots) both start from the warm cache, not from nothing (chat -v prints what was
     reused). The replies are long enough that the conversation's own last snapshot lies past the retried prompt."""
-    kit = SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf"
+    kit = in_kit("qwen3_5", "tiny-qwen3-5-a.Q8_0.gguf")
     system = "You are a careful assistant for a small bakery. Keep answers short and never invent prices. " * 4
     script = "What bread do you recommend?\n/retry\n/undo\n/undo\n/retry\nAnd for breakfast?\n/quit\n"
     r = goinfer("chat", "--model", str(kit), "--system", system, "--temp", "0", "--max", "80", "-v", stdin=script)

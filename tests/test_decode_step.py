@@ -20,7 +20,7 @@ from engine.kernels.cpu import decode_step, step_tables
 from engine.kernels.quant_types import GGMLType
 from engine.models.base import log_softmax
 from engine.models import dense, registry
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 from testdata import make_fixtures as mf
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
@@ -131,7 +131,7 @@ def test_the_step_embeds_tokens_as_the_prompt_path_does(fixtures, arch):
 
 def _kit_or_fixture(fixtures, name):
     return fixtures[name] if name in fixtures else \
-        SHARED / "families" / name / f"tiny-{name.replace('_', '-')}-a.Q8_0.gguf"
+        in_kit(name, f"tiny-{name.replace('_', '-')}-a.Q8_0.gguf")
 
 
 # gpt-oss: the MoE phases (moe_step.py); Qwen3.5-MoE: the DeltaNet tasks and the shared expert (hybrid_step.py)
@@ -215,6 +215,6 @@ def test_step_caps_attention_scores_as_the_prompt_path_does(monkeypatch):
     capped = dataclasses.replace(fam, read_config=lambda meta, vocab: dataclasses.replace(
         fam.read_config(meta, vocab), attn_softcap=0.5))
     monkeypatch.setitem(registry.FAMILIES, "gemma2", capped)
-    model = engine.load_model(SHARED / "families" / "gemma2" / "tiny-gemma2-a.Q8_0.gguf", selftest=False)
+    model = engine.load_model(in_kit("gemma2", "tiny-gemma2-a.Q8_0.gguf"), selftest=False)
     assert model.config.attn_softcap == 0.5
     _compare(model, PROMPT)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import engine
-from tests.conftest import SHARED
+from tests.conftest import KIT, needs_kit
 from tests.fidelity import KitReferences, assert_in_noise_band, assert_mean_kl, decoded_rows, exact_violations, \
     vs_llama_cpp
 
-KIT = SHARED / "families"
+pytestmark = needs_kit  # every test here reads the family kit
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")  # the dense families the engine loads from GGUF
 REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # per family: Q8_0, Q4_K_M, hf/
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS

@@ -11,10 +11,11 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import SHARED
+from tests.conftest import KIT as FAMILIES, needs_kit
 from tests.fidelity import KitReferences, assert_in_noise_band, assert_mean_kl, exact_violations, vs_llama_cpp
 
-KIT = SHARED / "families" / "gemma4"
+pytestmark = needs_kit  # every test here reads the family kit
+KIT = FAMILIES / "gemma4"
 REFS = sorted(KIT.glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/
 GGUF_REFS = [r for r in REFS if json.loads(r.read_text())["model_file"] != "hf"]
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS

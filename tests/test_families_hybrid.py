@@ -12,10 +12,10 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import SHARED
+from tests.conftest import KIT, needs_kit
 from tests.fidelity import KitReferences, assert_in_noise_band, assert_mean_kl, exact_violations, vs_llama_cpp
 
-KIT = SHARED / "families"
+pytestmark = needs_kit  # every test here reads the family kit
 FAMILIES = ("qwen3_5", "lfm2")
 REFS = sorted(p for f in FAMILIES for p in (KIT / f).glob("tiny-*.json"))  # Q8_0, Q4_K_M, hf/ each
 PARAMS = [pytest.param(r, c["name"], id=f"{r.stem}-{c['name']}") for r in REFS

@@ -157,9 +157,9 @@ def thinker():
 
     from engine.templates import ChatTemplate
     from tests import reference_templates as ref
-    from tests.conftest import SHARED
+    from tests.conftest import in_kit
 
-    model = copy.copy(engine.load_model(str(SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"),
+    model = copy.copy(engine.load_model(str(in_kit("qwen3", "tiny-qwen3-a.Q8_0.gguf")),
                                         selftest=False))
     model.template = ChatTemplate(ref.reference_template("Qwen3.5-4B"), eos_token="<|im_end|>")
     return model

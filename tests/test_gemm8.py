@@ -92,12 +92,12 @@ def test_a_model_takes_it_only_where_it_carries_most_of_the_prompt_work(monkeypa
     assert gemm8.carries_most([q4k, q4k, q40]) and not gemm8.carries_most([q4k, q40, q40])
 
     import engine
-    from tests.conftest import SHARED
+    from tests.conftest import in_kit
 
     calls = []
     real = gemm8.matmul
     monkeypatch.setattr(gemm8, "matmul", lambda qin, w, tier=None: calls.append(w.name) or real(qin, w, tier))
-    kit = SHARED / "families" / "qwen2"
+    kit = in_kit("qwen2")
     prompt = list(range(10, 90))  # a whole tile (64 rows) at least: every form takes it
     for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", True), ("tiny-qwen2-a.Q8_0.gguf", False)):
         calls.clear()
@@ -109,9 +109,9 @@ def test_a_model_takes_it_only_where_it_carries_most_of_the_prompt_work(monkeypa
 def test_precompile_compiles_it_for_a_model_that_takes_it(monkeypatch):
     # the warm-up chat of engine/loading/precompile.py is shorter than a prompt tile, so the GEMM is warmed on its own
     import engine
-    from tests.conftest import SHARED
+    from tests.conftest import in_kit
 
-    kit = SHARED / "families" / "qwen2"
+    kit = in_kit("qwen2")
     warmed = []
     monkeypatch.setattr(gemm8, "warm", lambda tier=None: warmed.append(tier))
     for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", True), ("tiny-qwen2-a.Q8_0.gguf", False)):

@@ -29,10 +29,9 @@ from engine.thinking.harmony import FINAL, HarmonySplitter, is_harmony
 from engine.templates.tool_stream import CallArguments, CallStart, ToolCallStream
 from engine.templates.tools import parse_tool_calls
 from tests import reference_templates as ref
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 from tests.test_server import start_server, stop
 
-KIT = SHARED / "families" / "gpt_oss"
 TEMPLATE = "openai-gpt-oss-120b"
 HELLO = [{"role": "user", "content": "Hello"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -100,14 +99,14 @@ def test_the_budget_may_close_only_the_analysis():
 
 @pytest.fixture(scope="module")
 def kit_gguf():
-    return engine.load_model(str(KIT / "tiny-gpt-oss-a.Q8_0.gguf"), selftest=False)
+    return engine.load_model(str(in_kit("gpt_oss", "tiny-gpt-oss-a.Q8_0.gguf")), selftest=False)
 
 
 @pytest.fixture(scope="module")
 def kit_dir(tmp_path_factory):
     """The kit's gpt-oss HF directory, speaking the real gpt-oss template."""
     path = tmp_path_factory.mktemp("gptoss") / "gpt-oss"
-    shutil.copytree(KIT / "hf", path)
+    shutil.copytree(in_kit("gpt_oss", "hf"), path)
     config_path = path / "tokenizer_config.json"
     config_path.chmod(0o644)
     config = json.loads(config_path.read_text())
@@ -131,7 +130,7 @@ def test_only_return_and_call_end_a_reply_and_markers_are_text(kit_gguf, kit):
 
 
 def test_phi3s_end_still_ends_a_reply():
-    phi3 = engine.load_model(str(SHARED / "families" / "phi3" / "tiny-phi3-a.Q8_0.gguf"), selftest=False)
+    phi3 = engine.load_model(str(in_kit("phi3", "tiny-phi3-a.Q8_0.gguf")), selftest=False)
     end = phi3.tokenizer.encode("<|end|>", add_bos=False)
     assert len(end) == 1 and end[0] in phi3.tokenizer.eog_ids  # no <|return|>/<|call|>: not Harmony
 

@@ -16,7 +16,7 @@ from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.gguf import GGUFFile
 from engine.kernels.quant_types import GGMLType
 from testdata import make_fixtures
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 
 
 def _assert_same_as_gguf_reader(path):
@@ -190,6 +190,6 @@ def test_a_model_larger_than_the_available_memory_is_refused_in_one_sentence(mon
     assert "\n" not in str(e.value)
     pretend(1 << 10)  # a checkpoint directory is sized as it will be converted, before any conversion
     with pytest.raises(ModelLoadError, match="for its weights"):
-        engine.load_model(str(SHARED / "families" / "qwen3" / "hf"), selftest=False)
+        engine.load_model(str(in_kit("qwen3", "hf")), selftest=False)
     monkeypatch.setenv("GOINFER_NO_MEMORY_CHECK", "1")
     assert engine.load_model(str(smollm2_gguf), selftest=False).config.n_layer == 30  # the override loads it

@@ -20,9 +20,9 @@ import engine
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
 from engine.sessions.disk import identity
-from tests.conftest import SHARED
+from tests.conftest import KIT, needs_kit
 
-KIT = SHARED / "families"
+pytestmark = needs_kit  # every test here reads the family kit
 IDS = list(range(5, 45))
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.down_proj")

@@ -12,9 +12,8 @@ import pytest
 
 import engine
 from engine.kernels.cpu import matmul
-from tests.conftest import SHARED
+from tests.conftest import KIT, needs_kit
 
-KIT = SHARED / "families"
 FAMILY_FILES = sorted(KIT.glob("*/tiny-*.Q8_0.gguf")) + sorted(KIT.glob("*/tiny-*.Q4_K_M.gguf"))
 
 
@@ -57,6 +56,7 @@ def test_real_models_prompt_rows_do_not_depend_on_the_chunking(which, quant, smo
     check_cuts(model, 897, [[896]])
 
 
+@needs_kit
 @pytest.mark.parametrize("path", FAMILY_FILES, ids=lambda p: p.stem)
 def test_every_family_prompt_rows_do_not_depend_on_the_chunking(path):
     model = engine.load_model(path)

@@ -15,7 +15,7 @@ from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8, ir, quantize
 from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels, MatmulKernels, kernels_for
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 from testdata import make_fixtures
 
 G = GGMLType
@@ -403,7 +403,7 @@ def test_real_tensors(real_matrices, tier):
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 def test_mxfp4_expert_stacks(tier):
     # gpt-oss's expert matrices (the families kit's tiny model): (n_expert * out, in) rows of MXFP4 blocks.
-    f = GGUFFile(SHARED / "families" / "gpt_oss" / "tiny-gpt-oss-a.MXFP4_MOE.gguf")
+    f = GGUFFile(in_kit("gpt_oss", "tiny-gpt-oss-a.MXFP4_MOE.gguf"))
     stacks = [f.tensor(n) for n, e in f.entries.items() if e.type_id == int(G.MXFP4)]
     assert len(stacks) == 6
     rng = np.random.default_rng(12)
@@ -428,7 +428,7 @@ def test_grouped_experts_equal_the_matvec_expert_by_expert(kit, tier):
     # groups of 1 to 20 rows, experts out of order and some experts unused.
     from engine.kernels.cpu import expert_matmul
 
-    f = GGUFFile(SHARED / "families" / kit)
+    f = GGUFFile(in_kit(kit))
     n_expert = f.metadata[f"{f.metadata['general.architecture']}.expert_count"]
     stacks = [f.tensor(n) for n in f.entries if n.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight"))][:2]
     assert all(expert_matmul.usable(s) for s in stacks)

@@ -13,13 +13,13 @@ from engine.kernels import reference
 from engine.kernels.cpu import exact
 from engine.kernels.cpu.matmul import ExactKernels, MatmulKernels, ReferenceKernels, kernels_for
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor, row_bytes
-from tests.conftest import SHARED
+from tests.conftest import KIT, needs_kit
 from testdata import make_fixtures
 
 ALL_TYPES = list(GGMLType)
 K_TYPES = {GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
 # gpt-oss's MXFP4 expert stacks (3-D [in, out, n_expert] in GGUF): the families kit's tiny model
-GPT_OSS_MXFP4 = SHARED / "families" / "gpt_oss" / "tiny-gpt-oss-a.MXFP4_MOE.gguf"
+GPT_OSS_MXFP4 = KIT / "gpt_oss" / "tiny-gpt-oss-a.MXFP4_MOE.gguf"
 
 
 def _ids(types):
@@ -323,6 +323,7 @@ def gpt_oss_experts() -> dict[str, QTensor]:
     return stacks
 
 
+@needs_kit
 def test_mxfp4_expert_stacks_load_and_decode_as_gguf(gpt_oss_experts):
     # Our loader presents a 3-D stack [in, out, n_expert] (GGUF order) as (n_expert * out, in) rows; gguf's own
     # reader and dequantizer must see the same weights there, expert by expert.
@@ -341,6 +342,7 @@ def test_mxfp4_expert_stacks_load_and_decode_as_gguf(gpt_oss_experts):
         assert np.isfinite(want).all() and np.abs(want).max() > 0
 
 
+@needs_kit
 def test_mxfp4_expert_stacks_matmul_matches_reference(gpt_oss_experts):
     rng = np.random.default_rng(10)
     for name, t in gpt_oss_experts.items():

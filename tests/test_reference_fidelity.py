@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import engine
-from tests.conftest import REFERENCE
+from tests.conftest import HAVE_REFERENCE, REFERENCE, needs_reference
 from tests.fidelity import (CASE_MEAN_DIFF, EXACT_MAX_DIFF, EXACT_TIE_MARGIN, GREEDY_MARGIN, MODEL_MEAN_KL,
                             POSITION_MAX_DIFF, decoded_rows, vs_llama_cpp)
 
@@ -20,7 +20,8 @@ MODELS = {
     "smollm2": ("smollm2_gguf", REFERENCE / "SmolLM2-135M-Instruct.Q4_1.json"),
     "gemma3": ("gemma_gguf", REFERENCE / "gemma-3-270m-q4_k_m.json"),
 }
-CASES = {name: json.loads(path.read_text())["cases"] for name, (_, path) in MODELS.items()}
+CASES = {name: json.loads(path.read_text())["cases"] for name, (_, path) in MODELS.items()} if HAVE_REFERENCE else {}
+pytestmark = needs_reference  # every test here compares with ../shared/reference
 PARAMS = [(m, c["name"]) for m, cases in CASES.items() for c in cases]
 
 _models: dict[tuple[str, str], engine.Model] = {}

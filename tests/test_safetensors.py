@@ -16,9 +16,9 @@ import engine
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.safetensors import SafetensorsCheckpoint, to_f32
 from goinfer_cli.app import app
-from tests.conftest import SHARED
+from tests.conftest import KIT, in_kit, needs_kit
 
-QWEN2 = SHARED / "families" / "qwen2" / "hf"
+QWEN2 = KIT / "qwen2" / "hf"
 
 
 def _write_raw(path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
@@ -80,7 +80,7 @@ def test_an_unsupported_dtype_is_named(tmp_path):
 
 def _copy_kit(tmp_path, **config_changes):
     d = tmp_path / "ck"
-    shutil.copytree(QWEN2, d)
+    shutil.copytree(in_kit("qwen2", "hf"), d)
     config = json.loads((d / "config.json").read_text())
     config.update(config_changes)
     (d / "config.json").write_text(json.dumps(config))
@@ -110,6 +110,7 @@ def test_the_cli_reports_a_checkpoint_without_its_tokenizer_in_one_line(tmp_path
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@needs_kit
 def test_a_checkpoint_runs_its_chat_template_and_stops_at_its_end_token():
     model = engine.load_model(QWEN2, selftest=False)
     assert model.tokenizer.eos_id == model.tokenizer.token_to_id("<|im_end|>")
@@ -119,6 +120,7 @@ def test_a_checkpoint_runs_its_chat_template_and_stops_at_its_end_token():
     assert model.tokenizer.decode(model.tokenizer.encode(prompt)) == prompt
 
 
+@needs_kit
 def test_check_fit_sizes_a_checkpoint_as_the_default_path_holds_it():
     from engine.loading.hardware import fit_report
     from engine.models.hf_checkpoint import HFCheckpoint

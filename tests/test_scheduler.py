@@ -16,7 +16,7 @@ from engine.constrain.grammar import json_schema_grammar
 from engine.errors import Cancelled, ContextOverflow
 from engine.requests.request import Collector, GenerationRequest, SamplingOptions, execute, prepare
 from engine.running.scheduler import Finished, Job, QueueFull, Scheduler
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 
 
 def chat(text: str, **kw) -> GenerationRequest:
@@ -115,7 +115,7 @@ def test_a_long_prompt_enters_in_chunks_while_others_decode(smol, monkeypatch):
 @pytest.mark.parametrize("family", ["gemma4", "gpt_oss", "qwen3_5", "lfm2"])
 def test_families_with_other_caches_decode_together_as_alone(family):
     # sliding windows and shared KV (gemma4), MoE routing and sinks (gpt_oss), recurrent state copied for n choices
-    path = next((SHARED / "families" / family).glob("*.Q8_0.gguf"))
+    path = next(in_kit(family).glob("*.Q8_0.gguf"))
     model = engine.load_model(path, selftest=False)
     ids = [GenerationRequest(prompt=tuple(range(5 + 7 * i, 5 + 7 * i + 9 + 20 * i)),
                              options=SamplingOptions(max_tokens=12, temperature=0.8, seed=i), n=1 + i % 2)

@@ -20,7 +20,7 @@ from engine.requests.request import Collector, GenerationRequest, SamplingOption
 from engine.running.scheduler import Finished, Job, Scheduler
 from engine.sessions.disk import SessionDir, identity, key_of
 from engine.sessions.pool import SessionPool, shared_prefix
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 
 SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, pastry, opening "
           "hours and orders. Keep answers short and friendly, and never invent prices. ") * 8
@@ -195,7 +195,7 @@ def test_the_pool_keeps_at_most_its_limits_and_evicts_the_least_recently_used(sm
 
 
 def test_a_recurrent_model_reuses_only_from_its_snapshot():
-    hybrid = engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
+    hybrid = engine.load_model(in_kit("qwen3_5", "tiny-qwen3-5-a.Q8_0.gguf"))
     assert hybrid.new_cache(8).state  # it does carry recurrent state
     scheduler, pool = served(hybrid)
     try:
@@ -215,7 +215,7 @@ def test_a_recurrent_model_reuses_only_from_its_snapshot():
 
 @pytest.fixture(scope="module")
 def hybrid():
-    return engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
+    return engine.load_model(in_kit("qwen3_5", "tiny-qwen3-5-a.Q8_0.gguf"))
 
 
 def test_a_recurrent_chat_keeps_snapshots_before_its_user_messages(hybrid):
@@ -390,7 +390,7 @@ def test_a_chat_conversation_evaluates_each_new_message_only_and_answers_as_cold
 
 
 def test_a_recurrent_model_chat_reuses_its_snapshots_and_its_session_file(tmp_path):
-    hybrid = engine.load_model(SHARED / "families" / "qwen3_5" / "tiny-qwen3-5-a.Q8_0.gguf")
+    hybrid = engine.load_model(in_kit("qwen3_5", "tiny-qwen3-5-a.Q8_0.gguf"))
     path = tmp_path / "hybrid.kvsession"
     conv = WarmConversation(hybrid, path=path)
     messages = [{"role": "system", "content": SYSTEM}]

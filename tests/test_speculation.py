@@ -20,7 +20,7 @@ from engine.generation.generate import generate
 from engine.requests.request import GenerationRequest, SamplingOptions, execute
 from engine.generation.speculation import Drafter, Speculation, speculation_of
 from engine.running.stepper import BATCH_DRAFT_RATE
-from tests.conftest import SERVER_KEY, SHARED
+from tests.conftest import SERVER_KEY, in_kit
 from tests.test_scheduler import REQUESTS, chat, run_together, same
 
 CODE = '''def parse_config(path):
@@ -49,7 +49,7 @@ def gemma(gemma_gguf):
 
 
 def _kit(family: str):
-    return engine.load_model(next((SHARED / "families" / family).glob("*.Q8_0.gguf")), selftest=False)
+    return engine.load_model(next(in_kit(family).glob("*.Q8_0.gguf")), selftest=False)
 
 
 def _prompt(model) -> list[int]:

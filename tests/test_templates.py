@@ -5,7 +5,7 @@ from datetime import datetime
 
 import pytest
 
-from conftest import REFERENCE
+from conftest import in_kit, in_reference
 from engine.errors import InvalidRequest, TemplateError
 from engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplate, template_for
 
@@ -14,13 +14,13 @@ GEMMA = "gemma-3-270m-q4_k_m"
 
 
 def _chat_case(model: str) -> dict:
-    cases = json.loads((REFERENCE / f"{model}.json").read_text())["cases"]
+    cases = json.loads(in_reference(f"{model}.json").read_text())["cases"]
     (case,) = [c for c in cases if c["category"] == "chat"]
     return case
 
 
 def _meta(model: str) -> dict:
-    return json.loads((REFERENCE / f"{model}.meta.json").read_text())
+    return json.loads(in_reference(f"{model}.meta.json").read_text())
 
 
 # --- golden prompts from llama.cpp's reference run ---------------------------------------------------------
@@ -214,9 +214,8 @@ def test_smollm2_template_read_from_the_gguf_file(smollm2_gguf):
 def test_a_kit_chat_prompt_renders_from_its_gguf_template(family):
     # each family's chat case: its messages through the template its GGUF carries give llama.cpp's prompt text
     import engine
-    from conftest import SHARED
 
-    kit = SHARED / "families" / family
+    kit = in_kit(family)
     ref = json.loads(next(kit.glob("*.Q8_0.json")).read_text())
     case = next(c for c in ref["cases"] if c["name"] == "chat")
     model = engine.load_model(kit / ref["model_file"], selftest=False)

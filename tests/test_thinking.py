@@ -27,19 +27,18 @@ from engine.requests.prompts import render_request, thinking_of
 from engine.requests.request import Collector, execute, prepare, run
 from engine.templates import ChatTemplate
 from tests import reference_templates as ref
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 
 QWEN3, QWEN35, DEEPSEEK = "Qwen-Qwen3-0.6B", "Qwen3.5-4B", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"
 GEMMA4 = "google-gemma-4-31B-it"
 TOKENS = {QWEN3: ("", "<|im_end|>"), QWEN35: ("", "<|im_end|>"),
           DEEPSEEK: ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"), GEMMA4: ("<bos>", "<turn|>")}
-KIT_QWEN3 = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
 OPEN_ID, CLOSE_ID = 1993, 1994  # the kit tokenizer's <think> and </think>
 
 
 @pytest.fixture(scope="module")
 def kit():
-    return engine.load_model(str(KIT_QWEN3), selftest=False)
+    return engine.load_model(str(in_kit("qwen3", "tiny-qwen3-a.Q8_0.gguf")), selftest=False)
 
 
 def with_template(model, name: str):

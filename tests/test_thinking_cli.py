@@ -17,7 +17,7 @@ from engine.api.openai import parse_chat_request
 from engine.thinking.plan import ThinkingSettings
 from engine.requests.request import execute
 from tests import reference_templates as ref
-from tests.conftest import SHARED
+from tests.conftest import in_kit
 from tests.test_cli import goinfer
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -27,7 +27,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
 def thinker(tmp_path_factory):
     """The kit's qwen3 directory with Qwen3.5's chat template (its prompt opens the block)."""
     path = tmp_path_factory.mktemp("thinker") / "qwen3-thinking"
-    shutil.copytree(SHARED / "families" / "qwen3" / "hf", path)
+    shutil.copytree(in_kit("qwen3", "hf"), path)
     config_path = path / "tokenizer_config.json"
     config_path.chmod(0o644)
     config = json.loads(config_path.read_text())

@@ -12,12 +12,12 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import SERVER_KEY, SHARED
+from tests.conftest import KIT as FAMILIES, SERVER_KEY, in_kit
 from tests.test_server import start_server, stop
 
 ASK = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PREFILL = {"role": "assistant", "content": "The capital of France is"}
-KIT_QWEN3 = SHARED / "families" / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
+KIT_QWEN3 = FAMILIES / "qwen3" / "tiny-qwen3-a.Q8_0.gguf"
 GREEDY = {"temperature": 0}  # the anthropic SDK has no sampling arguments any more; the API still takes them
 THINK = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "<think>\nOk"}]
 
@@ -66,8 +66,8 @@ def test_a_trailing_assistant_message_is_continued(client, claude, name):
 
 @pytest.fixture(scope="module")
 def kit_server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("serve-kit") / "serve.log", "--model", str(KIT_QWEN3),
-                     "--no-selftest")
+    model = in_kit("qwen3", KIT_QWEN3.name)
+    s = start_server(tmp_path_factory.mktemp("serve-kit") / "serve.log", "--model", str(model), "--no-selftest")
     yield s
     stop(s)
 

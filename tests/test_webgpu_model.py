@@ -14,13 +14,12 @@ import pytest
 
 import engine
 from engine.models.base import log_softmax
-from tests.conftest import SHARED
+from tests.conftest import KIT, in_reference, needs_kit
 from tests.fidelity import assert_in_noise_band, assert_mean_kl, vs_llama_cpp
 from tests import test_webgpu
 
 pytestmark = test_webgpu.pytestmark  # the same skip: no adapter outside CI
 
-KIT = SHARED / "families"
 KIT_FILES = sorted(p for f in ("llama", "qwen2", "qwen3", "phi3", "gemma2") for p in (KIT / f).glob("tiny-*.gguf"))
 BUILT_IN_CASES = {"smollm2": ("SmolLM2-135M-Instruct.Q4_1", ("english_a", "code_a")),
                   "gemma": ("gemma-3-270m-q4_k_m", ("chat_a",))}
@@ -52,7 +51,7 @@ def _decoded_rows(model, case: dict, n: int) -> np.ndarray:
 def test_a_built_in_model_on_webgpu_is_inside_llama_cpps_noise_band(request, name):
     stem, cases = BUILT_IN_CASES[name]
     model = _resident(request.getfixturevalue({"smollm2": "smollm2_gguf", "gemma": "gemma_gguf"}[name]))
-    reference = json.loads((SHARED / "reference" / f"{stem}.json").read_text())
+    reference = json.loads(in_reference(f"{stem}.json").read_text())
     kls = []
     for case in (c for c in reference["cases"] if c["name"] in cases):
         cut = {**case, "positions": case["positions"][:POSITIONS]}
@@ -64,6 +63,7 @@ def test_a_built_in_model_on_webgpu_is_inside_llama_cpps_noise_band(request, nam
     assert_mean_kl(kls)
 
 
+@needs_kit
 @pytest.mark.parametrize("path", KIT_FILES, ids=[p.stem for p in KIT_FILES])
 def test_a_kit_dense_family_on_webgpu_is_inside_llama_cpps_noise_band(path):
     reference = json.loads(path.with_suffix(".json").read_text())

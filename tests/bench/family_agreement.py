@@ -20,9 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
 from engine.models.registry import SUPPORTED_ARCHITECTURES  # noqa: E402
+from tests.conftest import KIT  # noqa: E402  (GOINFER_KIT)
 from tests.fidelity import decoded_rows, vs_llama_cpp  # noqa: E402
-
-KIT = ROOT.parent / "shared" / "families"
 
 
 def main(families: list[str]) -> None:
