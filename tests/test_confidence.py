@@ -154,6 +154,6 @@ def test_a_batch_line_asking_for_it_is_refused(tmp_path, smollm2_gguf):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps(line) + "\n")
     r = goinfer("batch", str(src), "-o", str(out), "--model", str(smollm2_gguf))
-    assert r.returncode == 1
-    (error,) = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
-    assert "goinfer_confidence: not available in batches" in error["error"]["message"]
+    # refused by the check of every line before any runs: nothing is run or written
+    assert r.returncode == 2 and not out.exists()
+    assert f"{src}:1: goinfer_confidence: not available in batches" in r.stderr, r.stderr
