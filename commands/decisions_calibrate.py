@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -11,13 +12,15 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from commands.errors import fail, user_errors
+from commands.errors import EXIT_INTERRUPTED, fail, user_errors
 from commands.options import ModelOption, NoSelftestOption, ThreadsOption
 from commands.ui import FetchProgress, err
 
 HELP = """Fit the decisions route's calibration: one temperature per kind (noul, choice, score) for a model.
 
-LABELLED.jsonl holds one /v1/systemone request per line with its correct answers beside it:
+The kinds are the decisions route's question types: noul a yes/no question, choice one of named options, score
+one level of an ordered scale (docs/decisions.md). LABELLED.jsonl holds one /v1/systemone request per line with
+its correct answers beside it:
 
   {"state": "...", "questions": {"mood": {"type": "choice", "criteria": {...}}}, "answers": {"mood": "angry"}}
 
@@ -26,11 +29,15 @@ item is held out: the temperature is fitted on the rest (the negative log-likeli
 NLL, ECE and top-1 are reported before and after on both parts. Serve the result with
 `goinfer serve --model REF --decisions-calibration calibration.json`.
 
+Scoring takes a while (seconds per item on a small model): the time it will take is printed once the first item
+is scored, and progress every 10 items or 5 seconds where stderr is not a terminal. Each scored item is kept in
+OUTPUT.journal; after Ctrl-C or a kill, rerun the same command (same model, template and set) to resume.
+
 Examples:
 
-  goinfer decisions-calibrate --model smollm2-135m testdata/decisions/sentiment.jsonl -o calibration.json
+  goinfer decisions-calibrate --model smollm2-135m testdata/decisions/reviews.jsonl -o calibration.json
 
-Exit status: 0 written, 2 bad usage, model or labelled set.
+Exit status: 0 written, 2 bad usage, model, labelled set or journal, 130 interrupted (rerun to resume).
 """
 
 
@@ -44,7 +51,8 @@ def decisions_calibrate(
     no_selftest: NoSelftestOption = False,
 ) -> None:
     from engine import load_model, set_threads
-    from engine.decisions.calibration import calibrate, read_labelled
+    from engine.decisions.calibration import Journal, calibrate, journal_header, read_labelled
+    from engine.files import write_atomic
     from engine.decisions.prompts import TEMPLATES
 
     if template not in TEMPLATES:
@@ -59,15 +67,83 @@ def decisions_calibrate(
             llm = load_model(model, progress=fetch, selftest=not no_selftest)
         finally:
             fetch.close()
-        with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
-                      transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("scoring", total=len(items))
-            result = calibrate(llm, items, template, on_item=lambda done, total: bar.update(task, completed=done))
+        journal = Journal(_journal_path(output), journal_header(llm, template, labelled, len(items)))
+        resumed = len(journal.scored)
+        if resumed:
+            print(f"goinfer: resumed {resumed} of {len(items)} items from {journal.path}", file=sys.stderr)
+        progress = _Progress(len(items), resumed)
         try:
-            output.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+            with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          console=err, transient=True, disable=not err.is_terminal) as bar:
+                task = bar.add_task("scoring", total=len(items), completed=resumed)
+
+                def on_item(done: int, total: int) -> None:
+                    bar.update(task, completed=done)
+                    progress(done, bar.console.print if err.is_terminal else None)
+
+                result = calibrate(llm, items, template, on_item=on_item, journal=journal)
+        except KeyboardInterrupt:
+            journal.close()
+            print(f"goinfer: interrupted after {len(journal.scored)}/{len(items)} items; they are kept in "
+                  f"{journal.path}: rerun the same command to resume", file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        try:
+            write_atomic(output, (json.dumps(result, indent=2) + "\n").encode("utf-8"))
         except OSError as e:
             raise fail(f"{output}: cannot write ({e.strerror})") from None
+        journal.remove()
     _report(result, output)
+
+
+def _journal_path(output: Path) -> Path:
+    return output.with_name(output.name + ".journal")
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+class _Progress:
+    """The estimate once this run's first two items are scored (their measured seconds per item, times the items
+    this run scores), and,
+    off a terminal, a plain line every 10 items or 5 seconds and at the end."""
+
+    EVERY_ITEMS, EVERY_SECONDS = 10, 5.0
+
+    def __init__(self, total: int, resumed: int):
+        self.total, self.resumed = total, resumed
+        self.start = self.last_time = time.monotonic()
+        self.last_done = resumed
+
+    def __call__(self, done: int, console_print) -> None:
+        now = time.monotonic()
+        elapsed = now - self.start
+        per_item = elapsed / (done - self.resumed)
+        left = per_item * (self.total - done)
+        todo = self.total - self.resumed
+        if done == self.resumed + min(2, todo):
+            line = (f"{todo} items to score, about {_duration(per_item * todo)} on this machine "
+                    f"({per_item:.1f}s an item so far)")
+            if console_print is not None:
+                console_print(line)
+            else:
+                _note(f"goinfer: {line}")
+        if console_print is not None:
+            return
+        due = done - self.last_done >= self.EVERY_ITEMS or now - self.last_time >= self.EVERY_SECONDS
+        if done == self.total or due:
+            _note(f"goinfer: scored {done}/{self.total} items ({_duration(elapsed)}"
+                  + (f", about {_duration(left)} left)" if done < self.total else ")"))
+            self.last_done, self.last_time = done, now
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _report(result: dict, output: Path) -> None:

@@ -242,11 +242,11 @@ def calibration(tmp_path_factory, smollm2_gguf):
     r = goinfer("decisions-calibrate", "--model", str(smollm2_gguf), str(labelled), "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert "held-out" in r.stderr  # the report's table
-    return json.loads(out.read_text()), out, labelled
+    return json.loads(out.read_text()), out, labelled, r.stderr
 
 
 def test_calibrate_writes_a_temperature_per_kind_with_before_and_after(calibration):
-    data, _, _ = calibration
+    data, _, _, _ = calibration
     assert data["template"] == "chat-v1" and data["model"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert set(data["kinds"]) == {"noul", "choice", "score"}
     for entry in data["kinds"].values():
@@ -257,7 +257,7 @@ def test_calibrate_writes_a_temperature_per_kind_with_before_and_after(calibrati
 def test_serve_applies_a_calibration_and_refuses_one_for_another_template(calibration, tmp_path, smollm2_gguf):
     from tests.test_cli import goinfer
 
-    data, path, labelled = calibration
+    data, path, labelled, _ = calibration
     s = start_server(tmp_path / "serve.log", "--model", f"local={smollm2_gguf}", "--decisions-calibration", str(path))
     try:
         body = json.loads(labelled.read_text().splitlines()[0])
@@ -277,6 +277,61 @@ def test_serve_applies_a_calibration_and_refuses_one_for_another_template(calibr
                   "--decisions-calibration", str(path))
     assert bad.returncode == 2 and "fitted under template 'chat-v1'" in bad.stderr
     assert bad.stderr.strip().count("\n") == 0
+
+
+def test_calibrate_off_a_terminal_states_the_time_up_front_and_prints_progress(calibration):
+    _, out, _, stderr = calibration
+    lines = stderr.splitlines()
+    up_front = [n for n, line in enumerate(lines) if line.startswith("goinfer: 10 items to score, about ")]
+    assert up_front and "on this machine" in lines[up_front[0]]
+    assert "goinfer: scored 10/10 items (" in stderr
+    assert up_front[0] < lines.index(next(line for line in lines if line.startswith("goinfer: scored 10/10")))
+    assert not out.with_name(out.name + ".journal").exists()  # a finished run leaves no journal
+
+
+def test_a_killed_calibration_resumes_and_a_journal_of_another_run_is_refused(calibration, tmp_path, smollm2_gguf):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_cli import goinfer
+
+    data, _, labelled, _ = calibration
+    out = tmp_path / "calibration.json"
+    journal = tmp_path / "calibration.json.journal"
+    args = ["decisions-calibrate", "--model", str(smollm2_gguf), str(labelled), "-o", str(out)]
+    with open(tmp_path / "first.err", "w") as log:
+        run = subprocess.Popen([sys.executable, "-m", "goinfer_cli.app", *args], stderr=log, cwd=ROOT,
+                               env=dict(os.environ, NO_COLOR="1"))
+        try:
+            deadline = time.monotonic() + 240
+            while not (journal.exists() and journal.read_text().count("\n") >= 3):  # the header and two items
+                assert run.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
+                time.sleep(0.02)
+        finally:
+            run.send_signal(signal.SIGKILL)
+            run.wait()
+    assert not out.exists()
+    kept = journal.read_text().count("\n") - 1  # complete item lines (a line cut in half is not one)
+    assert 2 <= kept < 10
+
+    other = tmp_path / "nine.jsonl"
+    other.write_text("\n".join(labelled.read_text().splitlines()[:9]) + "\n")
+    for bad_args, differs in ((args + ["--decisions-template", "bare-v1"], "its template differ"),
+                              (args[:3] + [str(other), "-o", str(out)], "its labelled set differ")):
+        bad = goinfer(*bad_args)
+        assert bad.returncode == 2 and differs in bad.stderr and str(journal) in bad.stderr, bad.stderr
+        assert bad.stderr.strip().count("\n") == 0
+    assert journal.read_text().count("\n") - 1 == kept  # a refused run leaves the journal as it was
+
+    again = goinfer(*args)
+    assert again.returncode == 0, again.stderr
+    assert f"goinfer: resumed {kept} of 10 items from {journal}" in again.stderr
+    assert f"{10 - kept} items to score" in again.stderr and "scored 10/10 items" in again.stderr
+    assert json.loads(out.read_text()) == data  # the same file as the uninterrupted run's
+    assert not journal.exists()
 
 
 def test_a_bad_labelled_line_is_refused_in_one_line(tmp_path):

@@ -4,6 +4,8 @@
     fit_temperature(logits, answers)       -> T minimising the negative log-likelihood (bounded 1-D search)
     metrics(logits, answers, T)            -> NLL, ECE (15 equal-width bins over the top probability), top-1
     model_identity(model) / save / load    the calibration file, and the check that it fits the served model
+    Journal(path, header)                  the scored items of an unfinished run, one fsynced JSON line each, so
+                                           that a rerun of the same model, template and set resumes
 
 The NLL is convex in beta = 1/T (a log-sum-exp of beta z less a linear term), so a golden-section search over a
 bounded beta interval finds its minimum; T is searched in [0.05, 20].
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +25,11 @@ import numpy as np
 from engine.api.decisions import DecisionInvalid, DecisionRequest, parse_decision_request
 from engine.errors import GoinferError
 
-__all__ = ["CalibrationError", "LabelledItem", "apply_file", "calibrate", "calibration_for", "fit_temperature",
-           "metrics", "model_identity", "read_labelled"]
+__all__ = ["CalibrationError", "Journal", "LabelledItem", "apply_file", "calibrate", "calibration_for",
+           "fit_temperature", "journal_header", "metrics", "model_identity", "read_labelled"]
 
 FORMAT = "goinfer-decisions-calibration/1"
+JOURNAL_FORMAT = "goinfer-decisions-calibration-journal/1"
 T_RANGE = (0.05, 20.0)
 ECE_BINS = 15
 
@@ -193,24 +197,106 @@ def calibration_for(path: str | Path, models: dict, template: str) -> tuple[str,
     raise CalibrationError(f"--decisions-calibration {path}: fits none of the served models ({'; '.join(problems)})")
 
 
-def calibrate(model, items: list[LabelledItem], template: str, on_item=None, held_out_every: int = 5) -> dict:
+def journal_header(model, template: str, labelled: str | Path, items: int) -> dict:
+    """What a journal must match to be resumed: the model, the template and the labelled file's bytes."""
+    digest = hashlib.sha256(Path(labelled).read_bytes()).hexdigest()
+    return {"format": JOURNAL_FORMAT, "model": model_identity(model), "template": template,
+            "labelled": {"sha256": digest, "items": items}}
+
+
+class Journal:
+    """The items an unfinished calibration run has scored: a header line, then {"item": n, "logits": {question:
+    [label logits]}} per scored item, each line flushed and fsynced before the next item starts. Opening an existing
+    journal reads its items into `scored` (a line a kill cut in half is dropped) and refuses one whose header does
+    not match this run's."""
+
+    def __init__(self, path: str | Path, header: dict):
+        self.path = Path(path)
+        self.scored: dict[int, dict[str, list[float]]] = {}
+        if self.path.exists():
+            self._resume(header)
+            self._file = open(self.path, "a", encoding="utf-8")
+        else:
+            self._file = open(self.path, "w", encoding="utf-8")
+            self._write(header)
+            from engine.files import fsync_dir
+
+            fsync_dir(self.path.parent)
+
+    def _resume(self, header: dict) -> None:
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise CalibrationError(f"{self.path}: cannot read the journal ({e.strerror})") from None
+        end = data.rfind(b"\n") + 1  # what follows the last newline is a line a kill cut in half
+        if end < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+        lines = data[:end].decode("utf-8", "replace").splitlines()
+        try:
+            found = json.loads(lines[0]) if lines else None
+            entries = [json.loads(line) for line in lines[1:]]
+            scored = {int(e["item"]): {q: [float(v) for v in z] for q, z in e["logits"].items()} for e in entries}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CalibrationError(f"{self.path}: not a decisions-calibrate journal; delete it to start over") from None
+        if not isinstance(found, dict) or found.get("format") != JOURNAL_FORMAT:
+            raise CalibrationError(f"{self.path}: not a decisions-calibrate journal; delete it to start over")
+        differs = [what for key, what in (("model", "model"), ("template", "template"), ("labelled", "labelled set"))
+                   if found.get(key) != header[key]]
+        if differs:
+            raise CalibrationError(f"{self.path}: a journal of another run (its {' and '.join(differs)} differ); "
+                                   "rerun with the same model, template and set, or delete it to start over")
+        self.scored = scored
+
+    def _write(self, obj: dict) -> None:
+        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def add(self, item: int, logits: dict[str, list[float]]) -> None:
+        self._write({"item": item, "logits": logits})
+        self.scored[item] = logits
+
+    def close(self) -> None:
+        self._file.close()
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def calibrate(model, items: list[LabelledItem], template: str, on_item=None, held_out_every: int = 5,
+              journal: Journal | None = None) -> dict:
     """Score every labelled item on model, fit one temperature per kind on the items outside the held-out split
     (every `held_out_every`-th item), and report NLL, ECE and top-1 before and after on both parts.
-    on_item(done, total) after each item. Returns the calibration file's object."""
+    on_item(done, total) after each item scored by this call. With a journal, the items it holds are not scored
+    again and each newly scored one is added to it. Returns the calibration file's object."""
     from engine.decisions.scoring import score_request
 
+    scored = journal.scored if journal is not None else {}
+    done = sum(1 for n in range(len(items)) if n in scored)
+    for n, item in enumerate(items):
+        if n in scored:
+            continue
+        result = score_request(model, item.request, template)
+        logits = {q.name: [float(v) for v in result.label_logits[q.name]]
+                  for q in item.request.questions if q.name in item.answers}
+        if journal is not None:
+            journal.add(n, logits)
+        else:
+            scored[n] = logits
+        done += 1
+        if on_item is not None:
+            on_item(done, len(items))
     fit: dict[str, tuple[list, list]] = {}
     held: dict[str, tuple[list, list]] = {}
     for n, item in enumerate(items):
-        scored = score_request(model, item.request, template)
         part = held if held_out_every and n % held_out_every == held_out_every - 1 else fit
         for q in item.request.questions:
             if q.name in item.answers:
                 z, y = part.setdefault(q.kind, ([], []))
-                z.append(scored.label_logits[q.name])
+                z.append(np.asarray(scored[n][q.name], np.float64))
                 y.append(item.answers[q.name])
-        if on_item is not None:
-            on_item(n + 1, len(items))
     kinds = {}
     for kind in ("noul", "choice", "score"):
         if kind not in fit:
