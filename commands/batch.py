@@ -19,7 +19,7 @@ from commands.options import (BackendOption, DraftMaxOption, EmbedQuantOption, L
                               NoSelftestOption, QuantOption, ReasoningBudgetOption, ReasoningFormatOption, SpeculateOption,
                               ThinkingOption, ThreadsOption, backend_choice, lora_choice, speculation_choice,
                               thinking_settings)
-from commands.ui import FetchProgress, err, say
+from commands.ui import FetchProgress, duration, err, say
 from engine import load_model, set_threads
 from engine.embeddings import QUANTS as EMBED_QUANTS
 from engine.embeddings import load_embedding_model
@@ -233,14 +233,14 @@ class _ProgressView:
             self._said = now
             done = self._plan.done + self._finished
             _note(f"[{done}/{self._plan.total}] still running: {n} tok into the current request, {self._rate()} "
-                  f"elapsed {_duration(now - self._start)}")
+                  f"elapsed {duration(now - self._start)}")
 
     def _eta(self) -> str:
         """The time left at the pace of the lines finished this run, counting down from the last one's end."""
         if self._plan is None or not self._finished:
             return eta(0, 0, 1)
         left = eta_seconds(self._ended - self._start, self._finished, self._plan.to_run - self._finished)
-        return _duration(max(0.0, left - (time.monotonic() - self._ended)))
+        return duration(max(0.0, left - (time.monotonic() - self._ended)))
 
     def _rate(self) -> str:
         seconds = time.monotonic() - self._start
@@ -266,7 +266,7 @@ class _ProgressView:
         remaining = f" eta ~{eta(elapsed, self._finished, left)}" if left else ""
         who = r.custom_id if r.custom_id is not None else f"(line {r.lineno})"
         self._said = time.monotonic()
-        _note(f"[{done}/{self._plan.total}] {who} {what} elapsed {_duration(elapsed)}{remaining}")
+        _note(f"[{done}/{self._plan.total}] {who} {what} elapsed {duration(elapsed)}{remaining}")
 
     def close(self) -> None:
         if self._progress is not None:
@@ -304,13 +304,4 @@ def eta_seconds(elapsed: float, finished: int, left: int) -> float | None:
 def eta(elapsed: float, finished: int, left: int) -> str:
     """eta_seconds as the progress line shows it: '-:--:--' until a line has finished."""
     seconds = eta_seconds(elapsed, finished, left)
-    return "-:--:--" if seconds is None else _duration(seconds)
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return "-:--:--" if seconds is None else duration(seconds)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from commands.errors import EXIT_INTERRUPTED, fail, user_errors
 from commands.options import ModelOption, NoSelftestOption, ThreadsOption
-from commands.ui import FetchProgress, err
+from commands.ui import FetchProgress, duration, err
 
 HELP = """Fit the decisions route's calibration: one temperature per kind (noul, choice, score) for a model.
 
@@ -99,15 +99,6 @@ def _journal_path(output: Path) -> Path:
     return output.with_name(output.name + ".journal")
 
 
-def _duration(seconds: float) -> str:
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
-
-
 class _Progress:
     """The estimate once this run's first two items are scored (their measured seconds per item, times the items
     this run scores), and,
@@ -127,7 +118,7 @@ class _Progress:
         left = per_item * (self.total - done)
         todo = self.total - self.resumed
         if done == self.resumed + min(2, todo):
-            line = (f"{todo} items to score, about {_duration(per_item * todo)} on this machine "
+            line = (f"{todo} items to score, about {duration(per_item * todo)} on this machine "
                     f"({per_item:.1f}s an item so far)")
             if console_print is not None:
                 console_print(line)
@@ -137,8 +128,8 @@ class _Progress:
             return
         due = done - self.last_done >= self.EVERY_ITEMS or now - self.last_time >= self.EVERY_SECONDS
         if done == self.total or due:
-            _note(f"goinfer: scored {done}/{self.total} items ({_duration(elapsed)}"
-                  + (f", about {_duration(left)} left)" if done < self.total else ")"))
+            _note(f"goinfer: scored {done}/{self.total} items ({duration(elapsed)}"
+                  + (f", about {duration(left)} left)" if done < self.total else ")"))
             self.last_done, self.last_time = done, now
 
 

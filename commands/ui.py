@@ -70,3 +70,13 @@ def placement_text(placement: dict) -> str:
     if placement.get("reason"):
         text += f" — {placement['asked']}: {placement['reason']}"
     return text
+
+
+def duration(seconds: float) -> str:
+    """A span as a progress line shows it: 42s, 3m07s, 1h05m (rounded down to the second)."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
