@@ -149,6 +149,15 @@ def test_engine_packages_form_no_circle():
     assert sorted(u for u in graph if reaches(u, u, set())) == []
 
 
+def test_every_module_is_on_the_map():
+    """docs/architecture.md's map names every module (by its path, or its file name in its package's line)."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    text = text[text.index("## Map"):text.index("## Dependency direction")]
+    unnamed = [str(p.relative_to(ROOT)) for p in modules().values()
+               if p.name != "__init__.py" and str(p.relative_to(ROOT)) not in text and p.name not in text]
+    assert unnamed == []
+
+
 @pytest.mark.parametrize("limit,names", [(MAX_LINES, None), (400, ("engine.server.handler", "engine.api.openai"))])
 def test_modules_stay_readable_in_one_sitting(limit, names):
     sizes = {m: len(p.read_text().splitlines()) for m, p in modules().items() if names is None or m in names}
