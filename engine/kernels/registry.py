@@ -18,8 +18,6 @@ from typing import Callable
 
 from engine.kernels.backend import PATHS, Backend
 
-BACKENDS = ("cpu", "webgpu")
-
 
 def load_backend(name: str = "cpu", path: str = "fast", *, selftest: bool = True, note=None,
                  background_compile: list[str] | None = None) -> Backend:
