@@ -1,6 +1,7 @@
 """Shared fixtures: the real models (fetched into the goinfer cache by .ci/run) and tiny fixtures."""
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,16 @@ needs_kit = pytest.mark.skipif(not HAVE_KIT, reason=KIT_MISSING)
 needs_reference = pytest.mark.skipif(not HAVE_REFERENCE, reason=REFERENCE_MISSING)
 
 
+# The chat page's tests in a real browser (tests/test_browser.py) need node, Debian's chromium (GOINFER_CHROMIUM names
+# another) and tests/browser's npm packages; .ci/run installs all three and fails without them.
+CHROMIUM = os.environ.get("GOINFER_CHROMIUM") or shutil.which("chromium") or ""
+BROWSER_DIR = ROOT / "tests" / "browser"
+BROWSER_MISSING = ("browser not found: the chat page's tests need node, chromium and `npm ci --prefix tests/browser`"
+                   " (set GOINFER_CHROMIUM)")
+HAVE_BROWSER = bool(shutil.which("node") and CHROMIUM and (BROWSER_DIR / "node_modules" / "playwright-core").is_dir())
+needs_browser = pytest.mark.skipif(not HAVE_BROWSER, reason=BROWSER_MISSING)
+
+
 def in_kit(*parts: str) -> Path:
     """A path in the family kit, for a test or fixture body: skips the test where the kit is absent."""
     if not HAVE_KIT:
@@ -37,10 +48,12 @@ def in_reference(*parts: str) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """One line where the kit or the reference outputs are absent: where, how many tests skipped, which setting."""
+    """One line where the kit, the reference outputs or the browser are absent: where, how many tests skipped, which
+    setting."""
     skipped = [str(r.longrepr) for r in terminalreporter.stats.get("skipped", [])]
     counts = [(why, setting, sum(why in s for s in skipped)) for why, setting in
-              ((KIT_MISSING, "GOINFER_KIT"), (REFERENCE_MISSING, "GOINFER_REFERENCE"))]
+              ((KIT_MISSING, "GOINFER_KIT"), (REFERENCE_MISSING, "GOINFER_REFERENCE"),
+               (BROWSER_MISSING, "GOINFER_CHROMIUM"))]
     missing = [f"{why.split(' (set ')[0]}: {n} tests skipped (set {setting})" for why, setting, n in counts if n]
     if missing:
         terminalreporter.write_line("; ".join(missing))

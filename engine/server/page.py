@@ -1,5 +1,8 @@
-"""The built-in chat page (GET /, and its script): static files from engine/server/web/, served without the API
-key (a browser cannot send one when it opens a page; the page asks for the key). `serve --no-web` turns it off."""
+"""The built-in chat page: GET / (index.html), /favicon.ico, and /ui/<file> for the page's script, style and the
+two libraries it vendors (engine/server/web/ and web/vendor/). Served without the API key (a browser cannot send
+one when it opens a page; the page asks for the key) and under a Content-Security-Policy that admits nothing but
+this server: replies are untrusted text, and the policy is the second wall behind the page's sanitizer.
+`serve --no-web` turns it all off."""
 
 from __future__ import annotations
 
@@ -10,17 +13,24 @@ from engine.server.routes import Route
 __all__ = ["ROUTES"]
 
 _WEB_DIR = Path(__file__).with_name("web")
-_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'",
-            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
+                                       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache", "Referrer-Policy": "no-referrer"}
+_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+          ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 
 
-def _file(name: str, content_type: str):
+def _file(path: Path):
+    content_type = _TYPES[path.suffix]
+
     def answer(ex) -> None:
-        ex.send_body(200, (_WEB_DIR / name).read_bytes(), content_type, _HEADERS)
+        ex.send_body(200, path.read_bytes(), content_type, _HEADERS)
     return answer
 
 
-_FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/ui/chat.js": ("chat.js", "text/javascript; charset=utf-8")}
+# A fixed table made once from the folder's own files: no path from a request ever reaches the file system.
+_FILES = {"/": _WEB_DIR / "index.html", "/favicon.ico": _WEB_DIR / "favicon.svg",
+          **{f"/ui/{p.relative_to(_WEB_DIR).as_posix()}": p for p in sorted(_WEB_DIR.rglob("*")) if p.suffix in _TYPES}}
 
-ROUTES = tuple(Route(method, path, _file(name, kind), public=True, when=lambda state: state.web)
-               for path, (name, kind) in _FILES.items() for method in ("GET", "HEAD"))
+ROUTES = tuple(Route(method, path, _file(file), public=True, when=lambda state: state.web)
+               for path, file in _FILES.items() for method in ("GET", "HEAD"))
