@@ -273,11 +273,14 @@ def write_unsupported_arch_fixture(path) -> Path:
     return Path(path)
 
 
-def write_unsupported_type_fixture(path) -> Path:
-    """The llama fixture with blk.0.ffn_down stored as Q2_K (GGML type 10), which we do not support."""
+def write_unsupported_type_fixture(path, type_name: str = "Q2_K") -> Path:
+    """The llama fixture with blk.0.ffn_down stored as type_name (Q2_K: GGML type 10), which we cannot compute
+    with: random bytes in that type's blocks."""
     rows, cols = LLAMA["n_embd"], LLAMA["n_ff"]
-    raw = np.random.default_rng(1).integers(0, 256, size=(rows, cols // 256 * 84), dtype=np.uint8)  # 84 B/256 w
-    _write(_llama_writer(path, override={"blk.0.ffn_down.weight": (raw, Q.Q2_K)}))
+    qtype = Q[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(1).integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    _write(_llama_writer(path, override={"blk.0.ffn_down.weight": (raw, qtype)}))
     return Path(path)
 
 

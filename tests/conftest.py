@@ -21,6 +21,11 @@ HAVE_KIT = KIT.is_dir()
 HAVE_REFERENCE = REFERENCE.is_dir()
 needs_kit = pytest.mark.skipif(not HAVE_KIT, reason=KIT_MISSING)
 needs_reference = pytest.mark.skipif(not HAVE_REFERENCE, reason=REFERENCE_MISSING)
+# The quant kit: the kit's dense families requantized by llama.cpp into the low-bit types (Q2_K, IQ4_XS, TQ1_0...).
+# Made here, not shipped (tens of MB): python testdata/make_quant_kit.py (its docstring says how).
+QUANT_KIT = ROOT / os.environ.get("GOINFER_QUANT_KIT", "testdata/quant_kit")
+QUANT_KIT_MISSING = (f"quant kit not found at {QUANT_KIT.resolve()} (set GOINFER_QUANT_KIT; "
+                     "testdata/make_quant_kit.py makes it)")
 
 
 # The chat page's tests in a real browser (tests/test_browser.py) need node, Debian's chromium (GOINFER_CHROMIUM names
@@ -53,7 +58,7 @@ def pytest_terminal_summary(terminalreporter):
     skipped = [str(r.longrepr) for r in terminalreporter.stats.get("skipped", [])]
     counts = [(why, setting, sum(why in s for s in skipped)) for why, setting in
               ((KIT_MISSING, "GOINFER_KIT"), (REFERENCE_MISSING, "GOINFER_REFERENCE"),
-               (BROWSER_MISSING, "GOINFER_CHROMIUM"))]
+               (QUANT_KIT_MISSING, "GOINFER_QUANT_KIT"), (BROWSER_MISSING, "GOINFER_CHROMIUM"))]
     missing = [f"{why.split(' (set ')[0]}: {n} tests skipped (set {setting})" for why, setting, n in counts if n]
     if missing:
         terminalreporter.write_line("; ".join(missing))

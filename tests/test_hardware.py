@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.kernels.cpu import selftest
-from engine.kernels.quant_types import GGMLType
+from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType
 from goinfer_cli.app import app
 from testdata import make_fixtures as mf
 
@@ -44,7 +44,7 @@ def test_every_kernel_agrees_with_the_reference(fresh_selftest):
     result = selftest.run_selftest()
     assert result.status == "ok"
     assert {r.kernel for r in result.results} == {"matvec", "matvec_q8", "dequantize", "embed", "packed_q8"}
-    assert {r.type for r in result.results} == {t.name for t in GGMLType}
+    assert {r.type for r in result.results} == {t.name for t in COMPUTE_TYPES}
     assert {r.type for r in result.results if r.kernel == "packed_q8"} == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
     assert all(r.ok and r.max_rel_err < selftest.TOLERANCE for r in result.results)
 
@@ -93,11 +93,11 @@ def test_a_load_checks_what_its_path_runs_and_check_hardware_the_rest(fresh_self
     matrices = [model.weights.tensor(n[: -len(".weight")]) for n in model.weights._file.entries
                 if n.endswith(".weight")]
     model_types = {t.ggml_type.name for t in matrices if t.rows > 1}
-    assert {r.type for r in selftest.report_results()} == model_types != {t.name for t in GGMLType}
+    assert {r.type for r in selftest.report_results()} == model_types != {t.name for t in COMPUTE_TYPES}
     n = len(selftest.report_results())
     assert selftest.run_selftest().status == "ok"  # check --hardware: every kernel on every type
     results = selftest.report_results()
-    assert {r.type for r in results} == {t.name for t in GGMLType} and len(results) > n
+    assert {r.type for r in results} == {t.name for t in COMPUTE_TYPES} and len(results) > n
     assert len({(r.kernel, r.type) for r in results}) == len(results)  # none checked twice
     assert selftest.run_selftest().status == "ok" and len(selftest.report_results()) == len(results)  # nothing left
 

@@ -14,7 +14,7 @@ from engine.formats.gguf import GGUFFile
 from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8, ir, quantize
 from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels, MatmulKernels, kernels_for
-from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
+from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_bytes
 from tests.conftest import in_kit
 from testdata import make_fixtures
 
@@ -316,7 +316,7 @@ def fixture_matrices(tmp_path_factory) -> list[QTensor]:
         out += [f.tensor(n) for n, e in f.entries.items() if len(e.shape) == 2]
     f = GGUFFile(make_fixtures.write_mxfp4_fixture(d / "mxfp4.gguf"))  # only its MXFP4 matrices are new
     out += [f.tensor(n) for n, e in f.entries.items() if e.type_id == int(G.MXFP4)]
-    assert {t.ggml_type for t in out} == set(GGMLType)
+    assert {t.ggml_type for t in out} == COMPUTE_TYPES
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelLoadError, UnsupportedModel
-from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor, type_name
+from engine.kernels.quant_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, QTensor, type_name
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -37,7 +37,7 @@ class TensorEntry:
     type_id: int
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
-    nbytes: int | None  # None when the type is not one we support (size unknown to us)
+    nbytes: int | None  # None when the type's blocks are unknown to us (size unknown)
 
 
 class _Cursor:
@@ -195,11 +195,12 @@ class GGUFFile:
 
     def check_tensor_types(self) -> None:
         """Refuse a tensor type we cannot compute with, naming it (before any heavy work)."""
+        # A type with known blocks but no kernels yet (Q2_K...) is refused as an unknown one is: nothing can run it.
         for e in self.entries.values():
-            if e.nbytes is None:
+            if e.type_id not in COMPUTE_TYPES:
                 raise UnsupportedModel(
                     f"{self.path.name}: tensor {e.name!r} has type {type_name(e.type_id)}, which goinfer does "
-                    f"not support (supported: {', '.join(t.name for t in GGMLType)})"
+                    f"not support (supported: {', '.join(t.name for t in GGMLType if t in COMPUTE_TYPES)})"
                 )
 
     def tensor(self, name: str) -> QTensor:
@@ -207,7 +208,7 @@ class GGUFFile:
         e = self.entries.get(name)
         if e is None:
             raise ModelLoadError(f"{self.path.name}: missing tensor {name!r}")
-        if e.nbytes is None:
+        if e.type_id not in COMPUTE_TYPES:
             self.check_tensor_types()
         gtype = GGMLType(e.type_id)
         cols = e.shape[-1]

@@ -1,4 +1,5 @@
-"""GGML tensor types we can compute with, and the quantized-tensor handle the kernels consume.
+"""GGML tensor types: their block geometry, the ones we compute with, and the quantized-tensor handle the kernels
+consume.
 
 Lives with the kernels (not in engine.formats) because the kernels are the lowest layer and need the
 block geometry; the GGUF reader imports it from here.
@@ -18,10 +19,16 @@ class GGMLType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
     MXFP4 = 39  # gpt-oss's expert matrices (GGUF MXFP4_MOE files)
 
 
@@ -39,7 +46,21 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
     GGMLType.Q6_K: (256, 128 + 64 + 16 + 2),
     GGMLType.MXFP4: (32, 1 + 16),
+    GGMLType.Q2_K: (256, 16 + 64 + 2 + 2),
+    GGMLType.Q3_K: (256, 32 + 64 + 12 + 2),
+    GGMLType.IQ4_NL: (32, 2 + 16),
+    GGMLType.IQ4_XS: (256, 2 + 2 + 4 + 128),
+    GGMLType.TQ1_0: (256, 48 + 4 + 2),
+    GGMLType.TQ2_0: (256, 64 + 2),
 }
+
+# The types every kernel computes with: the loader refuses a file holding any other (GGUFFile.check_tensor_types),
+# the CPU kernels refuse the rest, the self-test covers these. GGMLType also names types that so far only the
+# numpy reference decodes (the low-bit ones above, whose kernels are yet to be written).
+COMPUTE_TYPES: frozenset[GGMLType] = frozenset({
+    GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+    GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4,
+})
 
 # Every type id ggml defines, so an unsupported one can be named in the error message.
 GGML_TYPE_NAMES: dict[int, str] = {

@@ -179,6 +179,98 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     return ((d * scales)[:, :, None] * q).reshape(n, QK_K)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Low-bit types: 2- and 3-bit K-quants, the 4-bit non-linear codebook (IQ4_NL, IQ4_XS), ternary (TQ1_0, TQ2_0).
+# Each decoder gets blocks (n, block_bytes) and returns (n, block weights) f32.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """(n, 64) uint8 -> (n, 256) uint8 2-bit fields, in the order Q2_K, Q3_K and TQ2_0 share: two halves of
+    32 bytes; in each, field j (bits 2j, 2j+1) of byte l is weight 32j + l of that half."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    return ((qs.reshape(len(qs), 2, 1, 32) >> shifts) & 3).reshape(len(qs), QK_K)
+
+
+def _q2_k(b: np.ndarray) -> np.ndarray:
+    # block_q2_K (84 B): u8 scales[16] | u8 qs[64] (_crumbs) | f16 d | f16 dmin
+    #   sixteen 16-weight groups g in _crumbs' order; scales[g]: low nibble scale, high nibble min.
+    #   w = (d * sc) * q - (dmin * m)
+    n = len(b)
+    sc = b[:, 0:16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    q = _crumbs(b[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
+    scale = (d * (sc & 0x0F).astype(np.float32))[:, :, None]
+    offset = (dmin * (sc >> 4).astype(np.float32))[:, :, None]
+    return (scale * q - offset).reshape(n, QK_K)
+
+
+def _q3_k(b: np.ndarray) -> np.ndarray:
+    # block_q3_K (110 B): u8 hmask[32] | u8 qs[64] (_crumbs: low 2 bits) | u8 scales[12] | f16 d
+    #   the third bit of weight 32k + l (k = 0..7 over both halves) is bit k of hmask[l]; ggml subtracts 4 when it
+    #   is clear: q = low - 4 * (1 - bit), -4..3.
+    #   16 6-bit scales for 16-weight groups, stored + 32: low 4 bits in the low nibbles of scales[0:8] (groups
+    #   0-7) then their high nibbles (8-15); top 2 bits of group g at bits 2 * (g // 4) of scales[8 + g % 4].
+    #   w = (d * (sc - 32)) * q
+    n = len(b)
+    bit = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32)
+    q = _crumbs(b[:, 32:96]).astype(np.int8) - ((bit ^ 1) << 2).reshape(n, QK_K).astype(np.int8)
+    packed = b[:, 96:108]
+    top = (packed[:, None, 8:12] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3  # (n, g // 4, g % 4)
+    sc = ((_nibbles(packed[:, 0:8]) | (top.reshape(n, 16) << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    d = _f16(b[:, 108:110])
+    return ((d * sc)[:, :, None] * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+
+
+# llama.cpp's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS, a non-uniform grid denser near zero.
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(b: np.ndarray) -> np.ndarray:
+    # block_iq4_nl (18 B): f16 d | u8 qs[16] (nibble order as Q4_0); w = d * IQ4_NL_VALUES[nibble]
+    d = _f16(b[:, 0:2])
+    return d * IQ4_NL_VALUES[_nibbles(b[:, 2:18])].astype(np.float32)
+
+
+def _iq4_xs(b: np.ndarray) -> np.ndarray:
+    # block_iq4_xs (136 B): f16 d | u16 scales_h | u8 scales_l[4] | u8 qs[128]
+    #   eight 32-weight sub-blocks s from qs[16s:16s+16] (nibble order as Q4_0); 6-bit scale, stored + 32:
+    #   low 4 bits = nibble s % 2 of scales_l[s // 2] (low nibble first), top 2 bits = bits 2s, 2s+1 of scales_h.
+    #   w = (d * (ls - 32)) * IQ4_NL_VALUES[nibble]
+    n = len(b)
+    d = _f16(b[:, 0:2])
+    high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3  # (n, 8)
+    low = np.stack([b[:, 4:8] & 0x0F, b[:, 4:8] >> 4], axis=-1).reshape(n, 8)
+    ls = ((low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    q = IQ4_NL_VALUES[_nibbles(b[:, 8:136].reshape(n, 8, 16))].astype(np.float32)  # (n, 8, 32)
+    return ((d * ls)[:, :, None] * q).reshape(n, QK_K)
+
+
+def _trits(qs: np.ndarray, k: int) -> np.ndarray:
+    """(n, m) uint8 -> (n, k * m) uint8: base-3 digit t (outer) of every byte l (inner), as ggml reads them.
+
+    TQ1_0 stores 5 (or 4) ternary digits per byte as a fixed-point fraction x = ceil(v * 256 / 243): multiplying
+    by 3^t (mod 256, u8 arithmetic) shifts digit t to the top, and (x * 3) >> 8 reads it."""
+    pow3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)[None, :k, None]
+    digits = (((qs[:, None, :] * pow3).astype(np.uint16) * 3) >> 8).astype(np.uint8)
+    return digits.reshape(len(qs), k * qs.shape[1])
+
+
+def _tq1_0(b: np.ndarray) -> np.ndarray:
+    # block_tq1_0 (54 B): u8 qs[48] | u8 qh[4] | f16 d; 256 ternary weights, q - 1 in {-1, 0, 1}:
+    #   weights 0-159 are _trits(qs[0:32], 5), 160-239 _trits(qs[32:48], 5), 240-255 _trits(qh, 4).
+    #   w = d * (q - 1)
+    q = np.concatenate([_trits(b[:, 0:32], 5), _trits(b[:, 32:48], 5), _trits(b[:, 48:52], 4)], axis=-1)
+    return _f16(b[:, 52:54]) * (q.astype(np.int8) - np.int8(1)).astype(np.float32)
+
+
+def _tq2_0(b: np.ndarray) -> np.ndarray:
+    # block_tq2_0 (66 B): u8 qs[64] (_crumbs) | f16 d; w = d * (q - 1) (the quantizer writes q = 0..2; a 3 reads
+    #   as 2, as in ggml)
+    q = _crumbs(b[:, 0:64]).astype(np.int8) - np.int8(1)
+    return _f16(b[:, 64:66]) * q.astype(np.float32)
+
+
 _BLOCK_DECODERS = {
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
@@ -189,6 +281,12 @@ _BLOCK_DECODERS = {
     GGMLType.Q5_K: _q5_k,
     GGMLType.Q6_K: _q6_k,
     GGMLType.MXFP4: _mxfp4,
+    GGMLType.Q2_K: _q2_k,
+    GGMLType.Q3_K: _q3_k,
+    GGMLType.IQ4_NL: _iq4_nl,
+    GGMLType.IQ4_XS: _iq4_xs,
+    GGMLType.TQ1_0: _tq1_0,
+    GGMLType.TQ2_0: _tq2_0,
 }
 _FLOAT_DECODERS = {GGMLType.F32: _f32, GGMLType.F16: _f16_rows, GGMLType.BF16: _bf16}
 

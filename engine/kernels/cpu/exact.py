@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.cpu.dequant import dequant_row
-from engine.kernels.quant_types import GGMLType, row_bytes, type_name
+from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, row_bytes, type_name
 
 # =========================================================================================================
 # Drivers (parallel over rows)
@@ -94,7 +94,7 @@ def _matvec(code: int):
 # =========================================================================================================
 
 
-_CODES = frozenset(int(t) for t in GGMLType)
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
 
 
 def _check(raw: np.ndarray, ggml_type, n_cols: int) -> int:

@@ -41,7 +41,7 @@ from engine.kernels.cpu.kquant import idots_q4_k, idots_q5_k, idots_q6_k, rows_q
 from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
                                        rows_mxfp4, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
 from engine.kernels.cpu.quantize import KB_SUMS, QK, QK_K, legacy_x_order, quantize_k_into, quantize_legacy_into
-from engine.kernels.quant_types import GGMLType, QTensor, row_bytes, type_name
+from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_bytes, type_name
 
 # The 32-weight block types, which read the legacy (Q8_0-style) activation blocks; MXFP4 has their shape.
 LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.MXFP4})
@@ -218,7 +218,7 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
 
 _LEGACY_CODES = frozenset(int(t) for t in LEGACY_TYPES)
 _K_CODES = frozenset(int(t) for t in K_TYPES)
-_CODES = frozenset(int(t) for t in GGMLType)
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
 _NONE_I8, _NONE_F32, _NONE_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
 _NO_WEIGHT = np.empty((0, 1), np.uint8)
 _NO_WEIGHT.flags.writeable = False

@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.kernels import reference
 from engine.kernels.cpu import exact, int8, packed, verdicts
-from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor
+from engine.kernels.quant_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, QTensor
 
 __all__ = ["KernelResult", "PATH_KERNELS", "SelfTest", "TIERS", "TieredKernels", "disabled_types", "report",
            "report_results", "run_selftest"]
@@ -170,7 +170,7 @@ def run_selftest(*, force: bool = False, warn: Callable[[str], None] | None = No
             if not _SHIPPED:
                 _SHIPPED.update(KERNELS)
         wanted = set(KERNELS) if kernels is None else set(kernels)
-        gtypes = list(GGMLType) if types is None else sorted({GGMLType(int(t)) for t in types})
+        gtypes = sorted(COMPUTE_TYPES) if types is None else sorted({GGMLType(int(t)) for t in types})
         fresh = force or _STATE.status in ("not_run", "skipped")
         done = set() if fresh else {(r.kernel, r.type) for r in _STATE.results}
         todo = [(gtype, name) for gtype in gtypes for name in KERNELS  # in KERNELS' order, as before
