@@ -62,6 +62,13 @@ COMPUTE_TYPES: frozenset[GGMLType] = frozenset({
     GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4,
 })
 
+# The low-bit types (Tensor types I): their kernels compile per type on demand (exact.py's and int8.py's per-type
+# closures) and stay out of the runtime dispatch the compiled decode step shares with every model (int8.rows_into,
+# dequant.dequant_row), so a model without them never compiles them. Loaded once in COMPUTE_TYPES.
+LOWBIT_TYPES: frozenset[GGMLType] = frozenset({
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0,
+})
+
 # Every type id ggml defines, so an unsupported one can be named in the error message.
 GGML_TYPE_NAMES: dict[int, str] = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 4: "Q4_2", 5: "Q4_3", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",

@@ -38,6 +38,9 @@ Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE = (int(GGMLType.Q4_0), int
                                                          int(GGMLType.Q5_1), int(GGMLType.Q8_0))
 Q4_K_CODE, Q5_K_CODE, Q6_K_CODE = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K)
 MXFP4_CODE = int(GGMLType.MXFP4)
+Q2_K_CODE, Q3_K_CODE, IQ4_NL_CODE, IQ4_XS_CODE, TQ1_0_CODE, TQ2_0_CODE = (
+    int(GGMLType.Q2_K), int(GGMLType.Q3_K), int(GGMLType.IQ4_NL), int(GGMLType.IQ4_XS), int(GGMLType.TQ1_0),
+    int(GGMLType.TQ2_0))
 # Software prefetch distance along each weight row stream (about DRAM latency x one core's read rate). The
 # hardware prefetcher alone left compute and DRAM reads serialized: on the Zen 3 dev box prefetching every line
 # of each group made a token's matvecs faster, SmolLM2's somewhat and Gemma's about twice as fast; 1 KB and 2 KB
