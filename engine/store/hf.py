@@ -23,7 +23,7 @@ from engine.files import locked
 from engine.formats.gguf import SPLIT_NAME
 from engine.store.hf_download import (download, hub_client, hub_endpoint, hub_file_url, hub_headers, hub_token,
                                       prepare_staging, publish)
-from engine.store.hfref import HFRef, Plan, PlannedFile, parse_hf_ref, quant_of, read_manifest
+from engine.store.hfref import HFRef, Plan, PlannedFile, match_quant, parse_hf_ref, quant_of, read_manifest
 
 __all__ = ["AmbiguousModelRef", "Plan", "PlannedFile", "cached_entry", "hub_offline", "plan_pull", "pull",
            "resolve_hf"]
@@ -54,6 +54,9 @@ def hub_offline() -> bool:
 def cached_entry(ref: HFRef) -> Path | None:
     """The published file to load for `ref` (first shard for a split set), or None; never the network."""
     candidates = [ref] if ref.selector else _published_selectors(ref)
+    if ref.kind == "quant":  # a pull stores a quant under the repo's own name for it (match_quant): UD- or not
+        bare = ref.selector.removeprefix("UD-")
+        candidates.append(ref.with_selector(bare if bare != ref.selector else "UD-" + bare))
     for candidate in candidates:
         manifest = read_manifest(candidate.published_dir)
         if manifest is None:
@@ -182,9 +185,10 @@ def _plan_gguf(ref: HFRef, names: list[str], planned, commit: str) -> Plan:
                 continue
             groups.setdefault(quant_of(n) or Path(n).name, []).append(n)
         if ref.kind == "quant":
-            if ref.selector not in groups:
+            quant = match_quant(ref.selector, groups)
+            if quant is None:
                 raise ModelNotFound(f"{ref.repo} has no {ref.selector} GGUF (quants: {', '.join(sorted(groups))})")
-            chosen_ref, members = ref, groups[ref.selector]
+            chosen_ref, members = ref.with_selector(quant), groups[quant]
         elif len(groups) == 1:
             (quant, members), = groups.items()
             chosen_ref = ref.with_selector(quant if quant_of(members[0]) else members[0])

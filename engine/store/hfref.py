@@ -21,13 +21,14 @@ from pathlib import Path
 from engine.errors import ModelNotFound
 from engine.store.paths import locks_dir, models_dir, staging_dir
 
-__all__ = ["HFRef", "parse_hf_ref", "quant_of", "MANIFEST", "Plan", "PlannedFile", "read_manifest"]
+__all__ = ["HFRef", "parse_hf_ref", "quant_of", "match_quant", "MANIFEST", "Plan", "PlannedFile", "read_manifest"]
 
 MANIFEST = "manifest.json"
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-# llama.cpp quant names as they appear in file names: Q4_K_M, Q8_0, IQ4_XS, F16, BF16, TQ1_0, MXFP4...
-_QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|TQ\d_\d|BF16|F16|F32|MXFP4(?:_MOE)?)(?![A-Za-z0-9])",
-                    re.IGNORECASE)
+# Quant names as llama.cpp's quantizer and the common repos write them in file names: Q4_K_M, Q8_0, Q4_0_4_4,
+# IQ4_XS, IQ2_XXS, TQ1_0, F16, BF16, MXFP4, and the dynamic quants' UD- names (Unsloth: UD-Q2_K_XL, UD-IQ1_M...).
+_QUANT = re.compile(r"(?<![A-Za-z0-9])((?:UD-)?(?:I?Q\d(?:_[A-Z0-9]+)*|TQ\d_\d|BF16|F16|F32|MXFP4(?:_MOE)?))"
+                    r"(?![A-Za-z0-9])", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,17 @@ def quant_of(filename: str) -> str | None:
     """The quant a GGUF file name carries (the last one it names), upper-cased, or None."""
     found = _QUANT.findall(Path(filename).name)
     return found[-1].upper() if found else None
+
+
+def match_quant(selector: str, quants) -> str | None:
+    """The quant of `quants` (names quant_of gave) that `selector` names: itself, else the one name that differs
+    only by the dynamic quants' UD- prefix (hf:unsloth/X:Q2_K_XL finds UD-Q2_K_XL, as Ollama's references do;
+    a repo with both Q2_K_XL and UD-Q2_K_XL keeps them apart); None when there is no such one."""
+    if selector in quants:
+        return selector
+    bare = selector.removeprefix("UD-")
+    near = [q for q in quants if q.removeprefix("UD-") == bare]
+    return near[0] if len(near) == 1 else None
 
 
 def read_manifest(directory: Path) -> dict | None:
