@@ -1,6 +1,6 @@
 """The low-bit types (Q2_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0): reference.py against gguf.quants bit for bit, on
 random blocks and on whole tensors of files llama.cpp quantized (the quant kit); and the loader still refusing
-them, since no kernel computes with them yet."""
+them, until every kernel computes with them (the exact path's decoders: test_lowbit_exact.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _assert_bit_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
                           f"{want[tuple(bad[0])]}"
 
 
-def test_the_lowbit_types_have_gguf_geometry_and_no_kernels():
+def test_the_lowbit_types_have_gguf_geometry_and_are_not_compute_types_yet():
     for t in LOWBIT:
         assert BLOCK_GEOMETRY[t] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))], t
         assert t not in COMPUTE_TYPES

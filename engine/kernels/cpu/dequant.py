@@ -3,7 +3,8 @@
 Blocks are decoded by small LLVM-IR intrinsics (see the banner below), compiled without fast-math, so the
 decoded weights equal the reference's bit for bit (docs/design-log.md, "The CPU kernel measurements", 1). `dequant_row`
 dispatches on the type code; exact.py's drivers, the packed layout's tail rows and the decode step's embedding
-lookup all call it. Block layouts are documented in reference.py.
+lookup all call it. The low-bit types' decoders live apart, in dequant_lowbit.py (with its own dispatch that
+exact.py inlines), so the decode step's compile of this dispatch leaves them out. Block layouts: reference.py.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ _MXFP4 = int(GGMLType.MXFP4)
 # cvtsi2ss code, slow: docs/benchmarks.md, "Measurements behind the code", dequant intrinsics). Each intrinsic
 # decodes a fixed number of weights with explicit <N x ...> vector ops: plain LLVM IR without target intrinsics,
 # so x86 and ARM both lower it.
-# No fast-math flags are set: the arithmetic is the reference's, bit for bit.
+# No fast-math flags are set: the arithmetic is the reference's, bit for bit. Block, decoder_sig and decoder_codegen
+# are shared with dequant_lowbit.py.
 # =========================================================================================================
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 
 
-class _Block:
+class Block:
     """IR helpers for one decoder call: reads bytes at src[so + off], writes f32 vectors at dst[do]."""
 
     def __init__(self, context, builder, sig, args):
@@ -98,7 +100,7 @@ class _Block:
         self.b.store(w, self.b.bitcast(self.dst, w.type.as_pointer()), align=4)
 
 
-def _decoder_sig(src, dst, *scalars):
+def decoder_sig(src, dst, *scalars):
     """Type check shared by all decoders: (u8 array, intp, f32 array, intp, *scalars) -> None.
     Offsets are flat from the data pointers, hence C-contiguous arrays only (rows of C arrays are)."""
     ok = (isinstance(src, types.Array) and src.dtype == types.uint8 and src.layout == "C"
@@ -106,9 +108,9 @@ def _decoder_sig(src, dst, *scalars):
     return types.none(src, types.intp, dst, types.intp, *scalars) if ok else None
 
 
-def _codegen(body):
+def decoder_codegen(body):
     def codegen(context, builder, sig, args):
-        body(_Block(context, builder, sig, args), *args[4:])
+        body(Block(context, builder, sig, args), *args[4:])
         return context.get_dummy_value()
 
     return codegen
@@ -123,7 +125,7 @@ def _dq_q4_0(typingctx, src, so, dst, do):
     def body(k):
         q = k.b.sub(k.nibbles(k.bytes(2, 16)), k.vec(_I32, [8] * 32))
         k.store(k.scale(q, k.f16(0)))
-    return _decoder_sig(src, dst), _codegen(body)
+    return decoder_sig(src, dst), decoder_codegen(body)
 
 
 @intrinsic
@@ -132,10 +134,10 @@ def _dq_q4_1(typingctx, src, so, dst, do):
     def body(k):
         w = k.scale(k.nibbles(k.bytes(4, 16)), k.f16(0))
         k.store(k.b.fadd(w, k.splat(k.f16(2), 32)))
-    return _decoder_sig(src, dst), _codegen(body)
+    return decoder_sig(src, dst), decoder_codegen(body)
 
 
-def _fifth_bits(k: _Block, qh_off: int) -> ir.Value:
+def _fifth_bits(k: Block, qh_off: int) -> ir.Value:
     """<32 x i32>: bit j of the u32 at qh_off, moved to value 16, for weight j."""
     qh = k.splat(k.u32(qh_off), 32)
     return k.b.shl(k.b.and_(k.b.lshr(qh, k.vec(_I32, range(32))), k.vec(_I32, [1] * 32)), k.vec(_I32, [4] * 32))
@@ -147,7 +149,7 @@ def _dq_q5_0(typingctx, src, so, dst, do):
     def body(k):
         q = k.b.or_(k.nibbles(k.bytes(6, 16)), _fifth_bits(k, 2))
         k.store(k.scale(k.b.sub(q, k.vec(_I32, [16] * 32)), k.f16(0)))
-    return _decoder_sig(src, dst), _codegen(body)
+    return decoder_sig(src, dst), decoder_codegen(body)
 
 
 @intrinsic
@@ -156,7 +158,7 @@ def _dq_q5_1(typingctx, src, so, dst, do):
     def body(k):
         q = k.b.or_(k.nibbles(k.bytes(8, 16)), _fifth_bits(k, 4))
         k.store(k.b.fadd(k.scale(q, k.f16(0)), k.splat(k.f16(2), 32)))
-    return _decoder_sig(src, dst), _codegen(body)
+    return decoder_sig(src, dst), decoder_codegen(body)
 
 
 @intrinsic
@@ -165,7 +167,7 @@ def _dq_q8_0(typingctx, src, so, dst, do):
     def body(k):
         q = k.b.sext(k.bytes(2, 32), ir.VectorType(_I32, 32))
         k.store(k.scale(q, k.f16(0)))
-    return _decoder_sig(src, dst), _codegen(body)
+    return decoder_sig(src, dst), decoder_codegen(body)
 
 
 @intrinsic
@@ -187,7 +189,7 @@ def _dq_mxfp4(typingctx, src, so, dst, do):
         norm = b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23))
         d = b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(_I32, 2)), sub, norm), _F32)
         k.store(k.scale(q, d))
-    return _decoder_sig(src, dst), _codegen(body)
+    return decoder_sig(src, dst), decoder_codegen(body)
 
 
 # --- K-quant pieces: numba code walks the super-block and passes offsets, shifts and f32 scales. ---------
@@ -200,7 +202,7 @@ def _dq_k32(typingctx, src, so, dst, do, qs, shift, scale, offset):
     def body(k, qs, shift, scale, offset):
         w = k.scale(k.field(k.bytes(qs, 32), shift, 15), scale)
         k.store(k.b.fsub(w, k.splat(offset, 32)))
-    return _decoder_sig(src, dst, types.intp, types.intp, types.float32, types.float32), _codegen(body)
+    return decoder_sig(src, dst, types.intp, types.intp, types.float32, types.float32), decoder_codegen(body)
 
 
 @intrinsic
@@ -210,8 +212,8 @@ def _dq_k32_h(typingctx, src, so, dst, do, qs, shift, qh, qh_bit, scale, offset)
         high = k.b.shl(k.field(k.bytes(qh, 32), qh_bit, 1), k.vec(_I32, [4] * 32))
         q = k.b.or_(k.field(k.bytes(qs, 32), shift, 15), high)
         k.store(k.b.fsub(k.scale(q, scale), k.splat(offset, 32)))
-    return _decoder_sig(src, dst, types.intp, types.intp, types.intp, types.intp, types.float32,
-                        types.float32), _codegen(body)
+    return decoder_sig(src, dst, types.intp, types.intp, types.intp, types.intp, types.float32,
+                        types.float32), decoder_codegen(body)
 
 
 @intrinsic
@@ -222,7 +224,7 @@ def _dq_q6k16(typingctx, src, so, dst, do, ql, shift, qh, qh_shift, scale):
         high = k.b.shl(k.field(k.bytes(qh, 16), qh_shift, 3), k.vec(_I32, [4] * 16))
         q = k.b.or_(k.field(k.bytes(ql, 16), shift, 15), high)
         k.store(k.scale(k.b.sub(q, k.vec(_I32, [32] * 16)), scale))
-    return _decoder_sig(src, dst, types.intp, types.intp, types.intp, types.intp, types.float32), _codegen(body)
+    return decoder_sig(src, dst, types.intp, types.intp, types.intp, types.intp, types.float32), decoder_codegen(body)
 
 
 # --- scalar bit casts for the float types ---------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The exact path's matrix kernels on GGUF blocks read in place: f32 math throughout.
 
-The matvec decodes one weight row at a time (dequant.py) into an L1-resident f32 buffer and dots it with every
-input row, so each block is decoded once per call whatever T is; activations stay f32 and sums accumulate in
-f32. The fast path's int8 kernels (int8.py) are tested against this path's results.
+The matvec decodes one weight row at a time (dequant.py; the low-bit types dequant_lowbit.py) into an L1-resident
+f32 buffer and dots it with every input row, so each block is decoded once per call whatever T is; activations stay
+f32 and sums accumulate in f32. The fast path's int8 kernels (int8.py) are tested against this path's results.
 
 Public entry points (Python functions: argument checks, then one compiled call):
   dequantize_into(raw, ggml_type, out)           raw (rows, row_bytes) uint8 -> out (rows, cols) f32
@@ -21,18 +21,18 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.cpu.dequant import dequant_row
-from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, row_bytes, type_name
+from engine.kernels.cpu.dequant_lowbit import dequant_any_row
+from engine.kernels.quant_types import COMPUTE_TYPES, LOWBIT_TYPES, GGMLType, row_bytes, type_name
 
 # =========================================================================================================
 # Drivers (parallel over rows)
 # =========================================================================================================
 
 
-# Each driver is compiled per weight type (a closure holding its code, dequant_row's dispatch inlined: numba prunes
-# the other types' branches before typing and caches each variant apart), so a model's load compiles the decoders
-# of its own types only (int8.py's _matvec_of says more).
-_row_of = njit(inline="always")(dequant_row.py_func)
+# Each driver is compiled per weight type (a closure holding its code, dequant_any_row's dispatch inlined, and in it
+# dequant_row's: numba prunes the other types' branches before typing and caches each variant apart), so a model's
+# load compiles the decoders of its own types only (int8.py's _matvec_of says more).
+_row_of = njit(inline="always")(dequant_any_row)
 
 
 @functools.cache
@@ -94,7 +94,8 @@ def _matvec(code: int):
 # =========================================================================================================
 
 
-_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
+# The low-bit types too: their decoders compile only in their own closures (dequant_lowbit.py).
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES | LOWBIT_TYPES)
 
 
 def _check(raw: np.ndarray, ggml_type, n_cols: int) -> int:
