@@ -128,7 +128,7 @@ def test_ternary_digits_agree_with_the_reference_decoder():
 def test_matvec_matches_reference(t, tier):
     for M in range(1, 6):
         for seed, K in enumerate(_cols(t)):
-            rows = 5 + 4 * seed + M  # odd and even counts (IQ4_NL runs rows in pairs)
+            rows = 5 + 4 * seed + M
             raw = _random_blocks(t, rows, K, seed + 10 * M)
             qin = int8.quantize(_inputs(M, K, seed), [t])
             w = reference.dequantize_raw(raw, t, K)

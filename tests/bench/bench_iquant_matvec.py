@@ -27,7 +27,7 @@ from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 
 G = GGMLType
 TYPES = [G.Q4_K, G.Q4_0, G.IQ4_NL, G.IQ4_XS, G.TQ2_0, G.TQ1_0]
-D_OFFSET = {G.Q4_0: 0, G.Q4_K: 0, G.IQ4_NL: 0, G.IQ4_XS: 0, G.TQ1_0: 52, G.TQ2_0: 64}  # each block's f16 d
+D_OFFSET = {G.Q4_0: 0, G.Q4_1: 0, G.Q8_0: 0, G.Q4_K: 0, G.IQ4_NL: 0, G.IQ4_XS: 0, G.TQ1_0: 52, G.TQ2_0: 64}  # each block's f16 d
 SHAPES = [(1536, 8960), (8960, 1536)]
 STREAM_BYTES = 256 << 20
 

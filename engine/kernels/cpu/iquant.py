@@ -192,8 +192,10 @@ def _xs_isums_vnni(e: Emitter, wp, o, xs_at, bsums):
 _rd1_iq4_xs, _rd2_iq4_xs, _rd4_iq4_xs = (sb_rowdot("iq4_xs", _XS_BB, 0, _xs_isums, n) for n in (1, 2, 4))
 idots_iq4_xs = sb_idots("iq4_xs", _XS_BB, _xs_isums)
 
-# IQ4_NL: legacy.py's row dots and block dots (one or two rows per call, as Q4_0)
-_rd_iq4_nl, _rd2_iq4_nl = _legacy_rowdot_r(IQ4_NL_CODE, 1), _legacy_rowdot_r(IQ4_NL_CODE, 2)
+# IQ4_NL: legacy.py's row dots and block dots, one row per call. Not two as Q4_0's GGUF-order rows: on Zen 5 two
+# rows at once (two streams a thread) read a 1536 x 8960 matrix from DRAM at 15 GB/s against 26 GB/s one row at a
+# time (one thread, CPU time; Q4_0 itself 15), at the same speed from cache (tests/bench/bench_iquant_matvec.py).
+_rd_iq4_nl = _legacy_rowdot_r(IQ4_NL_CODE, 1)
 idots_iq4_nl = _legacy_idots(IQ4_NL_CODE)
 
 
@@ -208,13 +210,8 @@ idots_iq4_nl = _legacy_idots(IQ4_NL_CODE)
 def rows_iq4_nl(raw, base, rb, r0, r1, xq, xs, out, c0, tier):
     K, ns = xq.shape[1], xs.shape[1]
     M, R = out.shape
-    r = r0
-    while r + 1 < r1:  # two rows per call
-        for m in range(M):  # the rows stay in L1 across the M vectors
-            _rd2_iq4_nl(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
-        r += 2
-    if r < r1:
-        for m in range(M):
+    for r in range(r0, r1):
+        for m in range(M):  # the row stays in L1 across the M vectors
             _rd_iq4_nl(raw, base + r * rb, K // 32, xq, m * K, xs, m * ns, out, m * R + c0 + r, tier)
 
 

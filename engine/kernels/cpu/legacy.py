@@ -48,6 +48,10 @@ _LEGACY = {
 }
 IQ4_NL_LEVELS = [int(v) for v in IQ4_NL_VALUES]  # ggml's kvalues_iq4nl (IQ4_XS shares them: iquant.py)
 IQ4_NL_U = [v + 128 - 256 * (v >= 0) for v in IQ4_NL_LEVELS]  # the levels + 128 as u8 bytes (written as i8)
+# MXFP4 code -> u: ggml's kvalues_mxfp4 (E2M1 doubled, -12..12) plus 12 (see the banner)
+MXFP4_U = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
+_LO_SEL = [0] * 8 + [1] * 8 + [4] * 8 + [5] * 8  # fifth-bit bytes of a pair: low halves of A, then of B
+_HI_SEL = [2] * 8 + [3] * 8 + [6] * 8 + [7] * 8
 
 
 def _signed(code, tier) -> bool:
@@ -56,11 +60,8 @@ def _signed(code, tier) -> bool:
 
 
 def _factor(code, tier) -> float:
+    """The factor on sum(d or m * xsum) (IQ4_NL's + 128 on vnni: see the banner)."""
     return -128.0 if code == IQ4_NL_CODE and tier == "vnni" else _LEGACY[code][4]
-# MXFP4 code -> u: ggml's kvalues_mxfp4 (E2M1 doubled, -12..12) plus 12 (see the banner)
-MXFP4_U = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
-_LO_SEL = [0] * 8 + [1] * 8 + [4] * 8 + [5] * 8  # fifth-bit bytes of a pair: low halves of A, then of B
-_HI_SEL = [2] * 8 + [3] * 8 + [6] * 8 + [7] * 8
 
 
 def _pair_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
