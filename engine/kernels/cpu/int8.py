@@ -1,7 +1,8 @@
 """Integer CPU matvec (llama.cpp-style): activations quantized to int8 once per input vector (quantize.py),
-weights read in their GGUF blocks in place, integer dot products per block (legacy.py, kquant.py), f32 scale
-algebra per block. This module holds the drivers over rows and matrices, the f32 dot products of float weights
-(F32/F16/BF16 take the f32 activations as they are) and the Python API; ir.py holds the IR toolkit and the tiers.
+weights read in their GGUF blocks in place, integer dot products per block (legacy.py, kquant.py; the low-bit
+types in iquant.py, ternary.py), f32 scale algebra per block. This module holds the drivers over rows and
+matrices, the f32 dot products of float weights (F32/F16/BF16 take the f32 activations as they are) and the
+Python API; ir.py holds the IR toolkit and the tiers.
 
 Rows are spread over plain threads in ranges (plain_threads.py: a parallel region here fought the BLAS threads
 of the prompt pass around it); each row is read from memory once per call and reused
@@ -19,7 +20,8 @@ Public API (Python; each is one compiled call after argument checks):
   dequantized_input(qin, type) -> f32     the activations as the kernels see them (oracles)
   (and from ir.py: available_tiers(), TIER, tier_token(tier); from quantize.py: legacy_x_order(K))
 njit-callable (for the compiled decode step, decode_step.py): rows_into (one matrix's row range, dispatched on
-its type code; the tier token its last argument) and matvec_into (a tuple of weight arrays, one range of rows);
+its type code; the tier token its last argument; not the low-bit types, which only the per-combination closures
+below dispatch) and matvec_into (a tuple of weight arrays, one range of rows);
 with quantize.py's quantize_legacy_into and quantize_k_into.
 """
 
@@ -35,8 +37,10 @@ from numba import njit
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
 from engine.kernels.cpu import plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
-from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE,
-                                   Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
+from engine.kernels.cpu import iquant, ternary
+from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, IQ4_NL_CODE, IQ4_XS_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE,
+                                   Q4_K_CODE, Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, TQ1_0_CODE,
+                                   TQ2_0_CODE, tier_token)
 from engine.kernels.cpu.kquant import idots_q4_k, idots_q5_k, idots_q6_k, rows_q4_k, rows_q5_k, rows_q6_k
 from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
                                        rows_mxfp4, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
@@ -47,6 +51,11 @@ from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_byt
 LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.MXFP4})
 K_TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+# The low-bit types with kernels here (iquant.py, ternary.py), by the activations they read. Not in LEGACY_TYPES or
+# K_TYPES: the decode step (step_matvec.needs, rows_into's run-time dispatch) and the packed layout read those.
+LOWBIT_LEGACY = frozenset({GGMLType.IQ4_NL})
+LOWBIT_K = frozenset({GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0})
+_READS_LEGACY, _READS_K = LEGACY_TYPES | LOWBIT_LEGACY, K_TYPES | LOWBIT_K
 
 # =========================================================================================================
 # Row drivers: rows [r0, r1) of one matrix against all M activation vectors, into out[:, c0 + r]
@@ -149,7 +158,24 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_ch
 # closure by the values it holds), so a first run compiles the row kernels of its model's types only, a fraction
 # of the time every type at once takes (docs/benchmarks.md, "Measurements behind the code", int8 per-combination
 # compile). The decode step keeps the dispatch at run time.
-_rows_of = njit(inline="always")(rows_into.py_func)
+# The low-bit types (quant_types.LOWBIT_TYPES) are dispatched here only, ahead of rows_into's types.
+_rows_base = njit(inline="always")(rows_into.py_func)
+
+
+def _rows_any(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
+    if code == IQ4_NL_CODE:
+        iquant.rows_iq4_nl(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
+    elif code == IQ4_XS_CODE:
+        iquant.rows_iq4_xs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == TQ1_0_CODE:
+        ternary.rows_tq1_0(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == TQ2_0_CODE:
+        ternary.rows_tq2_0(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    else:
+        _rows_base(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+
+
+_rows_of = njit(inline="always")(_rows_any)
 _NO_CODE = -1  # an unused slot
 
 
@@ -216,9 +242,10 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
 # Public API
 # =========================================================================================================
 
-_LEGACY_CODES = frozenset(int(t) for t in LEGACY_TYPES)
-_K_CODES = frozenset(int(t) for t in K_TYPES)
-_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
+_LEGACY_CODES = frozenset(int(t) for t in _READS_LEGACY)
+_K_CODES = frozenset(int(t) for t in _READS_K)
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES | LOWBIT_LEGACY | LOWBIT_K)
+_LOWBIT_CODES = frozenset(int(t) for t in LOWBIT_LEGACY | LOWBIT_K)
 _NONE_I8, _NONE_F32, _NONE_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
 _NO_WEIGHT = np.empty((0, 1), np.uint8)
 _NO_WEIGHT.flags.writeable = False
@@ -266,7 +293,7 @@ def prepare(ws: Sequence) -> PreparedWeights:
         if code not in _CODES:
             raise NotImplementedError(f"{name}: no CPU kernel for {type_name(code)}")
         t = GGMLType(code)
-        block = QK_K if t in K_TYPES else QK if t in LEGACY_TYPES else 1
+        block = QK_K if t in _READS_K else QK if t in _READS_LEGACY else 1
         n = raw.shape[1] * block // row_bytes(t, block) if raw.ndim == 2 else -1
         if cols is None:
             cols = n
@@ -341,11 +368,17 @@ def matvec(ws: Sequence | PreparedWeights, qin: QInput, out: np.ndarray | None =
         w = p.raws + (_NO_WEIGHT,) * (3 - len(p.raws))
         args = (w[0], w[1], w[2], qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out, tok, n_chunks)
         plain_threads.split(_matvec_of(p.codes), args, n_chunks)
-    else:
+    elif _LOWBIT_CODES.isdisjoint(p.codes):
         starts = np.cumsum((0,) + tuple(r.shape[0] for r in p.raws)).astype(np.int64)
         args = (p.raws, np.array(p.codes, np.int64), starts, qin.xq8, qin.xs8, qin.xqk, qin.xdk, qin.xbk, qin.x, out,
                 tok, n_chunks)
         plain_threads.split(matvec_into, args, n_chunks)
+    else:  # matvec_into's run-time dispatch has no low-bit kernels: groups of three matrices
+        col = 0
+        for i in range(0, len(p.raws), 3):
+            group = prepare(list(zip(p.raws[i:i + 3], p.codes[i:i + 3])))
+            out[:, col:col + group.rows] = matvec(group, qin, tier=tier, n_chunks=n_chunks)
+            col += group.rows
     return out
 
 
@@ -354,11 +387,11 @@ def dequantized_input(qin: QInput, ggml_type: GGMLType | int) -> np.ndarray:
     their block scales (x itself for float weights). Oracles (tests, the self-test) multiply these in float64."""
     M, K = qin.shape
     t = GGMLType(int(ggml_type))
-    if t in LEGACY_TYPES:
+    if t in _READS_LEGACY:
         q = np.empty_like(qin.xq8)
         q[:, legacy_x_order(K)] = qin.xq8
         return (q.reshape(M, -1, QK) * qin.xs8.reshape(M, -1, 2)[..., :1]).reshape(M, K)
-    if t in K_TYPES:
+    if t in _READS_K:
         return (qin.xqk.reshape(M, -1, QK_K) * qin.xdk[..., None]).reshape(M, K)
     return qin.x
 
@@ -366,9 +399,9 @@ def dequantized_input(qin: QInput, ggml_type: GGMLType | int) -> np.ndarray:
 def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
     """The kernels' integer dot products of every row against every input vector (tests, debugging):
     legacy types (M, rows, K/32) = sum(u * x) per block, u the stored unsigned quant (signed q for Q8_0;
-    for MXFP4 u = the E2M1 code's doubled value + 12, see legacy.py);
+    for MXFP4 u = the E2M1 code's doubled value + 12, see legacy.py; IQ4_NL: the signed level);
     K types (M, rows, K/256, 2) = [sum_s scale_s * sum(u * x), sum_s min_s * bsum_s] (Q6_K: offset included,
-    second entry 0)."""
+    second entry 0; IQ4_XS: [sum_s ls_s sum(v x), 0]; TQ1_0, TQ2_0: [sum(u x), bsum], ternary.py)."""
     p = prepare([w])
     _check_input(p, qin)
     raw, code = p.raws[0], p.codes[0]
@@ -376,7 +409,12 @@ def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
     t = GGMLType(code)
     if t in FLOAT_TYPES:
         raise ValueError(f"{t.name} weights have no integer dot product")
-    n = K // QK if t in LEGACY_TYPES else 2 * (K // QK_K)
+    n = K // QK if t in _READS_LEGACY else 2 * (K // QK_K)
     out = np.zeros((M, raw.shape[0], n), np.int32)
-    _integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
-    return out.reshape(M, raw.shape[0], K // QK) if t in LEGACY_TYPES else out.reshape(M, raw.shape[0], -1, 2)
+    if t in LOWBIT_LEGACY or t == GGMLType.IQ4_XS:
+        iquant.integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
+    elif t in LOWBIT_K:
+        ternary.integer_dots(code, raw, qin.xqk, qin.xbk, out, tier_token(tier))
+    else:
+        _integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
+    return out.reshape(M, raw.shape[0], K // QK) if t in _READS_LEGACY else out.reshape(M, raw.shape[0], -1, 2)

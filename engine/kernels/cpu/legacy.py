@@ -1,5 +1,5 @@
-"""Integer kernels of the legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and MXFP4, which has their
-shape) against Q8_0-style activations (quantize.py: xq8 int8 in pair-interleaved order, xs8 [dx, xsum] per
+"""Integer kernels of the legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and MXFP4 and IQ4_NL, which have
+their shape) against Q8_0-style activations (quantize.py: xq8 int8 in pair-interleaved order, xs8 [dx, xsum] per
 block): LLVM-IR intrinsics for the row dot products and the per-block integer dots (idots_*, the same IR:
 int8.integer_dots, tests), and the njit row functions rows_q4_0 .. rows_mxfp4 that int8.rows_into dispatches to.
 
@@ -13,6 +13,10 @@ Integer algebra per block (u = stored unsigned quant, x = int8 activation, exact
          subnormals takes six and cost 13 % of the kernel) and the row's sum is multiplied by 1/4 (exact).
          That is 2^(e-128) exactly for e <= 253, subnormal scales included; ggml's quantizer never writes
          more (its e <= 252 for any finite weight). e = 254 and 255 come out as inf and -0.
+  IQ4_NL: d*dx*sum(v x), v = the nibble's signed level (kvalues_iq4nl, -127..113, one vpshufb). vnni:
+         d*dx*sum(u x) - 128 d*xsum with u = v + 128 (1..241; vpdpbusd adds in i32, so no sign trick), as Q4_0;
+         other tiers: Q8_0's signed product (|v| against x with v's sign: u = 241 would saturate vpmaddubsw).
+         integer_dots gives sum(v x) on every tier. Its row functions are iquant.py's.
 Blocks are read in pairs whose activations are stored with their halves interleaved, so one 32-byte load of two
 blocks' nibbles meets its activations in one register; each row loop prefetches PREFETCH_BYTES ahead.
 """
@@ -23,9 +27,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from engine.kernels.cpu.ir import (FLT, I8, I16, I32, MXFP4_CODE, PREFETCH_BYTES, Q4_0_CODE, Q4_1_CODE, Q5_0_CODE,
-                                   Q5_1_CODE, Q8_0_CODE, Emitter, V, is_arr, tier_of)
+from engine.kernels.cpu.ir import (FLT, I8, I16, I32, IQ4_NL_CODE, MXFP4_CODE, PREFETCH_BYTES, Q4_0_CODE, Q4_1_CODE,
+                                   Q5_0_CODE, Q5_1_CODE, Q8_0_CODE, Emitter, V, is_arr, tier_of)
 from engine.kernels.quant_types import type_name
+from engine.kernels.reference import IQ4_NL_VALUES
 
 # =========================================================================================================
 # Legacy 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4)
@@ -39,11 +44,24 @@ _LEGACY = {
     Q5_1_CODE: (24, 8, 4, True, 1.0),
     Q8_0_CODE: (34, 2, None, False, 0.0),
     MXFP4_CODE: (17, 1, None, False, -12.0),
+    IQ4_NL_CODE: (18, 2, None, False, 0.0),
 }
+IQ4_NL_LEVELS = [int(v) for v in IQ4_NL_VALUES]  # ggml's kvalues_iq4nl (IQ4_XS shares them: iquant.py)
+IQ4_NL_U = [v + 128 - 256 * (v >= 0) for v in IQ4_NL_LEVELS]  # the levels + 128 as u8 bytes (written as i8)
 # MXFP4 code -> u: ggml's kvalues_mxfp4 (E2M1 doubled, -12..12) plus 12 (see the banner)
 MXFP4_U = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
 _LO_SEL = [0] * 8 + [1] * 8 + [4] * 8 + [5] * 8  # fifth-bit bytes of a pair: low halves of A, then of B
 _HI_SEL = [2] * 8 + [3] * 8 + [6] * 8 + [7] * 8
+
+
+def _signed(code, tier) -> bool:
+    """Whether the block's weights are signed bytes (the sign trick) rather than unsigned ones."""
+    return code == Q8_0_CODE or (code == IQ4_NL_CODE and tier != "vnni")
+
+
+def _factor(code, tier) -> float:
+    """The factor on sum(d or m * xsum) (IQ4_NL's + 128 on vnni: see the banner)."""
+    return -128.0 if code == IQ4_NL_CODE and tier == "vnni" else _LEGACY[code][4]
 
 
 def _pair_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
@@ -56,11 +74,16 @@ def _pair_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
         wa, wb = e.ld(wp, e.add(o, qs), V(I8, 32)), e.ld(wp, e.add(o, bb + qs), V(I8, 32))
         lo = e.shuf(wa, wb, list(range(16)) + list(range(32, 48)))
         hi = e.shuf(wa, wb, list(range(16, 32)) + list(range(48, 64)))
+    else:
+        v = e.shuf(e.ld(wp, e.add(o, qs), V(I8, 16)), e.ld(wp, e.add(o, bb + qs), V(I8, 16)), range(32))
+        lo, hi = e.nib_lo(v), e.nib_hi(v)
+    if code == IQ4_NL_CODE:
+        table = IQ4_NL_LEVELS if _signed(code, e.tier) else IQ4_NL_U
+        lo, hi = e.lut16(lo, table), e.lut16(hi, table)
+    if _signed(code, e.tier):
         (u1, s1), (u2, s2) = e.abs_sign(lo, xlo), e.abs_sign(hi, xhi)
         # |q x| pair sums reach 2 * 128 * 127: no room to add two of them in i16
         return e.dot4(e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, u1, s1), u2, s2)
-    v = e.shuf(e.ld(wp, e.add(o, qs), V(I8, 16)), e.ld(wp, e.add(o, bb + qs), V(I8, 16)), range(32))
-    lo, hi = e.nib_lo(v), e.nib_hi(v)
     if code == MXFP4_CODE:
         lo, hi = e.lut16(lo, MXFP4_U), e.lut16(hi, MXFP4_U)
     if qh is not None:
@@ -78,6 +101,11 @@ def _single_isum(e: Emitter, code, wp, o, xp, xo) -> ir.Value:
         return e.dot4(ir.Constant(V(I32, 8), None) if e.tier == "vnni" else None, u, s)
     q = e.ld(wp, e.add(o, qs), V(I8, 16))
     v = e.shuf(e.nib_lo(q), e.nib_hi(q), range(32))
+    if code == IQ4_NL_CODE:
+        if _signed(code, e.tier):
+            u, s = e.abs_sign(e.lut16(v, IQ4_NL_LEVELS), x)
+            return e.dot4(None, u, s)
+        v = e.lut16(v, IQ4_NL_U)
     if code == MXFP4_CODE:
         v = e.lut16(v, MXFP4_U)
     if qh is not None:
@@ -113,7 +141,6 @@ def _legacy_rowdot_r(code, R):
     from byte roff of raw against activation vector xq[xoff:], xs[soff:] (flat offsets), into out[ooff:ooff+R].
     R = 2 shares the activation loads and the loop between two rows (rows of 18-20 blocks are short enough
     for the per-row overhead to show: -12 % for Q4_1 576 columns); Q5 types run out of registers with it."""
-    _, _, _, _, factor = _LEGACY[code]
     bb = _LEGACY[code][0]
 
     def impl(typingctx, raw, roff, nb, xq, xoff, xs, soff, out, ooff, tier):
@@ -121,6 +148,7 @@ def _legacy_rowdot_r(code, R):
         if not (is_arr(raw, types.uint8) and is_arr(xq, types.int8) and is_arr(xs, types.float32)
                 and is_arr(out, types.float32) and t):
             return None
+        factor = _factor(code, t)
         sig = types.none(raw, types.intp, types.intp, xq, types.intp, xs, types.intp, out, types.intp, tier)
 
         def codegen(context, builder, signature, args):
@@ -183,6 +211,18 @@ def _legacy_rowdot_r(code, R):
     return intrinsic(impl)
 
 
+def _minus_offset(e: Emitter, code, isum, xp, i, g) -> ir.Value:
+    """isum less the offset the unsigned weights carry (IQ4_NL on vnni: 128 sum(x), lanes as isum's; the row
+    kernels take it through xsum): integer_dots is then the same on every tier."""
+    if code != IQ4_NL_CODE or _signed(code, e.tier):
+        return isum
+    one = e.splat_c(I8, 1, 32)
+    xsum = ir.Constant(V(I32, 8), None)
+    for h in range(g):  # g = 2: a pair's halves (lanes 0-3 block A, 4-7 block B), else one block in order
+        xsum = e.dot4(xsum, one, e.ld(xp, e.add(e.mul(i, 32), 32 * h), V(I8, 32)))
+    return e.b.sub(isum, e.b.shl(xsum, e.splat_c(I32, 7, 8)))
+
+
 def _legacy_idots(code):
     """Intrinsic (raw, roff, nb, xq, xoff, out, ooff, tier) -> None: the nb per-block integer dots of one row
     into out[ooff:] (int32), from the same IR as the row kernels (tests check them exactly)."""
@@ -204,12 +244,13 @@ def _legacy_idots(code):
             op = b.gep(e.base(at[5], out_), [e.mul(oo, 4)], source_etype=I8)
             with e.loop(b.sdiv(n, e.i64(2))) as lp:
                 i = e.mul(lp.index, 2)
-                isum = _pair_isum(e, code, wp, e.mul(i, bb), xp, e.mul(i, 32))
+                isum = _minus_offset(e, code, _pair_isum(e, code, wp, e.mul(i, bb), xp, e.mul(i, 32)), xp, i, 2)
                 e.st(op, e.mul(i, 4), e.hsum_i(e.shuf(isum, None, [0, 1, 2, 3])))
                 e.st(op, e.mul(e.add(i, 1), 4), e.hsum_i(e.shuf(isum, None, [4, 5, 6, 7])))
             with b.if_then(b.icmp_signed("==", b.and_(n, e.i64(1)), e.i64(1))):
                 i = b.sub(n, e.i64(1))
-                e.st(op, e.mul(i, 4), e.hsum_i(_single_isum(e, code, wp, e.mul(i, bb), xp, e.mul(i, 32))))
+                isum = _single_isum(e, code, wp, e.mul(i, bb), xp, e.mul(i, 32))
+                e.st(op, e.mul(i, 4), e.hsum_i(_minus_offset(e, code, isum, xp, i, 1)))
             return context.get_dummy_value()
 
         return sig, codegen
