@@ -273,8 +273,8 @@ def write_unsupported_arch_fixture(path) -> Path:
     return Path(path)
 
 
-def write_unsupported_type_fixture(path, type_name: str = "Q2_K") -> Path:
-    """The llama fixture with blk.0.ffn_down stored as type_name (Q2_K: GGML type 10), which we cannot compute
+def write_unsupported_type_fixture(path, type_name: str = "IQ2_XXS") -> Path:
+    """The llama fixture with blk.0.ffn_down stored as type_name (IQ2_XXS: GGML type 16), which we cannot compute
     with: random bytes in that type's blocks."""
     rows, cols = LLAMA["n_embd"], LLAMA["n_ff"]
     qtype = Q[type_name]

@@ -16,7 +16,7 @@ import pytest
 
 from engine.kernels import reference
 from engine.kernels.cpu import int8, ir
-from engine.kernels.quant_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, QTensor, row_bytes
+from engine.kernels.quant_types import BLOCK_GEOMETRY, STEP_TYPES, GGMLType, QTensor, row_bytes
 from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING
 from tests.test_q8_kernels import TIER_PARAMS, _assert_close, _ids, _inputs, _ref_quantize, _ref_quantize_k
 
@@ -173,9 +173,9 @@ def test_fused_matvec_mixes_low_bit_and_other_types(tier):
 
 def test_the_decode_step_sees_none_of_them():
     # The compiled decode step dispatches on int8.rows_into at run time and sizes its inputs from LEGACY_TYPES and
-    # K_TYPES: the low-bit types stay out of both (they compile per combination only), and out of COMPUTE_TYPES.
+    # K_TYPES: the low-bit types stay out of both (they compile per combination only), and out of STEP_TYPES.
     for t in TYPES:
-        assert t not in int8.LEGACY_TYPES | int8.K_TYPES | COMPUTE_TYPES
+        assert t not in int8.LEGACY_TYPES | int8.K_TYPES | STEP_TYPES
     assert int8.LOWBIT_LEGACY | int8.LOWBIT_K == set(TYPES)
 
 

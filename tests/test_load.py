@@ -14,7 +14,7 @@ import pytest
 import engine
 from engine.errors import ModelLoadError, UnsupportedModel
 from engine.formats.gguf import GGUFFile
-from engine.kernels.quant_types import COMPUTE_TYPES
+from engine.kernels.quant_types import STEP_TYPES
 from testdata import make_fixtures
 from tests.conftest import in_kit
 
@@ -58,7 +58,7 @@ def test_fixtures_cover_every_supported_type(tmp_path):
         path = tmp_path / f"{writer}.gguf"
         getattr(make_fixtures, writer)(path)
         types |= {e.type_id for e in GGUFFile(path).entries.values()}
-    assert {int(t) for t in COMPUTE_TYPES} <= types
+    assert {int(t) for t in STEP_TYPES} <= types  # the low-bit types: the quant kit (test_lowbit_models.py)
 
 
 def test_weights_are_views_of_the_mapped_file(smollm2_gguf):

@@ -14,7 +14,7 @@ from engine.formats.gguf import GGUFFile
 from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8, ir, quantize
 from engine.kernels.cpu.matmul import Q8_MATVEC_MAX_T, Int8Kernels, MatmulKernels, kernels_for
-from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_bytes
+from engine.kernels.quant_types import STEP_TYPES, GGMLType, QTensor, row_bytes
 from tests.conftest import in_kit
 from testdata import make_fixtures
 
@@ -270,8 +270,8 @@ def test_matvec_checks_its_arguments():
         int8.prepare([w, _sane(G.Q8_0, 4, 512, seed=2)])
     with pytest.raises(ValueError, match="rows of"):
         int8.prepare([(np.zeros((2, 21), np.uint8), G.Q4_1)])  # not whole blocks
-    with pytest.raises(NotImplementedError, match="Q2_K"):
-        int8.matvec([(np.zeros((2, 84), np.uint8), 10)], int8.quantize(np.ones((1, 256), np.float32)))
+    with pytest.raises(NotImplementedError, match="IQ2_XXS"):  # a type with no kernel yet (GGML type 16)
+        int8.matvec([(np.zeros((2, 66), np.uint8), 16)], int8.quantize(np.ones((1, 256), np.float32)))
     with pytest.raises(ValueError, match="out must be"):
         int8.matvec([w], int8.quantize(np.ones((1, 256), np.float32), [G.Q4_K]), np.empty((1, 5), np.float32))
 
@@ -316,7 +316,7 @@ def fixture_matrices(tmp_path_factory) -> list[QTensor]:
         out += [f.tensor(n) for n, e in f.entries.items() if len(e.shape) == 2]
     f = GGUFFile(make_fixtures.write_mxfp4_fixture(d / "mxfp4.gguf"))  # only its MXFP4 matrices are new
     out += [f.tensor(n) for n, e in f.entries.items() if e.type_id == int(G.MXFP4)]
-    assert {t.ggml_type for t in out} == COMPUTE_TYPES
+    assert {t.ggml_type for t in out} == STEP_TYPES  # the low-bit types: test_lowbit_int8.py, test_iquant_int8.py
     return out
 
 

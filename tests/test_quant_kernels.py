@@ -12,7 +12,7 @@ from engine.kernels.cpu import matmul as matmul_mod
 from engine.kernels import reference
 from engine.kernels.cpu import exact
 from engine.kernels.cpu.matmul import ExactKernels, MatmulKernels, ReferenceKernels, kernels_for
-from engine.kernels.quant_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, QTensor, row_bytes
+from engine.kernels.quant_types import BLOCK_GEOMETRY, COMPUTE_TYPES, STEP_TYPES, GGMLType, QTensor, row_bytes
 from tests.conftest import KIT, needs_kit
 from testdata import make_fixtures
 
@@ -106,7 +106,8 @@ def real_tensors(smollm2_gguf, gemma_gguf) -> dict[str, QTensor]:
 
 
 def test_fixtures_hold_every_type(fixture_matrices):
-    assert {t.ggml_type for t in fixture_matrices} == COMPUTE_TYPES
+    # the decode step's types; the low-bit ones: tests/test_lowbit_*.py, test_iquant_int8.py and the quant kit
+    assert {t.ggml_type for t in fixture_matrices} == STEP_TYPES
 
 
 # ---------------------------------------------------------------------------------------------------------

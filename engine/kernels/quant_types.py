@@ -54,20 +54,24 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.TQ2_0: (256, 64 + 2),
 }
 
-# The types every kernel computes with: the loader refuses a file holding any other (GGUFFile.check_tensor_types),
-# the CPU kernels refuse the rest, the self-test covers these. GGMLType also names types that so far only the
-# numpy reference decodes (the low-bit ones above, whose kernels are yet to be written).
-COMPUTE_TYPES: frozenset[GGMLType] = frozenset({
+# The types of the compiled decode step's shared runtime dispatch (int8.rows_into, dequant.dequant_row): every
+# model's step compiles all of them, once per machine.
+STEP_TYPES: frozenset[GGMLType] = frozenset({
     GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
     GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4,
 })
 
 # The low-bit types (Tensor types I): their kernels compile per type on demand (exact.py's and int8.py's per-type
-# closures) and stay out of the runtime dispatch the compiled decode step shares with every model (int8.rows_into,
-# dequant.dequant_row), so a model without them never compiles them. Loaded once in COMPUTE_TYPES.
+# closures) and stay out of the step's dispatch, so a model without them never compiles them; a model holding one
+# decodes layer by layer (cpu/backend.py).
 LOWBIT_TYPES: frozenset[GGMLType] = frozenset({
     GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0,
 })
+
+# The types every kernel computes with: the loader refuses a file holding any other (GGUFFile.check_tensor_types),
+# the CPU kernels refuse the rest, the self-test covers these. GGMLType also names types only the numpy reference
+# decodes so far.
+COMPUTE_TYPES: frozenset[GGMLType] = STEP_TYPES | {GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0}
 
 # Every type id ggml defines, so an unsupported one can be named in the error message.
 GGML_TYPE_NAMES: dict[int, str] = {

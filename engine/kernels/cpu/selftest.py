@@ -39,7 +39,9 @@ ROWS, COLS, T = 8, 256, 3  # one super-block per row for K quants; T rows of inp
 
 # Byte offsets of the f16 scales in each block: random bytes there could be inf/NaN, so they get sane values.
 _F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
-               GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+               GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+               GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
+               GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,)}
 
 
 @dataclass
