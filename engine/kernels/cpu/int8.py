@@ -33,11 +33,12 @@ import numpy as np
 from numba import njit
 
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
-from engine.kernels.cpu import plain_threads
+from engine.kernels.cpu import kquant_low, plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
-from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE, Q4_K_CODE,
-                                   Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
+from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, MXFP4_CODE, Q2_K_CODE, Q3_K_CODE, Q4_0_CODE, Q4_1_CODE,
+                                   Q4_K_CODE, Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, tier_token)
 from engine.kernels.cpu.kquant import idots_q4_k, idots_q5_k, idots_q6_k, rows_q4_k, rows_q5_k, rows_q6_k
+from engine.kernels.cpu.kquant_low import rows_q2_k, rows_q3_k
 from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
                                        rows_mxfp4, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
 from engine.kernels.cpu.quantize import KB_SUMS, QK, QK_K, legacy_x_order, quantize_k_into, quantize_legacy_into
@@ -45,7 +46,7 @@ from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_byt
 
 # The 32-weight block types, which read the legacy (Q8_0-style) activation blocks; MXFP4 has their shape.
 LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.MXFP4})
-K_TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+K_TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q2_K, GGMLType.Q3_K})
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 # =========================================================================================================
@@ -148,8 +149,21 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_ch
 # with the codes as constants (closure cells: numba prunes the other branches before typing, and its cache keys a
 # closure by the values it holds), so a first run compiles the row kernels of its model's types only, a fraction
 # of the time every type at once takes (docs/benchmarks.md, "Measurements behind the code", int8 per-combination
-# compile). The decode step keeps the dispatch at run time.
-_rows_of = njit(inline="always")(rows_into.py_func)
+# compile). The decode step keeps the dispatch at run time. The low-bit types (quant_types.LOWBIT_TYPES) are
+# reached from here only, in _rows_any's branches before rows_into's (pruned too where the code is another).
+_rows_base = njit(inline="always")(rows_into.py_func)
+
+
+def _rows_any(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
+    if code == Q2_K_CODE:
+        rows_q2_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == Q3_K_CODE:
+        rows_q3_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    else:
+        _rows_base(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+
+
+_rows_of = njit(inline="always")(_rows_any)
 _NO_CODE = -1  # an unused slot
 
 
@@ -218,7 +232,8 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
 
 _LEGACY_CODES = frozenset(int(t) for t in LEGACY_TYPES)
 _K_CODES = frozenset(int(t) for t in K_TYPES)
-_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
+_LOWBIT_CODES = frozenset(kquant_low.CODES)  # only _matvec_of's closures run these (not matvec_into)
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES) | _LOWBIT_CODES
 _NONE_I8, _NONE_F32, _NONE_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
 _NO_WEIGHT = np.empty((0, 1), np.uint8)
 _NO_WEIGHT.flags.writeable = False
@@ -336,6 +351,14 @@ def matvec(ws: Sequence | PreparedWeights, qin: QInput, out: np.ndarray | None =
     if n_chunks is None:  # one range of rows per thread
         n_chunks = max(1, min(p.rows, numba.get_num_threads()))
     tok = tier_token(tier)
+    if len(p.raws) > 3 and not _LOWBIT_CODES.isdisjoint(p.codes):  # three at a time: see _LOWBIT_CODES
+        col = 0
+        for i in range(0, len(p.raws), 3):
+            g = PreparedWeights(p.raws[i:i + 3], p.codes[i:i + 3], p.cols, sum(r.shape[0] for r in p.raws[i:i + 3]),
+                                p.legacy, p.kquant)
+            out[:, col:col + g.rows] = matvec(g, qin, tier=tier, n_chunks=n_chunks)
+            col += g.rows
+        return out
     if len(p.raws) <= 3:  # the matrices as plain array arguments: numba unboxes arrays on its fast C path, while
         # a tuple of arrays is typed in Python (several us per call)
         w = p.raws + (_NO_WEIGHT,) * (3 - len(p.raws))
@@ -378,5 +401,8 @@ def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
         raise ValueError(f"{t.name} weights have no integer dot product")
     n = K // QK if t in LEGACY_TYPES else 2 * (K // QK_K)
     out = np.zeros((M, raw.shape[0], n), np.int32)
-    _integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
+    if code in _LOWBIT_CODES:  # kept out of _integer_dots' run-time dispatch, as out of rows_into's
+        kquant_low.integer_dots_into(code, raw, qin.xqk, qin.xbk, out, tier_token(tier))
+    else:
+        _integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
     return out.reshape(M, raw.shape[0], K // QK) if t in LEGACY_TYPES else out.reshape(M, raw.shape[0], -1, 2)
