@@ -96,13 +96,14 @@ def _k_body(code):
     return body
 
 
-def k_rowdot(name: str, bb: int, body, n: int, min_lanes: int = 4):
+def k_rowdot(name: str, bb: int, body, n: int, min_lanes: int = 4, lanes=lambda tier: 8):
     """Intrinsic (raw, roff, nsb, xq, xd, xb, m, tier) -> n float32 (a float for n = 1, else a tuple): one row of
     nsb super-blocks of bb bytes at byte roff of raw against activation vectors m .. m + n - 1 (rows of xq (M, K),
     their scales xd (M, K/256) and sums xb (M, K/256, 24)). body(e, wp, o, xs_at, bsums) decodes the super-block at
-    byte o once for the n vectors (xs_at(v, j): vector v's 32 int8 activations j; bsums[v](off, ty): its block sums
-    at byte off) and returns (<1 x float> [d] or <2 x float> [d, dmin], per vector (<8 x i32> summing to the scaled
-    integer dot, <min_lanes x i32> summing to the min term, or None)); the float steps stay per vector:
+    byte o once for the n vectors (xs_at(v, j, n=32): vector v's n int8 activations from 32 j; bsums[v](off, ty):
+    its block sums at byte off) and returns (<1 x float> [d] or <2 x float> [d, dmin], per vector (<lanes(tier) x i32>
+    summing to the scaled integer dot, <min_lanes x i32> summing to the min term, or None)); the float steps stay per
+    vector:
     sum over super-blocks of d dx isum - dmin dx mins. Shared by every K super-block type (kquant_low.py too).
     n = 4 ran a vector faster than n = 1, a little for Q4_K and most for Q5_K and Q6_K (docs/benchmarks.md,
     "Measurements behind the code", kquant four vectors)."""
@@ -125,7 +126,8 @@ def k_rowdot(name: str, bb: int, body, n: int, min_lanes: int = 4):
             xps = [b.gep(e.base(at[3], x), [e.mul(e.mul(vm, ns), QK_K)], source_etype=I8) for vm in vecs]
             dps = [b.gep(e.base(at[4], d), [e.mul(e.mul(vm, ns), 4)], source_etype=I8) for vm in vecs]
             bps = [b.gep(e.base(at[5], xb_), [e.mul(e.mul(vm, ns), 2 * KB_SUMS)], source_etype=I8) for vm in vecs]
-            accs = [(e.fvar(8), e.fvar(min_lanes)) for _ in range(n)]
+            nl = lanes(t)
+            accs = [(e.fvar(nl), e.fvar(min_lanes)) for _ in range(n)]
             has_min = False
             with e.loop(ns) as lp:
                 i = lp.index
@@ -133,14 +135,14 @@ def k_rowdot(name: str, bb: int, body, n: int, min_lanes: int = 4):
                 for line in range(0, bb, 64):
                     e.prefetch(wp, e.add(o, PREFETCH_BYTES + line))
                 xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
-                xs_at = lambda v, j: e.ld(xps[v], e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
+                xs_at = lambda v, j, n=32: e.ld(xps[v], e.add(xo, 32 * j), V(I8, n))  # noqa: E731
                 bsums = [lambda off, ty, v=v: e.ld(bps[v], e.add(bo, off), ty) for v in range(n)]
                 dw, sums = body(e, wp, o, xs_at, bsums)
                 for v, (isum, mins) in enumerate(sums):
                     acc, accm = accs[v]
                     dx = e.ld(dps[v], e.mul(i, 4), FLT, align=4)
                     dd = b.fmul(dw, e.splat(dx, dw.type.count))
-                    e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), e.shuf(dd, None, [0] * 8))
+                    e.fmacc(acc, b.sitofp(isum, V(FLT, nl)), e.shuf(dd, None, [0] * nl))
                     if mins is not None:
                         has_min = True
                         e.fmacc(accm, b.sitofp(mins, V(FLT, min_lanes)), e.shuf(dd, None, [1] * min_lanes))
@@ -180,7 +182,7 @@ def k_idots(name: str, bb: int, body):
             with e.loop(n) as lp:
                 i = lp.index
                 xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
-                xs_at = lambda v, j: e.ld(xp, e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
+                xs_at = lambda v, j, n=32: e.ld(xp, e.add(xo, 32 * j), V(I8, n))  # noqa: E731
                 bsums = [lambda off, ty: e.ld(bp, e.add(bo, off), ty)]
                 _, [(isum, mins)] = body(e, wp, e.mul(i, bb), xs_at, bsums)
                 e.st(op, e.mul(i, 8), e.hsum_i(isum))

@@ -16,9 +16,15 @@ integer sum is exact in int32: |scale * quant * x| <= 32 * 7 * 127, 256 of them)
   Q3_K (u = low 2 bits | hmask bit k << 2, 0..7; q = u - 4; s_g = 6-bit scale - 32, d f16):
     w = d s_g (u - 4), so dot = d dx sum_g s_g (sum(u x) - 4 bsum16_g)
     (integer_dots: [that sum, 0], as Q6_K's offset)
-Per 32-weight chunk: u8 x s8 pair sums (<16 x i16>, |.| <= 2 * 7 * 127), then i16 x i16 pairs with the chunk's two
-group scales (<8 x i32>), as Q6_K does; the scale and min shuffles and the unpacking are done once per super-block
-for all the vectors a row meets.
+Forms (the unpacking, tables and scale shuffles done once per super-block for every vector a row meets):
+  Q2_K: the weight bytes become sc_g u (<= 45) before the activations meet them, a lookup (vpshufb) in tables
+    [0, s, 2 s, 3 s]; generic IR multiplies bytes. A chunk is then one u8 x s8 dot per vector: vpdpbusd (VNNI), or
+    vpmaddubsw pair sums of two chunks added in i16 (AVX2).
+  Q3_K: its signed scales times u leave a byte, so Q6_K's form: u8 x s8 pair sums (|.| <= 2 * 7 * 127), then i16
+    pairs with the chunk's two group scales.
+  In the vnni tier with AVX-512 (BW, VNNI) both take two chunks per 512-bit instruction, and GFNI, where the target
+  has it, takes a bit field out of its byte in one instruction: at M = 1 these kernels are bound by vector
+  instructions, not by memory (docs/benchmarks.md, "Measurements behind the code", lowbit K-quant forms).
 """
 
 from __future__ import annotations
@@ -31,42 +37,53 @@ from engine.kernels.cpu.kquant import k_idots, k_rowdot
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType
 
 CODES = (Q2_K_CODE, Q3_K_CODE)
-# GFNI's per-byte bit matrix takes a 2-bit field out of its byte in one instruction (a shift and a mask otherwise):
-# used where the compilation target has it (numba compiles for target_features), in the avx2 and vnni tiers.
+# Target features beyond a tier's guarantees, read as gemm8.variant reads them (numba compiles for target_features):
+# GFNI in the avx2 and vnni tiers, AVX-512 BW + VNNI for the vnni tier's 512-bit form.
 _GFNI = "gfni" in target_features()
+_WIDE = {"avx512f", "avx512bw", "avx512vnni"} <= target_features()
+_V64 = V(I8, 64)
 
 
-def _shr8(e: Emitter, q, s: int):
-    """<32 x i8> q >> s per byte, up to bits that cross from the next byte (callers mask them off): a 16-bit shift,
-    which LLVM keeps (a byte shift becomes a GFNI affine on the multiply pipes, or a shift and a mask)."""
-    if s == 0:
-        return q
+def _wide(e: Emitter) -> bool:
+    return _WIDE and e.tier == "vnni"
+
+
+def _both(e: Emitter, q):
+    """<32 x i8> -> <64 x i8>: q twice (the two chunks of a 512-bit pass read the same bytes)."""
+    return e.shuf(q, None, list(range(32)) * 2)
+
+
+def _lanes(tier: str) -> int:
+    """Lanes of the integer sums a row dot accumulates (kquant.k_rowdot): 16 in 512 bits."""
+    return 16 if _WIDE and tier == "vnni" else 8
+
+
+def _bits(e: Emitter, q, srcs, dst: int, width: int, extra: int = 0):
+    """<32 n x i8> q, n = len(srcs): in its 32-byte part i, bits srcs[i] .. srcs[i] + width - 1 of every byte moved
+    to dst .., the other bits 0, or'ed with the constant extra (clear where the field lands). One GFNI affine (a bit
+    matrix per 64-bit lane) where the CPU has it, else 16-bit shifts (the mask drops the bits that cross bytes)."""
     b = e.b
-    return b.bitcast(b.lshr(b.bitcast(q, V(I16, 16)), e.splat_c(I16, s, 16)), V(I8, 32))
-
-
-def _bits(e: Emitter, q, src: int, dst: int, width: int, extra: int = 0):
-    """<32 x i8>: bits src .. src + width - 1 of every byte of q moved to dst .., the others 0, or'ed with the
-    constant extra (clear where the field lands). One GFNI affine (a bit matrix per byte) where the CPU has it,
-    else a shift, a mask and an or."""
-    b = e.b
+    nb = 32 * len(srcs)
     if _GFNI and e.tier != "generic":
-        # result bit i = parity(matrix byte 7 - i & x) ^ imm bit i
-        rows = [0] * 8
-        for i in range(width):
-            rows[7 - (dst + i)] = 1 << (src + i)
-        return e.call("llvm.x86.vgf2p8affineqb.256", V(I8, 32), [q, e.vc(I8, rows * 4), ir.Constant(I8, extra)])
-    if src >= dst:
-        v = _shr8(e, q, src - dst)
-    else:
-        v = b.bitcast(b.shl(b.bitcast(q, V(I16, 16)), e.splat_c(I16, dst - src, 16)), V(I8, 32))
-    v = b.and_(v, e.splat_c(I8, ((1 << width) - 1) << dst, 32))
-    return b.or_(v, e.splat_c(I8, extra, 32)) if extra else v
+        rows = []
+        for src in srcs:  # result bit i = parity(matrix byte 7 - i & x) ^ extra's bit i
+            r = [0] * 8
+            for i in range(width):
+                r[7 - (dst + i)] = 1 << (src + i)
+            rows += r * 4
+        return e.call(f"llvm.x86.vgf2p8affineqb.{8 * nb}", V(I8, nb), [q, e.vc(I8, rows), ir.Constant(I8, extra)])
+    w = b.bitcast(q, V(I16, nb // 2))
+    if all(src >= dst for src in srcs):
+        w = b.lshr(w, e.vc(I16, [src - dst for src in srcs for _ in range(16)]))
+    else:  # (the callers' fields move one way in every part)
+        w = b.shl(w, e.vc(I16, [dst - src for src in srcs for _ in range(16)]))
+    v = b.and_(b.bitcast(w, V(I8, nb)), e.splat_c(I8, ((1 << width) - 1) << dst, nb))
+    return b.or_(v, e.splat_c(I8, extra, nb)) if extra else v
 
 
 def _chunk(e: Emitter, q, j: int, extra: int = 0):
     """<32 x i8> 2-bit field j (bits 2j, 2j+1) of every byte of q (| extra)."""
-    return _bits(e, q, 2 * j, 0, 2, extra)
+    return _bits(e, q, (2 * j,), 0, 2, extra)
 
 
 def _chunk_dots(e: Emitter, us, xs_at, n: int):
@@ -86,6 +103,30 @@ def _chunk_dots(e: Emitter, us, xs_at, n: int):
     return out
 
 
+def _tables(e: Emitter, sc, order):
+    """<16 x i8> scales -> <16 x i32>: dword i the bytes [0, s, 2 s, 3 s] of s = sc[order[i]] (s <= 15)."""
+    return e.b.mul(e.b.zext(e.shuf(sc, None, list(order)), V(I32, 16)), e.splat_c(I32, 0x03020100, 16))
+
+
+def _q2_k_wide(e: Emitter, wp, o, xs_at, bsums, sc, mins):
+    # _q2_k in 512 bits: pass (h, p) takes chunks 4h + 2p, 4h + 2p + 1 (64 activations in a row); its 128-bit lane m
+    # holds group 4c + m (c = 2h + p), whose table [0, s, 2 s, 3 s] is dword c of lane m of one table for all four
+    # passes, so the index is u | 4c
+    b = e.b
+    n = len(bsums)
+    t = b.bitcast(_tables(e, sc, [4 * c + m for m in range(4) for c in range(4)]), _V64)
+    acc = [ir.Constant(V(I32, 16), None)] * n
+    for h in range(2):
+        qz = _both(e, e.ld(wp, e.add(o, 16 + 32 * h), V(I8, 32)))
+        for p in range(2):
+            idx = _bits(e, qz, (4 * p, 4 * p + 2), 0, 2, 4 * (2 * h + p))
+            u = b.bitcast(e.call("llvm.x86.avx512.pshuf.b.512", _V64, [t, idx]), V(I32, 16))
+            for v in range(n):
+                xw = b.bitcast(xs_at(v, 4 * h + 2 * p, 64), V(I32, 16))
+                acc[v] = e.call("llvm.x86.avx512.vpdpbusd.512", V(I32, 16), [acc[v], u, xw])
+    return e.halves(e.ld(wp, e.add(o, 80), V(I16, 2))), list(zip(acc, mins))
+
+
 def _q2_k(e: Emitter, wp, o, xs_at, bsums):
     # block_q2_K (84 B): u8 scales[16] (low nibble sc, high nibble m) | u8 qs[64] | f16 d | f16 dmin
     # The weights' bytes become sc_g * u (<= 45) before any activation meets them, so each chunk is one u8 x s8 dot
@@ -97,6 +138,8 @@ def _q2_k(e: Emitter, wp, o, xs_at, bsums):
     sc = e.nib_lo(packed)
     mn = b.zext(e.nib_hi(packed), V(I16, 16))
     mins = [e.madd_i16(mn, bsums[v](16, V(I16, 16))) for v in range(n)]  # m_g * bsum16_g (xbk's sums of 16)
+    if _wide(e):
+        return _q2_k_wide(e, wp, o, xs_at, bsums, sc, mins)
     qs = [e.ld(wp, e.add(o, 16 + 32 * h), V(I8, 32)) for h in range(2)]
     us = []
     if e.tier == "generic":
@@ -107,7 +150,7 @@ def _q2_k(e: Emitter, wp, o, xs_at, bsums):
         # dword g: bytes [0, sc_g, 2 sc_g, 3 sc_g]; half h's table holds groups 8h + 2j (+1 in the high 128 bits) at
         # bytes 4j..4j+3, so chunk j of half h looks up u | 4j
         order = [8 * h + 2 * j + lane for h in range(2) for lane in (0, 1) for j in range(4)]
-        tab = b.mul(b.zext(e.shuf(sc, None, order), V(I32, 16)), e.splat_c(I32, 0x03020100, 16))
+        tab = _tables(e, sc, order)
         for h in range(2):
             t = b.bitcast(e.shuf(tab, None, range(8 * h, 8 * h + 8)), V(I8, 32))
             for j in range(4):
@@ -132,6 +175,28 @@ def _q3_scales(e: Emitter, wp, o) -> ir.Value:
     return b.sub(b.zext(b.bitcast(v, V(I8, 16)), V(I16, 16)), e.splat_c(I16, 32, 16))
 
 
+def _q3_k_wide(e: Emitter, wp, o, xs_at, isums, sc):
+    # _q3_k in 512 bits, chunks in pairs as _q2_k_wide: lane m of pass c = 2h + p holds group 4c + m, whose scale is
+    # word c of lane m of one scale table (an in-lane vpshufb per pass)
+    b = e.b
+    n = len(isums)
+    tab = e.shuf(sc, None, [4 * c + m for m in range(4) for c in list(range(4)) * 2])  # <32 x i16>
+    tab = b.bitcast(tab, _V64)
+    hmz = _both(e, e.ld(wp, o, V(I8, 32)))
+    acc = [e.shuf(isum, ir.Constant(isum.type, None), range(16)) for isum in isums]  # the -4 terms, widened
+    for h in range(2):
+        qz = _both(e, e.ld(wp, e.add(o, 32 + 32 * h), V(I8, 32)))
+        for p in range(2):
+            c, k = 2 * h + p, 4 * h + 2 * p
+            u = b.or_(_bits(e, qz, (4 * p, 4 * p + 2), 0, 2), _bits(e, hmz, (k, k + 1), 2, 1))
+            pick = e.vc(I8, [2 * c + i for i in range(2)] * 32)
+            gsc = b.bitcast(e.call("llvm.x86.avx512.pshuf.b.512", _V64, [tab, pick]), V(I32, 16))
+            for v in range(n):
+                pairs = e.call("llvm.x86.avx512.pmaddubs.w.512", V(I16, 32), [u, xs_at(v, k, 64)])
+                acc[v] = e.call("llvm.x86.avx512.vpdpwssd.512", V(I32, 16), [acc[v], b.bitcast(pairs, V(I32, 16)), gsc])
+    return acc
+
+
 def _q3_k(e: Emitter, wp, o, xs_at, bsums):
     # block_q3_K (110 B): u8 hmask[32] | u8 qs[64] | u8 scales[12] | f16 d; the third bit of chunk k's weight l is
     # bit k of hmask[l]. The signed scales (-32..31) times u (0..7) leave bytes, so Q6_K's form: u8 x s8 pair sums,
@@ -139,21 +204,26 @@ def _q3_k(e: Emitter, wp, o, xs_at, bsums):
     b = e.b
     n = len(bsums)
     sc = _q3_scales(e, wp, o)
-    isums = [b.mul(e.madd_i16(sc, bsums[v](16, V(I16, 16))), e.splat_c(I32, -4, 8)) for v in range(n)]  # the -4s
+    sc4 = b.mul(sc, e.splat_c(I16, -4, 16))  # every weight's -4 (|-4 s| <= 128: i16)
+    isums = [e.madd_i16(sc4, bsums[v](16, V(I16, 16))) for v in range(n)]
+    dw = e.halves(e.ld(wp, e.add(o, 108), V(I16, 1)))
+    if _wide(e):
+        return dw, [(isum, None) for isum in _q3_k_wide(e, wp, o, xs_at, isums, sc)]
     hm = e.ld(wp, o, V(I8, 32))
     for k in range(8):
         q = e.ld(wp, e.add(o, 32 + 32 * (k // 4)), V(I8, 32))
-        u = b.or_(_chunk(e, q, k % 4), _bits(e, hm, k, 2, 1))
+        u = b.or_(_chunk(e, q, k % 4), _bits(e, hm, (k,), 2, 1))
         gsc = e.shuf(sc, None, [2 * k] * 8 + [2 * k + 1] * 8)  # once for every vector
         for v in range(n):
             part = e.madd_i16(e.madd_u8s8(u, xs_at(v, k)), gsc)
             isums[v] = b.add(isums[v], part)
-    return e.halves(e.ld(wp, e.add(o, 108), V(I16, 1))), [(isum, None) for isum in isums]
+    return dw, [(isum, None) for isum in isums]
 
 
 _BB = {c: BLOCK_GEOMETRY[GGMLType(c)][1] for c in CODES}
-_rd1_q2_k, _rd2_q2_k, _rd4_q2_k = (k_rowdot("q2_k", _BB[Q2_K_CODE], _q2_k, n, min_lanes=8) for n in (1, 2, 4))
-_rd1_q3_k, _rd2_q3_k, _rd4_q3_k = (k_rowdot("q3_k", _BB[Q3_K_CODE], _q3_k, n) for n in (1, 2, 4))
+_rd1_q2_k, _rd2_q2_k, _rd4_q2_k = (k_rowdot("q2_k", _BB[Q2_K_CODE], _q2_k, n, min_lanes=8, lanes=_lanes)
+                                   for n in (1, 2, 4))
+_rd1_q3_k, _rd2_q3_k, _rd4_q3_k = (k_rowdot("q3_k", _BB[Q3_K_CODE], _q3_k, n, lanes=_lanes) for n in (1, 2, 4))
 idots_q2_k = k_idots("q2_k", _BB[Q2_K_CODE], _q2_k)
 idots_q3_k = k_idots("q3_k", _BB[Q3_K_CODE], _q3_k)
 
