@@ -71,7 +71,7 @@ LOWBIT_TYPES: frozenset[GGMLType] = frozenset({
 # The types every kernel computes with: the loader refuses a file holding any other (GGUFFile.check_tensor_types),
 # the CPU kernels refuse the rest, the self-test covers these. GGMLType also names types only the numpy reference
 # decodes so far.
-COMPUTE_TYPES: frozenset[GGMLType] = STEP_TYPES | {GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0}
+COMPUTE_TYPES: frozenset[GGMLType] = STEP_TYPES | LOWBIT_TYPES
 
 # Every type id ggml defines, so an unsupported one can be named in the error message.
 GGML_TYPE_NAMES: dict[int, str] = {

@@ -35,13 +35,14 @@ import numpy as np
 from numba import njit
 
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
-from engine.kernels.cpu import plain_threads
+from engine.kernels.cpu import kquant_low, plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
 from engine.kernels.cpu import iquant, ternary
-from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, IQ4_NL_CODE, IQ4_XS_CODE, MXFP4_CODE, Q4_0_CODE, Q4_1_CODE,
-                                   Q4_K_CODE, Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE, Q8_0_CODE, TQ1_0_CODE,
-                                   TQ2_0_CODE, tier_token)
+from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, IQ4_NL_CODE, IQ4_XS_CODE, MXFP4_CODE, Q2_K_CODE, Q3_K_CODE,
+                                   Q4_0_CODE, Q4_1_CODE, Q4_K_CODE, Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE,
+                                   Q8_0_CODE, TQ1_0_CODE, TQ2_0_CODE, tier_token)
 from engine.kernels.cpu.kquant import idots_q4_k, idots_q5_k, idots_q6_k, rows_q4_k, rows_q5_k, rows_q6_k
+from engine.kernels.cpu.kquant_low import rows_q2_k, rows_q3_k
 from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
                                        rows_mxfp4, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
 from engine.kernels.cpu.quantize import KB_SUMS, QK, QK_K, legacy_x_order, quantize_k_into, quantize_legacy_into
@@ -51,10 +52,11 @@ from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_byt
 LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.MXFP4})
 K_TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
-# The low-bit types with kernels here (iquant.py, ternary.py), by the activations they read. Not in LEGACY_TYPES or
-# K_TYPES: the decode step (step_matvec.needs, rows_into's run-time dispatch) and the packed layout read those.
+# The low-bit types with kernels here (kquant_low.py, iquant.py, ternary.py), by the activations they read. Not in
+# LEGACY_TYPES or K_TYPES: the decode step (step_matvec.needs, rows_into's run-time dispatch) and the packed layout
+# read those.
 LOWBIT_LEGACY = frozenset({GGMLType.IQ4_NL})
-LOWBIT_K = frozenset({GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0})
+LOWBIT_K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0})
 _READS_LEGACY, _READS_K = LEGACY_TYPES | LOWBIT_LEGACY, K_TYPES | LOWBIT_K
 
 # =========================================================================================================
@@ -157,13 +159,17 @@ def matvec_into(raws, codes, starts, xq8, xs8, xqk, xdk, xbk, x, out, tier, n_ch
 # with the codes as constants (closure cells: numba prunes the other branches before typing, and its cache keys a
 # closure by the values it holds), so a first run compiles the row kernels of its model's types only, a fraction
 # of the time every type at once takes (docs/benchmarks.md, "Measurements behind the code", int8 per-combination
-# compile). The decode step keeps the dispatch at run time.
-# The low-bit types (quant_types.LOWBIT_TYPES) are dispatched here only, ahead of rows_into's types.
+# compile). The decode step keeps the dispatch at run time. The low-bit types (quant_types.LOWBIT_TYPES) are
+# reached from here only, in _rows_any's branches before rows_into's (pruned too where the code is another).
 _rows_base = njit(inline="always")(rows_into.py_func)
 
 
 def _rows_any(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
-    if code == IQ4_NL_CODE:
+    if code == Q2_K_CODE:
+        rows_q2_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == Q3_K_CODE:
+        rows_q3_k(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == IQ4_NL_CODE:
         iquant.rows_iq4_nl(raw, base, rb, r0, r1, xq8, xs8, out, c0, tier)
     elif code == IQ4_XS_CODE:
         iquant.rows_iq4_xs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
@@ -245,7 +251,7 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
 _LEGACY_CODES = frozenset(int(t) for t in _READS_LEGACY)
 _K_CODES = frozenset(int(t) for t in _READS_K)
 _CODES = frozenset(int(t) for t in COMPUTE_TYPES | LOWBIT_LEGACY | LOWBIT_K)
-_LOWBIT_CODES = frozenset(int(t) for t in LOWBIT_LEGACY | LOWBIT_K)
+_LOWBIT_CODES = frozenset(int(t) for t in LOWBIT_LEGACY | LOWBIT_K)  # only _matvec_of's closures run these
 _NONE_I8, _NONE_F32, _NONE_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
 _NO_WEIGHT = np.empty((0, 1), np.uint8)
 _NO_WEIGHT.flags.writeable = False
@@ -411,7 +417,9 @@ def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
         raise ValueError(f"{t.name} weights have no integer dot product")
     n = K // QK if t in _READS_LEGACY else 2 * (K // QK_K)
     out = np.zeros((M, raw.shape[0], n), np.int32)
-    if t in LOWBIT_LEGACY or t == GGMLType.IQ4_XS:
+    if t in (GGMLType.Q2_K, GGMLType.Q3_K):  # each kept out of _integer_dots' run-time dispatch, as out of rows_into's
+        kquant_low.integer_dots_into(code, raw, qin.xqk, qin.xbk, out, tier_token(tier))
+    elif t in LOWBIT_LEGACY or t == GGMLType.IQ4_XS:
         iquant.integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
     elif t in LOWBIT_K:
         ternary.integer_dots(code, raw, qin.xqk, qin.xbk, out, tier_token(tier))

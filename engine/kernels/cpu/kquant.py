@@ -83,14 +83,30 @@ def _k_isums(e: Emitter, code, wp, o, xs_at, bsums):
     return list(zip(isums, mins))
 
 
-def _k_rowdot(code, n):
+def _k_body(code):
+    """The decode body of Q4_K, Q5_K or Q6_K for k_rowdot / k_idots."""
+
+    def body(e: Emitter, wp, o, xs_at, bsums):
+        if code == Q6_K_CODE:
+            dw = e.halves(e.ld(wp, e.add(o, 208), V(I16, 1)))
+        else:  # f16 d, f16 dmin at o
+            dw = e.halves(e.ld(wp, o, V(I16, 2)))
+        return dw, _k_isums(e, code, wp, o, xs_at, bsums)
+
+    return body
+
+
+def k_rowdot(name: str, bb: int, body, n: int, min_lanes: int = 4, lanes=lambda tier: 8):
     """Intrinsic (raw, roff, nsb, xq, xd, xb, m, tier) -> n float32 (a float for n = 1, else a tuple): one row of
-    nsb super-blocks at byte roff of raw against activation vectors m .. m + n - 1 (rows of xq (M, K), their scales
-    xd (M, K/256) and sums xb (M, K/256, 24)). Each super-block is decoded once for the n vectors (nibbles, high
-    bits, scales, d); the integer sums and float steps stay per vector. n = 4 ran a vector faster than n = 1,
-    a little for Q4_K and most for Q5_K and Q6_K (docs/benchmarks.md, "Measurements behind the code", kquant four
-    vectors)."""
-    bb = _KBB[code]
+    nsb super-blocks of bb bytes at byte roff of raw against activation vectors m .. m + n - 1 (rows of xq (M, K),
+    their scales xd (M, K/256) and sums xb (M, K/256, 24)). body(e, wp, o, xs_at, bsums) decodes the super-block at
+    byte o once for the n vectors (xs_at(v, j, n=32): vector v's n int8 activations from 32 j; bsums[v](off, ty):
+    its block sums at byte off) and returns (<1 x float> [d] or <2 x float> [d, dmin], per vector (<lanes(tier) x i32>
+    summing to the scaled integer dot, <min_lanes x i32> summing to the min term, or None)); the float steps stay per
+    vector:
+    sum over super-blocks of d dx isum - dmin dx mins. Shared by every K super-block type (kquant_low.py too).
+    n = 4 ran a vector faster than n = 1, a little for Q4_K and most for Q5_K and Q6_K (docs/benchmarks.md,
+    "Measurements behind the code", kquant four vectors)."""
 
     def impl(typingctx, raw, roff, nsb, xq, xd, xb, m, tier):
         t = tier_of(tier)
@@ -110,42 +126,42 @@ def _k_rowdot(code, n):
             xps = [b.gep(e.base(at[3], x), [e.mul(e.mul(vm, ns), QK_K)], source_etype=I8) for vm in vecs]
             dps = [b.gep(e.base(at[4], d), [e.mul(e.mul(vm, ns), 4)], source_etype=I8) for vm in vecs]
             bps = [b.gep(e.base(at[5], xb_), [e.mul(e.mul(vm, ns), 2 * KB_SUMS)], source_etype=I8) for vm in vecs]
-            accs = [(e.fvar(8), e.fvar(4)) for _ in range(n)]
+            nl = lanes(t)
+            accs = [(e.fvar(nl), e.fvar(min_lanes)) for _ in range(n)]
+            has_min = False
             with e.loop(ns) as lp:
                 i = lp.index
                 o = e.mul(i, bb)
                 for line in range(0, bb, 64):
                     e.prefetch(wp, e.add(o, PREFETCH_BYTES + line))
                 xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
-                xs_at = lambda v, j: e.ld(xps[v], e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
+                xs_at = lambda v, j, n=32: e.ld(xps[v], e.add(xo, 32 * j), V(I8, n))  # noqa: E731
                 bsums = [lambda off, ty, v=v: e.ld(bps[v], e.add(bo, off), ty) for v in range(n)]
-                if code == Q6_K_CODE:
-                    dw = e.halves(e.ld(wp, e.add(o, 208), V(I16, 1)))
-                else:  # f16 d, f16 dmin at o
-                    dw = e.halves(e.ld(wp, o, V(I16, 2)))
-                for v, (isum, mins) in enumerate(_k_isums(e, code, wp, o, xs_at, bsums)):
+                dw, sums = body(e, wp, o, xs_at, bsums)
+                for v, (isum, mins) in enumerate(sums):
                     acc, accm = accs[v]
                     dx = e.ld(dps[v], e.mul(i, 4), FLT, align=4)
                     dd = b.fmul(dw, e.splat(dx, dw.type.count))
-                    e.fmacc(acc, b.sitofp(isum, V(FLT, 8)), e.shuf(dd, None, [0] * 8))
+                    e.fmacc(acc, b.sitofp(isum, V(FLT, nl)), e.shuf(dd, None, [0] * nl))
                     if mins is not None:
-                        e.fmacc(accm, b.sitofp(mins, V(FLT, 4)), e.shuf(dd, None, [1] * 4))
+                        has_min = True
+                        e.fmacc(accm, b.sitofp(mins, V(FLT, min_lanes)), e.shuf(dd, None, [1] * min_lanes))
             res = []
             for acc, accm in accs:
                 r_ = e.hsum_f(b.load(acc))
-                res.append(r_ if code == Q6_K_CODE else b.fsub(r_, e.hsum_f(b.load(accm))))
+                res.append(b.fsub(r_, e.hsum_f(b.load(accm))) if has_min else r_)
             return res[0] if n == 1 else context.make_tuple(b, signature.return_type, res)
 
         return sig, codegen
 
-    impl.__name__ = f"_rowdot{n}_{type_name(code).lower()}"
+    impl.__name__ = f"_rowdot{n}_{name}"
     return intrinsic(impl)
 
 
-def _k_idots(code):
-    """Intrinsic (raw, roff, nsb, xq, xoff, xb, boff, out, ooff, tier) -> None: per super-block the integer
-    dot (sum of scale * quant dot) and the integer min term into out[ooff + 2 i], out[ooff + 2 i + 1]."""
-    bb = _KBB[code]
+def k_idots(name: str, bb: int, body):
+    """Intrinsic (raw, roff, nsb, xq, xoff, xb, boff, out, ooff, tier) -> None: per super-block (bb bytes, decoded
+    by body as for k_rowdot) the integer dot (sum of scale * quant dot) and the integer min term into
+    out[ooff + 2 i], out[ooff + 2 i + 1] (0 where body has none)."""
 
     def impl(typingctx, raw, roff, nsb, xq, xoff, xb, boff, out, ooff, tier):
         t = tier_of(tier)
@@ -166,23 +182,24 @@ def _k_idots(code):
             with e.loop(n) as lp:
                 i = lp.index
                 xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
-                xs_at = lambda v, j: e.ld(xp, e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
+                xs_at = lambda v, j, n=32: e.ld(xp, e.add(xo, 32 * j), V(I8, n))  # noqa: E731
                 bsums = [lambda off, ty: e.ld(bp, e.add(bo, off), ty)]
-                [(isum, mins)] = _k_isums(e, code, wp, e.mul(i, bb), xs_at, bsums)
+                _, [(isum, mins)] = body(e, wp, e.mul(i, bb), xs_at, bsums)
                 e.st(op, e.mul(i, 8), e.hsum_i(isum))
                 e.st(op, e.add(e.mul(i, 8), 4), ir.Constant(I32, 0) if mins is None else e.hsum_i(mins))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    impl.__name__ = f"_idots_{type_name(code).lower()}"
+    impl.__name__ = f"_idots_{name}"
     return intrinsic(impl)
 
 
-_rd1_q4_k, _rd1_q5_k, _rd1_q6_k = (_k_rowdot(c, 1) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
-_rd2_q4_k, _rd2_q5_k, _rd2_q6_k = (_k_rowdot(c, 2) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
-_rd4_q4_k, _rd4_q5_k, _rd4_q6_k = (_k_rowdot(c, 4) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
-idots_q4_k, idots_q5_k, idots_q6_k = (_k_idots(c) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE))
+_K3 = [(type_name(c).lower(), _KBB[c], _k_body(c)) for c in (Q4_K_CODE, Q5_K_CODE, Q6_K_CODE)]
+_rd1_q4_k, _rd1_q5_k, _rd1_q6_k = (k_rowdot(nm, bb, body, 1) for nm, bb, body in _K3)
+_rd2_q4_k, _rd2_q5_k, _rd2_q6_k = (k_rowdot(nm, bb, body, 2) for nm, bb, body in _K3)
+_rd4_q4_k, _rd4_q5_k, _rd4_q6_k = (k_rowdot(nm, bb, body, 4) for nm, bb, body in _K3)
+idots_q4_k, idots_q5_k, idots_q6_k = (k_idots(nm, bb, body) for nm, bb, body in _K3)
 
 
 # =========================================================================================================
