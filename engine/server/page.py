@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.server.routes import Route
+from engine.server.routes import Route, not_found
 
 __all__ = ["ROUTES"]
 
@@ -20,17 +20,22 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=
           ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 
 
-def _file(path: Path):
-    content_type = _TYPES[path.suffix]
-
-    def answer(ex) -> None:
-        ex.send_body(200, path.read_bytes(), content_type, _HEADERS)
-    return answer
-
-
 # A fixed table made once from the folder's own files: no path from a request ever reaches the file system.
-_FILES = {"/": _WEB_DIR / "index.html", "/favicon.ico": _WEB_DIR / "favicon.svg",
-          **{f"/ui/{p.relative_to(_WEB_DIR).as_posix()}": p for p in sorted(_WEB_DIR.rglob("*")) if p.suffix in _TYPES}}
+_FILES = {p.relative_to(_WEB_DIR).as_posix(): p for p in sorted(_WEB_DIR.rglob("*")) if p.suffix in _TYPES}
 
-ROUTES = tuple(Route(method, path, _file(file), public=True, when=lambda state: state.web)
-               for path, file in _FILES.items() for method in ("GET", "HEAD"))
+
+def _send(ex, path: Path) -> None:
+    ex.send_body(200, path.read_bytes(), _TYPES[path.suffix], _HEADERS)
+
+
+def _ui_file(ex, file: str) -> None:
+    if file not in _FILES:
+        raise not_found("file", file)
+    _send(ex, _FILES[file])
+
+
+_ANSWERS = {"/": lambda ex: _send(ex, _WEB_DIR / "index.html"),
+            "/favicon.ico": lambda ex: _send(ex, _WEB_DIR / "favicon.svg"), "/ui/{file:.+}": _ui_file}
+
+ROUTES = tuple(Route(method, path, answer, public=True, when=lambda state: state.web)
+               for path, answer in _ANSWERS.items() for method in ("GET", "HEAD"))
