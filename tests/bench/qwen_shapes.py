@@ -8,7 +8,7 @@ The tokenizer is the ../shared/families qwen2 kit's (byte-level BPE, pre-tokeniz
 vocabulary with unused [PAD] tokens as the real Qwen files are.
 
 Usage (the quantizer needs llama-cpp-python, which is never a project dependency: a bench venv has it):
-  python tests/bench/qwen_shapes.py OUT_DIR [0.5b 1.5b] --llama-python /path/to/venv/bin/python
+  python tests/bench/qwen_shapes.py OUT_DIR [0.5b 1.5b] --llama-python /path/to/venv/bin/python [--types Q4_K_M,Q2_K]
 then: python tests/bench/bench_speed.py OUT_DIR/qwen2.5-0.5b-shape.Q4_K_M.gguf --llama-python ...
 """
 
@@ -32,7 +32,7 @@ SHAPES = {  # Qwen2.5's config.json values
 QUANTIZE = """
 import sys, llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
 params.nthread = 2
 rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params)
 sys.exit(rc)
@@ -110,16 +110,19 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("sizes", nargs="*", default=list(SHAPES))
     ap.add_argument("--llama-python", required=True, help="a python with llama-cpp-python (the quantizer)")
+    ap.add_argument("--types", default="Q4_K_M", help="llama.cpp ftypes, comma-separated (Q4_K_M,Q3_K_M,IQ4_XS,Q2_K)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     for size in a.sizes:
         f16 = a.out / f"qwen2.5-{size}-shape.F16.gguf"
-        q4 = a.out / f"qwen2.5-{size}-shape.Q4_K_M.gguf"
-        if not q4.exists():
-            write_f16(f16, SHAPES[size])
-            subprocess.run([a.llama_python, "-c", QUANTIZE, str(f16), str(q4)], check=True)
-            f16.unlink()
-        print(q4)
+        for ftype in a.types.split(","):
+            out = a.out / f"qwen2.5-{size}-shape.{ftype}.gguf"
+            if not out.exists():
+                if not f16.exists():
+                    write_f16(f16, SHAPES[size])
+                subprocess.run([a.llama_python, "-c", QUANTIZE, str(f16), str(out), ftype], check=True)
+            print(out)
+        f16.unlink(missing_ok=True)
     return 0
 
 
