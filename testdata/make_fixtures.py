@@ -51,10 +51,27 @@ def _k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q, am
     return blocks.reshape(rows, -1)
 
 
+# Types gguf.quants cannot quantize, beyond the K-quants above: random blocks with each f16 scale at `byte` set to
+# about amax / `largest`, `largest` being what the scale multiplies at most (sub-block scale x quant).
+_RANDOM_BLOCK_SCALES = {Q.Q2_K: ((80, 15 * 3), (82, 15 * 3)), Q.Q3_K: ((108, 32 * 4),), Q.IQ4_NL: ((0, 127),),
+                        Q.IQ4_XS: ((0, 32 * 127),)}
+
+
+def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q, amax: float) -> np.ndarray:
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+    for byte, largest in _RANDOM_BLOCK_SCALES[qtype]:
+        blocks[:, byte:byte + 2] = _f16_bytes(amax / largest * rng.uniform(0.5, 1.5, size=n))
+    return blocks.reshape(rows, -1)
+
+
 def _matrix(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float) -> tuple[np.ndarray, Q | None]:
     """A (rows, cols) weight of the given type, as (array for GGUFWriter.add_tensor, raw_dtype)."""
     if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         return _k_quant_blocks(rng, rows, cols, qtype, 3 * std), qtype
+    if qtype in _RANDOM_BLOCK_SCALES:
+        return _random_blocks(rng, rows, cols, qtype, 3 * std), qtype
     w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
     if qtype == Q.F32:
         return w, None

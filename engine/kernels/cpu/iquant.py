@@ -28,7 +28,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from engine.kernels.cpu.ir import FLT, I8, I16, I32, IQ4_NL_CODE, PREFETCH_BYTES, Emitter, V, is_arr, tier_of
-from engine.kernels.cpu.legacy import IQ4_NL_LEVELS, _legacy_idots, _legacy_rowdot_r
+from engine.kernels.cpu.legacy import IQ4_NL_LEVELS, legacy_idots, legacy_rowdot_r
 from engine.kernels.cpu.quantize import KB_SUMS, QK_K
 
 # =========================================================================================================
@@ -195,8 +195,8 @@ idots_iq4_xs = sb_idots("iq4_xs", _XS_BB, _xs_isums)
 # IQ4_NL: legacy.py's row dots and block dots, one row per call. Not two as Q4_0's GGUF-order rows: on Zen 5 two
 # rows at once (two streams a thread) read a 1536 x 8960 matrix from DRAM at 15 GB/s against 26 GB/s one row at a
 # time (one thread, CPU time; Q4_0 itself 15), at the same speed from cache (tests/bench/bench_iquant_matvec.py).
-_rd_iq4_nl = _legacy_rowdot_r(IQ4_NL_CODE, 1)
-idots_iq4_nl = _legacy_idots(IQ4_NL_CODE)
+_rd_iq4_nl = legacy_rowdot_r(IQ4_NL_CODE, 1)
+idots_iq4_nl = legacy_idots(IQ4_NL_CODE)
 
 
 # =========================================================================================================

@@ -136,7 +136,7 @@ def _e8m0_quad(e: Emitter, v) -> ir.Value:
     return b.bitcast(b.shl(x, e.splat_c(I32, 23, g)), V(FLT, g))
 
 
-def _legacy_rowdot_r(code, R):
+def legacy_rowdot_r(code, R):
     """Intrinsic (raw, roff, nb, xq, xoff, xs, soff, out, ooff, tier) -> None: R consecutive rows of nb blocks
     from byte roff of raw against activation vector xq[xoff:], xs[soff:] (flat offsets), into out[ooff:ooff+R].
     R = 2 shares the activation loads and the loop between two rows (rows of 18-20 blocks are short enough
@@ -223,7 +223,7 @@ def _minus_offset(e: Emitter, code, isum, xp, i, g) -> ir.Value:
     return e.b.sub(isum, e.b.shl(xsum, e.splat_c(I32, 7, 8)))
 
 
-def _legacy_idots(code):
+def legacy_idots(code):
     """Intrinsic (raw, roff, nb, xq, xoff, out, ooff, tier) -> None: the nb per-block integer dots of one row
     into out[ooff:] (int32), from the same IR as the row kernels (tests check them exactly)."""
     bb = _LEGACY[code][0]
@@ -260,10 +260,10 @@ def _legacy_idots(code):
 
 
 _CODES = (Q4_0_CODE, Q4_1_CODE, Q5_0_CODE, Q5_1_CODE, Q8_0_CODE, MXFP4_CODE)
-_rd_q4_0, _rd_q4_1, _rd_q5_0, _rd_q5_1, _rd_q8_0, _rd_mxfp4 = (_legacy_rowdot_r(c, 1) for c in _CODES)
-_rd2_q4_0, _rd2_q4_1, _rd2_q8_0, _rd2_mxfp4 = (_legacy_rowdot_r(c, 2) for c in (Q4_0_CODE, Q4_1_CODE, Q8_0_CODE,
+_rd_q4_0, _rd_q4_1, _rd_q5_0, _rd_q5_1, _rd_q8_0, _rd_mxfp4 = (legacy_rowdot_r(c, 1) for c in _CODES)
+_rd2_q4_0, _rd2_q4_1, _rd2_q8_0, _rd2_mxfp4 = (legacy_rowdot_r(c, 2) for c in (Q4_0_CODE, Q4_1_CODE, Q8_0_CODE,
                                                                                   MXFP4_CODE))
-idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0, idots_mxfp4 = (_legacy_idots(c) for c in _CODES)
+idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0, idots_mxfp4 = (legacy_idots(c) for c in _CODES)
 
 
 # =========================================================================================================
