@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.cpu.dequant_lowbit import dequant_any_row
-from engine.kernels.quant_types import COMPUTE_TYPES, LOWBIT_TYPES, GGMLType, row_bytes, type_name
+from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, row_bytes, type_name
 
 # =========================================================================================================
 # Drivers (parallel over rows)
@@ -95,7 +95,7 @@ def _matvec(code: int):
 
 
 # The low-bit types too: their decoders compile only in their own closures (dequant_lowbit.py).
-_CODES = frozenset(int(t) for t in COMPUTE_TYPES | LOWBIT_TYPES)
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
 
 
 def _check(raw: np.ndarray, ggml_type, n_cols: int) -> int:

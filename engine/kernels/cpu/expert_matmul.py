@@ -40,8 +40,9 @@ def _grouped_into(raw, code, rb, per_expert, experts, starts, xq8, xs8, xqk, xdk
 
 def usable(stack: QTensor) -> bool:
     """Whether the grouped kernel takes this stacked expert tensor: quantized (float experts stay on the exact
-    path's sgemm, as the int8 kernels leave them)."""
-    return stack.ggml_type not in int8.FLOAT_TYPES
+    path's sgemm, as the int8 kernels leave them) in a type of int8.rows_into's run-time dispatch (the low-bit
+    ones take the per-expert matvec, whose kernels compile per type)."""
+    return stack.ggml_type in int8.LEGACY_TYPES | int8.K_TYPES
 
 
 def expert_matmul(x: np.ndarray, experts: np.ndarray, starts: np.ndarray, stacks: Sequence[QTensor],

@@ -250,7 +250,7 @@ def _integer_dots(code, raw, xq8, xqk, xbk, out, tier):
 
 _LEGACY_CODES = frozenset(int(t) for t in _READS_LEGACY)
 _K_CODES = frozenset(int(t) for t in _READS_K)
-_CODES = frozenset(int(t) for t in COMPUTE_TYPES | LOWBIT_LEGACY | LOWBIT_K)
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
 _LOWBIT_CODES = frozenset(int(t) for t in LOWBIT_LEGACY | LOWBIT_K)  # only _matvec_of's closures run these
 _NONE_I8, _NONE_F32, _NONE_I16 = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0, 0), np.int16)
 _NO_WEIGHT = np.empty((0, 1), np.uint8)

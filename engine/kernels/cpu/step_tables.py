@@ -13,6 +13,7 @@ from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step
 from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, Biases, decode_step
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.step_roles import ATTN_Q, ATTN_V, NORMS, POST_ATTN_NORM, ROLES, role_tensors
+from engine.kernels.quant_types import STEP_TYPES
 from engine.kernels.threads import get_threads
 
 _EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
@@ -79,6 +80,8 @@ class DecodeStep:
     def _entry(self, w: Weights, name: str) -> list[int]:
         """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
         t = w.tensor(name)
+        if t.ggml_type not in STEP_TYPES:  # its run-time dispatch would take the code for another type's
+            raise _NotInStep(f"{name} is {t.ggml_type.name}")
         off = _offset(t.raw, self.buf, name)
         packed_off = -1 if t.packed is None else _offset(t.packed, self.pbuf, name)
         return [off, t.rows, t.raw.shape[1], int(t.ggml_type), packed_off]
@@ -209,7 +212,14 @@ def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.nd
     multiple of 16."""
     if not supported(cfg, w, flags):
         return None
-    return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
+    try:
+        return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
+    except _NotInStep:  # a low-bit type (quant_types.LOWBIT_TYPES): the model decodes layer by layer
+        return None
+
+
+class _NotInStep(Exception):
+    """A tensor the step would read has a type outside its shared dispatch."""
 
 
 def supported(cfg: ModelConfig, w: Weights, flags: dict | None) -> bool:
