@@ -25,7 +25,7 @@ from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, ir, layout, o
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.matmul import MatmulKernels, kernels_for
-from engine.kernels.quant_types import LOWBIT_TYPES, QTensor
+from engine.kernels.quant_types import QTensor
 
 
 # A prompt's attention blocks must fall on its tiles too (kernels/backend.py, PROMPT_TILE, says why).
@@ -33,7 +33,6 @@ assert PROMPT_TILE % ops.ATTN_BLOCK == 0, "prompt tiles must hold whole attentio
 
 HEAD_ROWS = 32768  # vocabulary rows per matmul of a prompt's head: bounds the dequantization scratch
 KERNEL_SET = {"fast": "cpu-q8", "exact": "cpu"}  # configuration -> its matrix kernels (matmul.py)
-_LOWBIT_CODES = frozenset(int(t) for t in LOWBIT_TYPES)
 # What a model's first load and prompt compile in the foreground (its prompt pass and self-test kernels) on the
 # 2-core dev VM (docs/benchmarks.md, the first-contact entry): the estimate until this machine has recorded its own
 # (kernel_cache.expected_seconds); the background compile's is step_compile.STEP_COMPILE_S.
@@ -87,12 +86,10 @@ class CpuBackend:
         if steps:
             self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
         types = self._self_test([weights.tensor(n) for n in matrices])
-        if weights.has("per_layer_token_embd"):  # Gemma 4's second table, which the step also reads
-            types |= {int(weights.tensor("per_layer_token_embd").ggml_type)}
-        # The step runs every matrix type's fast kernel, and only the types of its shared runtime dispatch: the
-        # low-bit ones compile per type on demand, so a model holding one decodes layer by layer.
-        if not steps or self.stepped_down & types or types & _LOWBIT_CODES:
+        if not steps or self.stepped_down & types:  # the step runs every matrix type's fast kernel
             return
+        # None where a tensor has a type outside the step's shared dispatch (a low-bit one, compiled per type on
+        # demand): such a model decodes layer by layer.
         self.step = step_tables.build(config, weights, step_flags, self.packed_buffer)
         if self._background_compile and self.step is not None:
             sig = self.step.signature([self.new_cache(config, 1)])
