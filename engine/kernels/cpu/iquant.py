@@ -15,109 +15,52 @@ sub-block sums for one vpmulld): IQ4_XS went from about 0.45x to 0.85x of Q4_K's
 IQ4_NL does the same through Q4_0's - 8 d xsum path (legacy.py). Every tier computes the same integers
 (int8.integer_dots: [sum_s ls_s sum(v x)_s, 0] per IQ4_XS super-block, sum(v x) per IQ4_NL block).
 
-The super-block driver (sb_rowdot, sb_idots): a type supplies its block bytes, the offset of its f16 d and its
-integer sums per super-block (isums); the float step is d*dx*(isum - sub) per super-block, sub an integer term
-the type may subtract (ternary.py's block sums). As kquant.py, each super-block is decoded once for up to four
+The super-block driver (sb_rowdot, sb_idots, which ternary.py shares too) is kquant.py's (k_rowdot, k_idots) with a
+type's integer sums per super-block (isums) as its body: the float step is d*dx*(isum - sub) per super-block, sub
+an integer term the type may subtract (ternary.py's block sums); each super-block is decoded once for up to four
 activation vectors, and each row loop prefetches PREFETCH_BYTES ahead.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-from engine.kernels.cpu.ir import FLT, I8, I16, I32, IQ4_NL_CODE, PREFETCH_BYTES, Emitter, V, is_arr, tier_of
+from engine.kernels.cpu.ir import I8, I16, I32, IQ4_NL_CODE, Emitter, V
+from engine.kernels.cpu.kquant import k_idots, k_rowdot
 from engine.kernels.cpu.legacy import IQ4_NL_LEVELS, legacy_idots, legacy_rowdot_r
-from engine.kernels.cpu.quantize import KB_SUMS, QK_K
+from engine.kernels.cpu.quantize import KB_SUMS
 
 # =========================================================================================================
 # The super-block driver: d*dx*(isum - sub) per super-block of 256
 # =========================================================================================================
 
 
+def _k_body(isums, d_off: int, subtract: bool):
+    """A type's isums as a body of kquant.k_rowdot / k_idots: the super-block's f16 d as <1 x float>, and per
+    vector the integer sum less the type's own term (rows) or both apart (integer_dots reports them so)."""
+
+    def body(e, wp, o, xs_at, bsums):
+        dw = e.halves(e.ld(wp, e.add(o, d_off), V(I16, 1)))
+        sums = isums(e, wp, o, xs_at, bsums)
+        if subtract:
+            sums = [(isum if sub is None else e.b.sub(isum, sub), None) for isum, sub in sums]
+        return dw, sums
+
+    return body
+
+
 def sb_rowdot(name, bb, d_off, isums, n):
-    """Intrinsic (raw, roff, nsb, xq, xd, xb, m, tier) -> n float32 (a float for n = 1, else a tuple), as
-    kquant's row dots: one row of nsb super-blocks of bb bytes (f16 d at byte d_off) against activation vectors
-    m .. m + n - 1. isums(e, wp, o, xs_at, bsums) -> per vector (<8 x i32> isum, <8 x i32> sub or None)."""
-
-    def impl(typingctx, raw, roff, nsb, xq, xd, xb, m, tier):
-        t = tier_of(tier)
-        if not (is_arr(raw, types.uint8) and is_arr(xq, types.int8) and is_arr(xd, types.float32)
-                and is_arr(xb, types.int16) and t):
-            return None
-        ret = types.float32 if n == 1 else types.UniTuple(types.float32, n)
-        sig = ret(raw, types.intp, types.intp, xq, xd, xb, types.intp, tier)
-
-        def codegen(context, builder, signature, args):
-            e = Emitter(context, builder, t)
-            b = builder
-            at = signature.args
-            r, ro, ns, x, d, xb_, m, _ = args
-            wp = b.gep(e.base(at[0], r), [ro], source_etype=I8)
-            vecs = [e.add(m, v) for v in range(n)]
-            xps = [b.gep(e.base(at[3], x), [e.mul(e.mul(vm, ns), QK_K)], source_etype=I8) for vm in vecs]
-            dps = [b.gep(e.base(at[4], d), [e.mul(e.mul(vm, ns), 4)], source_etype=I8) for vm in vecs]
-            bps = [b.gep(e.base(at[5], xb_), [e.mul(e.mul(vm, ns), 2 * KB_SUMS)], source_etype=I8) for vm in vecs]
-            accs = [e.fvar(8) for _ in range(n)]
-            with e.loop(ns) as lp:
-                i = lp.index
-                o = e.mul(i, bb)
-                for line in range(0, bb, 64):
-                    e.prefetch(wp, e.add(o, PREFETCH_BYTES + line))
-                xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
-                xs_at = lambda v, j: e.ld(xps[v], e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
-                bsums = [lambda off, ty, v=v: e.ld(bps[v], e.add(bo, off), ty) for v in range(n)]
-                dw = e.halves(e.ld(wp, e.add(o, d_off), V(I16, 1)))
-                for v, (isum, sub) in enumerate(isums(e, wp, o, xs_at, bsums)):
-                    if sub is not None:
-                        isum = b.sub(isum, sub)
-                    dx = e.ld(dps[v], e.mul(i, 4), FLT, align=4)
-                    dd = b.fmul(dw, e.splat(dx, 1))
-                    e.fmacc(accs[v], b.sitofp(isum, V(FLT, 8)), e.shuf(dd, None, [0] * 8))
-            res = [e.hsum_f(b.load(acc)) for acc in accs]
-            return res[0] if n == 1 else context.make_tuple(b, signature.return_type, res)
-
-        return sig, codegen
-
-    impl.__name__ = f"_rowdot{n}_{name}"
-    return intrinsic(impl)
+    """Intrinsic (raw, roff, nsb, xq, xd, xb, m, tier) -> n float32, as kquant's row dots (kquant.k_rowdot runs
+    it): one row of nsb super-blocks of bb bytes (f16 d at byte d_off) against activation vectors m .. m + n - 1.
+    isums(e, wp, o, xs_at, bsums) -> per vector (<8 x i32> isum, <8 x i32> sub or None)."""
+    return k_rowdot(name, bb, _k_body(isums, d_off, subtract=True), n)
 
 
 def sb_idots(name, bb, isums):
     """Intrinsic (raw, roff, nsb, xq, xoff, xb, boff, out, ooff, tier) -> None: per super-block the integer sum
     and the integer term it subtracts (0 where none) into out[ooff + 2 i], out[ooff + 2 i + 1] (tests)."""
-
-    def impl(typingctx, raw, roff, nsb, xq, xoff, xb, boff, out, ooff, tier):
-        t = tier_of(tier)
-        if not (is_arr(raw, types.uint8) and is_arr(xq, types.int8) and is_arr(xb, types.int16)
-                and is_arr(out, types.int32) and t):
-            return None
-        sig = types.none(raw, types.intp, types.intp, xq, types.intp, xb, types.intp, out, types.intp, tier)
-
-        def codegen(context, builder, signature, args):
-            e = Emitter(context, builder, t)
-            b = builder
-            at = signature.args
-            r, ro, n, x, xo, xb_, bo, out_, oo, _ = args
-            wp = b.gep(e.base(at[0], r), [ro], source_etype=I8)
-            xp = b.gep(e.base(at[3], x), [xo], source_etype=I8)
-            bp = b.gep(e.base(at[5], xb_), [e.mul(bo, 2)], source_etype=I8)
-            op = b.gep(e.base(at[7], out_), [e.mul(oo, 4)], source_etype=I8)
-            with e.loop(n) as lp:
-                i = lp.index
-                xo, bo = e.mul(i, QK_K), e.mul(i, 2 * KB_SUMS)
-                xs_at = lambda v, j: e.ld(xp, e.add(xo, 32 * j), V(I8, 32))  # noqa: E731
-                bsums = [lambda off, ty: e.ld(bp, e.add(bo, off), ty)]
-                [(isum, sub)] = isums(e, wp, e.mul(i, bb), xs_at, bsums)
-                e.st(op, e.mul(i, 8), e.hsum_i(isum))
-                e.st(op, e.add(e.mul(i, 8), 4), ir.Constant(I32, 0) if sub is None else e.hsum_i(sub))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    impl.__name__ = f"_idots_{name}"
-    return intrinsic(impl)
+    return k_idots(name, bb, _k_body(isums, 0, subtract=False))
 
 
 # =========================================================================================================
