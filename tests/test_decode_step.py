@@ -10,17 +10,18 @@ buffer) fall back.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
 import engine
 from engine.kernels.cpu import attention, ir
-from engine.kernels.cpu import decode_step, step_tables
-from engine.kernels.quant_types import GGMLType
+from engine.kernels.cpu import decode_step, step_tables, step_variants
+from engine.kernels.quant_types import LOWBIT_TYPES, GGMLType
 from engine.models.base import log_softmax
 from engine.models import dense, registry
-from tests.conftest import in_kit
+from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING, in_kit
 from testdata import make_fixtures as mf
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
@@ -218,3 +219,28 @@ def test_step_caps_attention_scores_as_the_prompt_path_does(monkeypatch):
     model = engine.load_model(in_kit("gemma2", "tiny-gemma2-a.Q8_0.gguf"), selftest=False)
     assert model.config.attn_softcap == 0.5
     _compare(model, PROMPT)
+
+
+# One quant-kit file per set of low-bit types the kit holds (each set is a variant of the step of its own,
+# step_variants.py): Gemma 4 reads per-layer embeddings through the step's row decoder, LFM2 its convolution
+# inputs and Qwen3.5 its DeltaNet inputs through hybrid_step's matvec.
+LOWBIT_FILES = ["tiny-qwen3-a.Q2_K.gguf", "tiny-qwen3-a.Q3_K_M.gguf", "tiny-qwen3-a.IQ4_NL.gguf",
+                "tiny-qwen3-a.IQ4_XS.gguf", "tiny-gemma4-a.IQ4_XS.gguf", "tiny-lfm2-a.TQ1_0.gguf",
+                "tiny-qwen3-5-a.TQ2_0.gguf"]
+
+
+@pytest.mark.skipif(not (QUANT_KIT / "SUMMARY.json").is_file(), reason=QUANT_KIT_MISSING)
+@pytest.mark.parametrize("file", LOWBIT_FILES)
+def test_low_bit_models_get_a_step_of_their_own_types(file):
+    model = engine.load_model(QUANT_KIT / file, selftest=False)
+    summary = json.loads((QUANT_KIT / "SUMMARY.json").read_text())["files"]
+    lowbit = {int(t) for t in LOWBIT_TYPES if t.name in next(f for f in summary if f["file"] == file)["tensor_types"]}
+    assert lowbit and model.backend.step is not None and model.backend.step.lowbit == lowbit
+    run = model.backend.step.dispatcher
+    assert run is step_variants.step_for(tuple(sorted(lowbit))) and run is not decode_step.decode_step
+    _compare(model, PROMPT)
+
+
+def test_a_model_without_low_bit_types_keeps_the_shared_step():
+    model = engine.load_model(in_kit("qwen3", "tiny-qwen3-a.Q8_0.gguf"), selftest=False)
+    assert model.backend.step.dispatcher is decode_step.decode_step

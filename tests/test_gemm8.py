@@ -13,6 +13,7 @@ from engine.kernels.cpu import gemm8, int8, ir
 from engine.kernels.cpu.matmul import Int8Kernels
 from engine.kernels.quant_types import GGMLType, QTensor
 from testdata import make_fixtures
+from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING
 
 pytestmark = pytest.mark.skipif(not gemm8.available(), reason="the generic tier has no int8 GEMM (sgemm instead)")
 G = GGMLType
@@ -22,8 +23,16 @@ FORM_TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tie
               for t in ("avx2", "vnni")]
 
 
-@pytest.mark.parametrize("tier", FORM_TIERS)
-@pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K, G.Q6_K])
+TYPES = [G.Q4_K, G.Q5_K, G.Q6_K, G.Q2_K, G.Q3_K, G.IQ4_XS, G.TQ1_0, G.TQ2_0]
+
+
+def _type_tiers(types) -> list:
+    """(type, tier) for each type the GEMM's form under each tier takes (IQ4_XS: the 512-bit form only)."""
+    return [pytest.param(t, p.values[0], marks=p.marks, id=f"{t.name}-{p.values[0]}") for p in FORM_TIERS
+            for t in types if gemm8.usable(QTensor("w", t, (1, 256), np.zeros((1, 256), np.uint8)), p.values[0])]
+
+
+@pytest.mark.parametrize("t,tier", _type_tiers(TYPES))
 @pytest.mark.parametrize("T,rows,K", [(13, 40, 512), (8, 16, 256), (30, 7, 768)])
 def test_a_prompt_sees_the_numbers_a_decoded_token_sees(t, T, rows, K, tier):
     # the decode matvec (int8.py) on the same input: the same integer math, summed in another order
@@ -39,11 +48,13 @@ def test_a_prompt_sees_the_numbers_a_decoded_token_sees(t, T, rows, K, tier):
 
 # The quant bytes of each type's super-block (the rest: scales and minima): all bits set gives the largest u
 # (15, 31, 63), whose products with |x| = 127 the 256-bit form sums in int16 over a few groups before widening.
-QUANT_BYTES = {G.Q4_K: (144, slice(16, 144)), G.Q5_K: (176, slice(16, 176)), G.Q6_K: (210, slice(0, 192))}
+# Q2_K's 3, Q3_K's 7 (its high bits too), TQ2_0's 3, IQ4_XS's top level (113 + 128).
+QUANT_BYTES = {G.Q4_K: (144, slice(16, 144)), G.Q5_K: (176, slice(16, 176)), G.Q6_K: (210, slice(0, 192)),
+               G.Q2_K: (84, slice(16, 80)), G.Q3_K: (110, slice(0, 96)), G.TQ2_0: (66, slice(0, 64)),
+               G.IQ4_XS: (136, slice(8, 136))}
 
 
-@pytest.mark.parametrize("tier", FORM_TIERS)
-@pytest.mark.parametrize("t", [G.Q4_K, G.Q5_K, G.Q6_K])
+@pytest.mark.parametrize("t,tier", _type_tiers(QUANT_BYTES))
 def test_the_largest_quants_against_the_largest_inputs_do_not_overflow(t, tier):
     rng = np.random.default_rng(4)
     rows, K = 9, 512
@@ -113,12 +124,31 @@ def test_precompile_compiles_it_for_a_model_that_takes_it(monkeypatch):
 
     kit = in_kit("qwen2")
     warmed = []
-    monkeypatch.setattr(gemm8, "warm", lambda tier=None: warmed.append(tier))
+    monkeypatch.setattr(gemm8, "warm", lambda types, tier=None: warmed.append(types))
     for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", True), ("tiny-qwen2-a.Q8_0.gguf", False)):
         warmed.clear()
         engine.load_model(kit / name, selftest=False).backend.kernels.warm_prompt_gemm()
-        assert bool(warmed) == expected, name
+        # the model's types (Q4_K_M: Q4_K and Q6_K), each compiled on its own
+        assert warmed == ([[G.Q4_K, G.Q6_K]] if expected else []), name
     real = QTensor("w", G.Q4_K, (16, 256), np.zeros((16, 144), np.uint8))
     monkeypatch.undo()
     gemm8.warm()  # compiles (or finds in the cache) and runs on zeros
     assert not gemm8.matmul(gemm8.QuantizedInput(np.ones((8, 256), np.float32)), real).any()
+
+
+@pytest.mark.skipif(not (QUANT_KIT / "SUMMARY.json").is_file(), reason=QUANT_KIT_MISSING)
+def test_low_bit_models_take_it_for_their_types(monkeypatch):
+    # (their prompts against llama.cpp's: tests/test_lowbit_models.py, whose longer cases run through it)
+    import engine
+
+    calls = []
+    real = gemm8.matmul
+    monkeypatch.setattr(gemm8, "matmul", lambda qin, w, tier=None: calls.append(w.ggml_type) or real(qin, w, tier))
+    for name, low in (("Q2_K", {G.Q2_K, G.Q3_K}), ("Q3_K_M", {G.Q3_K}), ("IQ4_XS", {G.IQ4_XS}), ("TQ1_0", {G.TQ1_0}),
+                      ("TQ2_0", {G.TQ2_0})):
+        if not gemm8.usable(QTensor("w", G.IQ4_XS, (1, 256), np.zeros((1, 136), np.uint8))):
+            low -= {G.IQ4_XS}  # (the 256-bit form: dequantize + sgemm)
+        calls.clear()
+        model = engine.load_model(QUANT_KIT / f"tiny-qwen2-a.{name}.gguf", selftest=False)
+        model.prefill(list(range(10, 90)), model.new_cache(128))
+        assert low <= set(calls), (name, set(calls))

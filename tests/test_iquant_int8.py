@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine.kernels import reference
-from engine.kernels.cpu import int8, ir
+from engine.kernels.cpu import dequant_lowbit, int8, ir
 from engine.kernels.quant_types import BLOCK_GEOMETRY, STEP_TYPES, GGMLType, QTensor, row_bytes
 from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING
 from tests.test_q8_kernels import TIER_PARAMS, _assert_close, _ids, _inputs, _ref_quantize, _ref_quantize_k
@@ -236,3 +236,18 @@ def test_real_tensors(kit_matrices, tier):
         # Against exact f32 activations the int8 ones cost ~0.5 % (as in llama.cpp): a sanity bound.
         exact = x.astype(np.float64) @ wf.T.astype(np.float64)
         assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name
+
+
+def test_a_step_variant_compiles_its_own_low_bit_kernels_only():
+    # int8.rows_with / dequant_lowbit.row_with: the step's dispatches plus one model's low-bit types (a Q3_K_M
+    # file's), the other low-bit kernels pruned (the base types go through rows_into / dequant_row, called).
+    code = int(G.Q3_K)
+    rows, row = int8.rows_with((code,)), dequant_lowbit.row_with((code,))
+    raw = np.zeros(2 * row_bytes(G.Q3_K, 256), np.uint8)
+    qin = int8.quantize(np.ones((1, 256), np.float32), [G.Q3_K])
+    rows(code, raw, np.int64(0), raw.size // 2, np.int64(0), np.int64(2), *qin[1:], qin.x, np.zeros((1, 2), np.float32),
+         np.int64(0), ir.tier_token())
+    row(raw[: raw.size // 2], code, np.zeros(256, np.float32))
+    for f, pattern in ((rows, r"rows_(?:q2_k|q3_k|iq4_nl|iq4_xs|tq\d_0)"), (row, r"_row_(?:q2_k|q3_k|iq4_nl|iq4_xs|tq\d_0)")):
+        called = set(re.findall(pattern, "".join(f.inspect_llvm(s) for s in f.signatures)))
+        assert called == {pattern.split("(")[0] + "q3_k"}, called

@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.kernels import kernel_cache
 from engine.kernels.backend import PROMPT_TILE, ModelConfig, Weights
-from engine.kernels.cpu import (decode_step, expert_matmul, gemm8, ir, layout, ops, packed, recurrent,
+from engine.kernels.cpu import (decode_step, expert_matmul, ir, layout, ops, packed, recurrent,
                                 step_compile, step_roles, step_tables)
 from engine.kernels.cpu import selftest as self_test
 from engine.kernels.cpu.kv_cache import KVCache
@@ -81,15 +81,14 @@ class CpuBackend:
         the model decodes without the step until the compile elsewhere has put it there (step_compile.py)."""
         if self.path == "fast" and hasattr(self.kernels, "use_prompt_gemm8"):
             names = [n for i in range(config.n_layer) for n in step_roles.role_tensors(i, step_flags or {}) if n]
-            self.kernels.use_prompt_gemm8(gemm8.carries_most([weights.tensor(n) for n in names if weights.has(n)]))
+            self.kernels.use_prompt_gemm8([weights.tensor(n) for n in names if weights.has(n)])
         steps = self.path == "fast" and step_tables.supported(config, weights, step_flags)
         if steps:
             self.packed_buffer = layout.pack(weights, step_roles.matrix_names(config, weights, step_flags))
         types = self._self_test([weights.tensor(n) for n in matrices])
         if not steps or self.stepped_down & types:  # the step runs every matrix type's fast kernel
             return
-        # None where a tensor has a type outside the step's shared dispatch (a low-bit one, compiled per type on
-        # demand): such a model decodes layer by layer.
+        # A model with low-bit tensors gets the step's variant for its types (step_variants.py).
         self.step = step_tables.build(config, weights, step_flags, self.packed_buffer)
         if self._background_compile and self.step is not None:
             sig = self.step.signature([self.new_cache(config, 1)])

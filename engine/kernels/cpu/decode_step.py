@@ -19,7 +19,8 @@ small serial phases run on whichever thread claims them (docs/design-log.md has 
 Prompts take the families' forward passes over the backend's ops (dequantize per layer + BLAS sgemm); at one
 token the two agree up to float summation order (tests/test_decode_step.py). The CPU backend (backend.py)
 builds the step at load (step_tables.build: the tables it reads, built once per model) and runs it as its
-`decode`.
+`decode`. A model holding low-bit types (quant_types.LOWBIT_TYPES) runs a variant of this step compiled with its
+types added to the type dispatches (step_variants.py), so that no other model compiles their kernels.
 
 Weights are addressed as rows [byte offset, rows, row bytes, type, packed offset] into the one buffer of the
 mapped file and the one buffer of packed copies (packed.py: the 4- and 5-bit legacy types, 8 rows interleaved,

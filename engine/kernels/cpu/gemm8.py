@@ -1,4 +1,5 @@
-"""Prompt matmuls (T input rows at once) in int8: the fast path's prefill for K-quant matrices.
+"""Prompt matmuls (T input rows at once) in int8: the fast path's prefill for K-quant matrices (Q4_K, Q5_K, Q6_K;
+the low-bit Q2_K, Q3_K, TQ1_0, TQ2_0, and IQ4_XS in the 512-bit form: their unpacking, gemm8_unpack.py).
 
 Why: a prompt through dequantized f32 weights and sgemm runs at the f32 FMA peak (8 MACs per 256-bit FMA, 16 per
 512-bit); int8 does more per instruction (`vpdpbusd` on 512 bits: 64; AVX2's `vpmaddubsw`: 32 into int16 pairs),
@@ -8,7 +9,8 @@ prefill behind llama.cpp's (docs/benchmarks.md, "Measurements behind the code", 
 The math is the decode matvec's (kquant.py), so a prompt and a decoded token see the same numbers: the input
 quantized as Q8_K (int8 per 256 columns, quantize.py), the weights' own unsigned quants u and, per sub-block j,
 w = a_j u - b_j: Q4_K/Q5_K (4/5-bit u, sub-blocks of 32) a_j = d sc_j, b_j = dmin m_j; Q6_K (6-bit u, sub-blocks
-of 16) a_j = d sc_j, b_j = 32 d sc_j. Per row and token: sum_j [a_j (sum u x) - b_j (sum x)] dx.
+of 16) a_j = d sc_j, b_j = 32 d sc_j (the low-bit types likewise: gemm8_unpack.py). Per row and token:
+sum_j [a_j (sum u x) - b_j (sum x)] dx. Each type compiles its own GEMM (_gemm_of), on its first prompt.
 How, per matrix and prompt chunk (one call split over plain threads, no BLAS, so no OpenMP workers spin against
 BLAS threads), in one of two forms (variant): R rows x TT tokens per tile, 16 x 8 with 512-bit VNNI, else 8 x 4:
 - each group of R rows is unpacked into the layout the kernel reads: per 4 columns, R rows x 4 bytes of u (one
@@ -23,6 +25,8 @@ tests/test_gemm8.py holds both forms to the decode matvec's result on the same i
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -31,18 +35,22 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from engine.kernels.cpu import ir as kir
-from engine.kernels.cpu import plain_threads
-from engine.kernels.cpu.dequant import f16_at, k_scale_min
-from engine.kernels.cpu.ir import FLT, I32, Q5_K_CODE, Q6_K_CODE, V, Emitter, is_arr
+from engine.kernels.cpu import gemm8_unpack, plain_threads
+from engine.kernels.cpu.ir import FLT, I32, Q2_K_CODE, Q3_K_CODE, Q5_K_CODE, Q6_K_CODE, V, Emitter, is_arr
 from engine.kernels.cpu.quantize import QK_K, quantize_k_into
-from engine.kernels.quant_types import GGMLType, QTensor
+from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
 
 # The two forms of the kernel: (rows, tokens) of a tile, by the token type that selects its code (see _tile_kernel)
 WIDE, NARROW = np.int32(0), np.int16(0)  # 512-bit vpdpbusd; 256-bit vpmaddubsw (AVX2)
 TILE = {"512": (16, 8), "256": (8, 4)}
 TOKENS = 8  # the input is padded to whole tiles of this many tokens (a multiple of both forms')
 BLOCK_BYTES = 256 * 1024  # unpacked rows a thread keeps (in L2) while every token tile passes over them
-TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.TQ1_0,
+                   GGMLType.TQ2_0})
+# IQ4_XS's quants are a codebook's levels (-127..113, here + 128): products with the input overflow the 256-bit
+# form's int16 pair sums, so only the 512-bit form (int32 sums) takes it. (IQ4_NL, like the legacy types, reads
+# Q8_0 activations at decode: its prompts take dequantize + sgemm, not a GEMM that would see other numbers.)
+WIDE_TYPES = frozenset({GGMLType.IQ4_XS})
 
 
 def variant(tier: str | None = None) -> str | None:
@@ -58,18 +66,18 @@ def available(tier: str | None = None) -> bool:
     return variant(tier) is not None
 
 
-def usable(w: QTensor) -> bool:
-    return w.ggml_type in TYPES and w.cols % QK_K == 0
+def usable(w: QTensor, tier: str | None = None) -> bool:
+    return (w.ggml_type in TYPES or (w.ggml_type in WIDE_TYPES and variant(tier) == "512")) and w.cols % QK_K == 0
 
 
-def carries_most(matrices: list[QTensor]) -> bool:
+def carries_most(matrices: list[QTensor], tier: str | None = None) -> bool:
     """Whether this GEMM would carry most of a prompt's matrix work (by weights): the rule for using it on a model.
     Where it would carry little, its calls sit between sgemm calls in every layer, and each pays for the BLAS
     threads still spinning from the last sgemm: Gemma 3 270M Q4_K_M (its ffn_down matrices only) prefilled
     slower with it, the Qwen2.5-1.5B shape (Q4_K and Q6_K) clearly faster (docs/benchmarks.md, "Measurements
     behind the code", gemm8 carries_most)."""
     total = sum(w.rows * w.cols for w in matrices)
-    return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w)) >= total
+    return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w, tier)) >= total
 
 
 def _tile_kernel(sub: int, chunk: int):
@@ -176,76 +184,12 @@ def _tile_kernel(sub: int, chunk: int):
 _tile_q4, _tile_q5, _tile_q6 = _tile_kernel(32, 8), _tile_kernel(32, 4), _tile_kernel(16, 2)
 
 
-@njit(cache=True)
-def _unpack(raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
-    """Rows [r0, r0 + R) of raw (zeros past `rows`; R = ws.shape[2], the tile's rows) -> tile (their quants u,
-    layout above), ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term), wi (sub-blocks, R) i32 (its
-    integer scale as two i16) and wd (nsb, R) f32 (each super-block's d); u: scratch (K,) uint8."""
-    t32 = tile.view(np.uint32)
-    u32 = u.view(np.uint32)
-    R = ws.shape[2]
-    for r in range(R):
-        if r0 + r >= rows:
-            u[:] = 0
-            ws[:, :, r] = 0.0
-            wi[:, r] = 0
-            wd[:, r] = 0.0
-        elif code == Q6_K_CODE:
-            _unpack_q6_k(raw[r0 + r], nsb, u, ws, wi, wd, r)
-        else:
-            _unpack_q45_k(raw[r0 + r], code, nsb, u, ws, wi, wd, r)
-        for i in range(nsb * QK_K // 4):  # 4 columns at a time into their group
-            t32[i * R + r] = u32[i]
+_unpack_of = njit(inline="always")(gemm8_unpack.unpack)
 
 
-@njit(cache=True)
-def _unpack_q45_k(src, code, nsb, u, ws, wi, wd, r):
-    """Q4_K/Q5_K: w = d sc_j u - dmin m_j per sub-block j of 32 (u: 4 bits, Q5_K's fifth from qh)."""
-    bb = 176 if code == Q5_K_CODE else 144  # bytes per super-block
-    qs = 48 if code == Q5_K_CODE else 16  # where the 4-bit quants start
-    for sb in range(nsb):
-        o = sb * bb
-        d, dmin = f16_at(src, o), f16_at(src, o + 2)
-        wd[sb, r] = d
-        for j in range(8):  # sub-block j: nibble j % 2 of the 32 bytes at qs + 32 (j // 2)
-            sc, m = k_scale_min(src, o + 4, j)
-            wi[sb * 8 + j, r] = sc | (sc << 16)
-            ws[sb * 8 + j, 0, r] = d * np.float32(sc)
-            ws[sb * 8 + j, 1, r] = dmin * np.float32(m)
-            q0, sh, y = o + qs + 32 * (j // 2), 4 * (j % 2), sb * QK_K + 32 * j
-            for c in range(32):
-                v = (src[q0 + c] >> sh) & 15
-                if code == Q5_K_CODE:  # the fifth bit of weight c is bit j of qh[c]
-                    v |= ((src[o + 16 + c] >> j) & 1) << 4
-                u[y + c] = v
-
-
-@njit(cache=True)
-def _unpack_q6_k(src, nsb, u, ws, wi, wd, r):
-    """Q6_K: w = d sc_g (u - 32) per sub-block g of 16 (u: 6 bits; reference.py gives the weight order), so the
-    scale is d sc_g and the min term 32 d sc_g."""
-    for sb in range(nsb):
-        o = sb * 210  # ql[128] | qh[64] | i8 scales[16] | f16 d
-        d = f16_at(src, o + 208)
-        wd[sb, r] = d
-        for g in range(16):
-            isc = (np.int32(src[o + 192 + g]) ^ 128) - 128
-            wi[sb * 16 + g, r] = np.int32((isc & 0xFFFF) | (isc << 16))  # the i8 scale in both i16 halves
-            sc = d * np.float32(isc)
-            ws[sb * 16 + g, 0, r] = sc
-            ws[sb * 16 + g, 1, r] = np.float32(32.0) * sc
-        for h in range(2):  # weight 128 h + 32 qt + c; the runs of 32 in loops of their own, which vectorize
-            for qt in range(4):
-                lo, lo_shift, hi, hi_shift = o + 64 * h + 32 * (qt % 2), 4 * (qt // 2), o + 128 + 32 * h, 2 * qt
-                y = sb * QK_K + 128 * h + 32 * qt
-                for c in range(32):
-                    u[y + c] = ((src[lo + c] >> lo_shift) & 15) | (((src[hi + c] >> hi_shift) & 3) << 4)
-
-
-@njit(nogil=True, cache=True)
 def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
     """Chunk ch of n_chunks (a range of row groups) of out = x @ W.T in tiles of R rows x TT tokens (the form's);
-    the chunks run on plain threads."""
+    the chunks run on plain threads. Plain Python: compiled per type (_gemm_of), its code a constant."""
     rows, K = raw.shape[0], xq.shape[1]
     nsb, T = K // QK_K, out.shape[0]
     n_groups = (rows + R - 1) // R
@@ -261,19 +205,34 @@ def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
     for g0 in range(ch * n_groups // n_chunks, g_end, per_block):
         ng = min(per_block, g_end - g0)
         for j in range(ng):
-            _unpack(raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j], wi[j], wd[j])
+            _unpack_of(raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j], wi[j], wd[j])
         for t0 in range(0, xq.shape[0], TT):  # one tile of tokens (L1) against every group of the block
             for j in range(ng):
                 r0 = (g0 + j) * R
-                if code == Q6_K_CODE:  # sub-blocks of 16
+                if code == Q6_K_CODE or code == Q2_K_CODE or code == Q3_K_CODE:  # sub-blocks of 16
                     _tile_q6(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], wi[j], wd[j], res)
                 elif code == Q5_K_CODE:
                     _tile_q5(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], wi[j], wd[j], res)
-                else:
+                else:  # Q4_K; the ternary types (u <= 3); IQ4_XS (the 512-bit form only)
                     _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], wi[j], wd[j], res)
                 for t in range(min(TT, T - t0)):
                     for r in range(min(R, rows - r0)):
                         out[t0 + t, r0 + r] = res[t, r]
+
+
+_gemm_inline = njit(inline="always")(_gemm)
+
+
+@functools.cache
+def _gemm_of(code: int):
+    """The GEMM for one weight type (a closure holding its code: numba compiles that type's unpacker and tile
+    kernel only, and its cache keys the closure by the code), so a model compiles the types it has."""
+
+    @njit(nogil=True, cache=True)
+    def gemm(form, R, TT, raw, xq, xd, xm32, xm16, out, n_chunks, ch):
+        _gemm_inline(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch)
+
+    return gemm
 
 
 class QuantizedInput:
@@ -306,18 +265,20 @@ def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarr
     R, TT = TILE[form]
     out = np.empty((qin.T, w.rows), np.float32)
     n = max(1, min(-(-w.rows // R), numba.get_num_threads()))
-    args = (WIDE if form == "512" else NARROW, R, TT, w.raw, np.int64(int(w.ggml_type)), qin.xq, qin.xd, qin.xm32,
-            qin.xm16, out, n)
-    plain_threads.split(_gemm, args, n)
+    args = (WIDE if form == "512" else NARROW, R, TT, w.raw, qin.xq, qin.xd, qin.xm32, qin.xm16, out, n)
+    plain_threads.split(_gemm_of(int(w.ggml_type)), args, n)
     return out
 
 
-def warm(tier: str | None = None) -> None:
-    """Compile the GEMM for the form this CPU runs into numba's on-disk cache (a few seconds, once per machine),
-    on one tile of zeros: engine/loading/precompile.py calls it for a model that uses it, so a first long prompt
-    does not wait for it. One call compiles all three types' kernels (the type is a run-time argument)."""
+def warm(ggml_types=(GGMLType.Q4_K,), tier: str | None = None) -> None:
+    """Compile the GEMM of these weight types for the form this CPU runs into numba's on-disk cache (seconds, once
+    per machine), on one tile of zeros: engine/loading/precompile.py calls it for a model that uses it, so a first
+    long prompt does not wait for it."""
     if not available(tier):
         return
     rows = TILE[variant(tier)][0]
-    w = QTensor("warm", GGMLType.Q4_K, (rows, QK_K), np.zeros((rows, 144), np.uint8))
-    matmul(QuantizedInput(np.zeros((TOKENS, QK_K), np.float32)), w, tier)
+    qin = QuantizedInput(np.zeros((TOKENS, QK_K), np.float32))
+    for t in ggml_types:
+        w = QTensor("warm", GGMLType(int(t)), (rows, QK_K), np.zeros((rows, row_bytes(GGMLType(int(t)), QK_K)), np.uint8))
+        if usable(w, tier):
+            matmul(qin, w, tier)

@@ -233,6 +233,7 @@ class Int8Kernels(ExactKernels):
         # Prompts over K-quant matrices: the int8 GEMM (gemm8.py) where the tier has one (AVX2 and up), else
         # sgemm; a backend turns it off for a model where it would carry little of the work (use_prompt_gemm8).
         self._gemm8 = gemm8.available(self.tier)
+        self._gemm8_types: frozenset = frozenset()  # the types it runs for the model (use_prompt_gemm8)
         self._gemm8_form = gemm8.variant(self.tier)  # "512", "256" or None
         self.gemm8_min_t = GEMM8_MIN_T if self._gemm8_form == "512" else GEMM8_MIN_T_256  # more rows: the GEMM
 
@@ -250,21 +251,24 @@ class Int8Kernels(ExactKernels):
             hit = self._groups[key] = (int8.prepare(ws) if quantized else None, slices)
         return hit
 
-    def use_prompt_gemm8(self, on: bool) -> None:
-        """Run prompts over K-quant matrices on the int8 GEMM (where the CPU can), or on dequantize + sgemm."""
-        self._gemm8 = on and gemm8.available(self.tier)
+    def use_prompt_gemm8(self, matrices: Sequence[QTensor]) -> None:
+        """Run prompts on the int8 GEMM (where the CPU can) for a model whose layers' `matrices` it carries most
+        of (gemm8.carries_most), else on dequantize + sgemm."""
+        self._gemm8 = gemm8.available(self.tier) and gemm8.carries_most(list(matrices), self.tier)
+        self._gemm8_types = frozenset(w.ggml_type for w in matrices if gemm8.usable(w, self.tier))
 
     def warm_prompt_gemm(self) -> None:
-        """Compile the int8 GEMM now where this model's prompts will take it (engine/loading/precompile.py)."""
+        """Compile the int8 GEMM of this model's types now where its prompts will take it
+        (engine/loading/precompile.py)."""
         if self._gemm8:
-            gemm8.warm(self.tier)
+            gemm8.warm(sorted(self._gemm8_types), self.tier)
 
     def _prompt_gemm8(self, x: np.ndarray, ws: Sequence[QTensor]) -> bool:
-        return self._gemm8 and x.shape[0] > self.gemm8_min_t and all(gemm8.usable(w) for w in ws)
+        return self._gemm8 and x.shape[0] > self.gemm8_min_t and all(gemm8.usable(w, self.tier) for w in ws)
 
     def _matvec_max_t(self, ws: Sequence[QTensor]) -> int:
         """The most input rows the integer matvec takes for these matrices (more: the GEMM or sgemm)."""
-        if self._gemm8 and self._gemm8_form == "512" and all(gemm8.usable(w) for w in ws):
+        if self._gemm8 and self._gemm8_form == "512" and all(gemm8.usable(w, self.tier) for w in ws):
             return GEMM8_MIN_T  # the 512-bit form's fixed cost: the matvec up to it
         return Q8_MATVEC_MAX_T
 

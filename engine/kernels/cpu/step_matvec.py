@@ -14,8 +14,9 @@ from numba import njit
 from engine.kernels.cpu import atomics, int8, packed, quantize
 from engine.kernels.cpu.step_roles import OFFSET, PACKED, ROW_BYTES, ROWS, TYPE
 
-LEGACY_CODES = tuple(int(t) for t in int8.LEGACY_TYPES)
-K_CODES = tuple(int(t) for t in int8.K_TYPES)
+# (the low-bit types too: a step variant runs them, step_variants.py; comparisons only, no kernels compiled)
+LEGACY_CODES = tuple(sorted(int(t) for t in int8.LEGACY_TYPES | int8.LOWBIT_LEGACY))
+K_CODES = tuple(sorted(int(t) for t in int8.K_TYPES | int8.LOWBIT_K))
 
 
 @njit(cache=True)

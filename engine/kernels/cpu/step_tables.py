@@ -9,11 +9,11 @@ from numba import njit, typeof, types
 from numba.typed import List
 
 from engine.kernels.backend import ModelConfig, Weights, frequency_divisors
-from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step, ops
-from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, Biases, decode_step
+from engine.kernels.cpu import attention, gemma4_step, hybrid_step, ir, moe_step, ops, step_variants
+from engine.kernels.cpu.decode_step import ROW_RANGES_PER_THREAD, Biases
 from engine.kernels.cpu.kv_cache import KVCache
 from engine.kernels.cpu.step_roles import ATTN_Q, ATTN_V, NORMS, POST_ATTN_NORM, ROLES, role_tensors
-from engine.kernels.quant_types import STEP_TYPES
+from engine.kernels.quant_types import COMPUTE_TYPES, LOWBIT_TYPES
 from engine.kernels.threads import get_threads
 
 _EMPTY = [0, 0, 0, 0, -1]  # a role a fused tensor holds: 0 rows, which every phase skips
@@ -28,6 +28,7 @@ class DecodeStep:
     def __init__(self, cfg: ModelConfig, w: Weights, flags: dict, buf: np.ndarray, pbuf: np.ndarray | None,
                  tier: str | None = None):
         self.buf = buf
+        self.lowbit: set[int] = set()  # the low-bit types the step reads (_entry): they choose its variant
         self.pbuf = pbuf if pbuf is not None else _NO_PACKED  # the packed copies (layout.pack)
         E, D, L = cfg.n_embd, cfg.head_dim, cfg.n_layer
         # a role's tensor the layer lacks (Gemma 4: keys = values, no attn_v) stays empty
@@ -76,17 +77,20 @@ class DecodeStep:
         self.embed_scale = np.float32(cfg.embed_scale)
         self.tier = ir.tier_token(tier)
         self._arrays = SequenceArrays()
+        # the compiled function: the shared step, or its variant with this model's low-bit types
+        # (step_compile.py asks it whether it is compiled yet)
+        self.dispatcher = step_variants.step_for(tuple(sorted(self.lowbit)))
 
     def _entry(self, w: Weights, name: str) -> list[int]:
         """[byte offset in buf, rows, row bytes, type code, byte offset of its packed rows in pbuf or -1]."""
         t = w.tensor(name)
-        if t.ggml_type not in STEP_TYPES:  # its run-time dispatch would take the code for another type's
+        if t.ggml_type not in COMPUTE_TYPES:  # no kernel of ours
             raise _NotInStep(f"{name} is {t.ggml_type.name}")
+        if t.ggml_type in LOWBIT_TYPES:
+            self.lowbit.add(int(t.ggml_type))
         off = _offset(t.raw, self.buf, name)
         packed_off = -1 if t.packed is None else _offset(t.packed, self.pbuf, name)
         return [off, t.rows, t.raw.shape[1], int(t.ggml_type), packed_off]
-
-    dispatcher = decode_step  # the compiled function (step_compile.py asks it whether it is compiled yet)
 
     def __call__(self, ids, caches: list[KVCache]) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -94,7 +98,7 @@ class DecodeStep:
             raise ValueError(f"{len(ids)} tokens for {len(caches)} sequences")
         for c in caches:  # one token each: the per-step path stays as plain as it was (runs is speculation's)
             c.reserve(1)
-        logits = decode_step(*self.arguments(ids, caches))
+        logits = self.dispatcher(*self.arguments(ids, caches))
         for c in caches:
             c.advance(1)
         return logits
@@ -117,7 +121,7 @@ class DecodeStep:
         ids = np.concatenate([np.asarray(r, np.int64).reshape(-1) for r in runs])
         rows = [c for r, c in zip(runs, caches) for _ in range(len(r))]
         pos = np.concatenate([np.arange(c.length, c.length + len(r), dtype=np.int64) for r, c in zip(runs, caches)])
-        logits = decode_step(*self.arguments(ids, rows, pos=pos))
+        logits = self.dispatcher(*self.arguments(ids, rows, pos=pos))
         for r, c in zip(runs, caches):
             c.advance(len(r))
         return logits
@@ -140,7 +144,7 @@ class DecodeStep:
         (their helpers compile on first use: ~3 s of a first run that decodes without the step)."""
         groups = ([c.k for c in caches], [c.v for c in caches]) + tuple(hybrid_step.states(caches))
         lists = tuple(types.ListType(typeof(g[0])) for g in groups)
-        return tuple(a if isinstance(a, types.Type) else decode_step.typeof_pyval(a)
+        return tuple(a if isinstance(a, types.Type) else self.dispatcher.typeof_pyval(a)
                      for a in self.arguments(np.zeros(len(caches), np.int64), caches, lists))
 
     def release(self) -> None:
@@ -214,12 +218,12 @@ def build(cfg: ModelConfig, w: Weights, flags: dict | None, packed_buffer: np.nd
         return None
     try:
         return DecodeStep(cfg, w, flags, w.buffer(), packed_buffer, tier)
-    except _NotInStep:  # a low-bit type (quant_types.LOWBIT_TYPES): the model decodes layer by layer
+    except _NotInStep:  # a type without kernels of ours in the step: the model decodes layer by layer
         return None
 
 
 class _NotInStep(Exception):
-    """A tensor the step would read has a type outside its shared dispatch."""
+    """A tensor the step would read has a type no kernel of the step runs."""
 
 
 def supported(cfg: ModelConfig, w: Weights, flags: dict | None) -> bool:
