@@ -100,13 +100,13 @@ def _scales(ws, wi, j, r, a, b, isc):
     wi[j, r] = np.int32((isc & 0xFFFF) | (isc << 16))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _crumbs_into(src, q0, u, y):
     """A half super-block's 2-bit fields (Q2_K, Q3_K, TQ2_0: reference._crumbs' order): field j of byte l of the
     32 at q0 is weight 32 j + l."""
     for j in range(4):
         for c in range(32):
-            u[y + 32 * j + c] = (np.int32(src[q0 + c]) >> (2 * j)) & 3
+            u[y + 32 * j + c] = (src[q0 + c] >> np.uint8(2 * j)) & np.uint8(3)  # (u8 math: vectorizes)
 
 
 @njit(cache=True)
@@ -136,23 +136,22 @@ def _unpack_q3_k(src, nsb, u, ws, wi, wd, r):
             sc = (lo | (hi << 4)) - 32
             a = d * np.float32(sc)
             _scales(ws, wi, sb * 16 + g, r, a, np.float32(4.0) * a, sc)
-        for h in range(2):
-            y = sb * QK_K + 128 * h
-            _crumbs_into(src, o + 32 + 32 * h, u, y)
-            for j in range(4):  # the third bit of weight 32 k + l: bit k of hmask[l]
-                for c in range(32):
-                    u[y + 32 * j + c] |= ((np.int32(src[o + c]) >> (4 * h + j)) & 1) << 2
+        for k in range(8):  # weight 32 k + c: field k % 4 of qs[32 (k // 4) + c], third bit: bit k of hmask[c]
+            q0, y = o + 32 + 32 * (k // 4), sb * QK_K + 32 * k
+            for c in range(32):
+                u[y + c] = ((src[q0 + c] >> np.uint8(2 * (k % 4))) & np.uint8(3)) | \
+                    (((src[o + c] >> np.uint8(k)) & np.uint8(1)) << np.uint8(2))
 
 
 _IQ4_U = (IQ4_NL_VALUES.astype(np.int16) + 128).astype(np.uint8)  # the codebook's levels as unsigned quants
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _nibble_levels(src, q0, u, y):
     """16 bytes of IQ4 nibbles (Q4_0's order: byte c's low nibble is weight c, its high one c + 16) -> 32 u."""
     for c in range(16):
-        u[y + c] = _IQ4_U[src[q0 + c] & 15]
-        u[y + 16 + c] = _IQ4_U[src[q0 + c] >> 4]
+        u[y + c] = _IQ4_U[src[q0 + c] & np.uint8(15)]
+        u[y + 16 + c] = _IQ4_U[src[q0 + c] >> np.uint8(4)]
 
 
 @njit(cache=True)
