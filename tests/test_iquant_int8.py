@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine.kernels import reference
-from engine.kernels.cpu import dequant_lowbit, int8, ir
+from engine.kernels.cpu import int8, ir, step_variants
 from engine.kernels.quant_types import BLOCK_GEOMETRY, STEP_TYPES, GGMLType, QTensor, row_bytes
 from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING
 from tests.test_q8_kernels import TIER_PARAMS, _assert_close, _ids, _inputs, _ref_quantize, _ref_quantize_k
@@ -185,7 +185,7 @@ def test_a_constant_code_compiles_its_own_kernel_only(t):
 
     @numba.njit(cache=False)
     def one(raw, rb, xq8, xs8, xqk, xdk, xbk, x, out, tier):
-        int8._rows_of(code, raw, np.int64(0), rb, 0, 2, xq8, xs8, xqk, xdk, xbk, x, out, np.int64(0), tier)
+        int8.rows_of_code(code, raw, np.int64(0), rb, 0, 2, xq8, xs8, xqk, xdk, xbk, x, out, np.int64(0), tier)
 
     raw = np.zeros(2 * row_bytes(t, 256), np.uint8)
     qin = int8.quantize(np.ones((1, 256), np.float32), [t])
@@ -239,10 +239,10 @@ def test_real_tensors(kit_matrices, tier):
 
 
 def test_a_step_variant_compiles_its_own_low_bit_kernels_only():
-    # int8.rows_with / dequant_lowbit.row_with: the step's dispatches plus one model's low-bit types (a Q3_K_M
+    # step_variants.rows_with / row_with: the step's dispatches plus one model's low-bit types (a Q3_K_M
     # file's), the other low-bit kernels pruned (the base types go through rows_into / dequant_row, called).
     code = int(G.Q3_K)
-    rows, row = int8.rows_with((code,)), dequant_lowbit.row_with((code,))
+    rows, row = step_variants.rows_with((code,)), step_variants.row_with((code,))
     raw = np.zeros(2 * row_bytes(G.Q3_K, 256), np.uint8)
     qin = int8.quantize(np.ones((1, 256), np.float32), [G.Q3_K])
     rows(code, raw, np.int64(0), raw.size // 2, np.int64(0), np.int64(2), *qin[1:], qin.x, np.zeros((1, 2), np.float32),

@@ -10,8 +10,6 @@ Same codegen as dequant.py (LLVM vector IR, no fast-math flags; its Block helper
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -194,32 +192,3 @@ def dequant_any_row(src, code, dst):
     else:
         _base_row(src, code, dst)
 
-
-_any_row = njit(inline="always")(dequant_any_row)
-_NO_CODE = -1
-
-
-@functools.cache
-def row_with(codes: tuple[int, ...]):
-    """dequant.dequant_row's dispatch with the low-bit types `codes` added (sorted, at most six), as int8.rows_with
-    adds them to the matvec's: the decode step's variant for a model holding them reads its embedding rows here."""
-    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * 6)[:6]
-
-    @njit(cache=True)
-    def row(src, code, dst):
-        if k0 != _NO_CODE and code == k0:
-            _any_row(src, k0, dst)
-        elif k1 != _NO_CODE and code == k1:
-            _any_row(src, k1, dst)
-        elif k2 != _NO_CODE and code == k2:
-            _any_row(src, k2, dst)
-        elif k3 != _NO_CODE and code == k3:
-            _any_row(src, k3, dst)
-        elif k4 != _NO_CODE and code == k4:
-            _any_row(src, k4, dst)
-        elif k5 != _NO_CODE and code == k5:
-            _any_row(src, k5, dst)
-        else:
-            dequant_row(src, code, dst)
-
-    return row

@@ -21,7 +21,8 @@ Public API (Python; each is one compiled call after argument checks):
   (and from ir.py: available_tiers(), TIER, tier_token(tier); from quantize.py: legacy_x_order(K))
 njit-callable (for the compiled decode step, decode_step.py): rows_into (one matrix's row range, dispatched on
 its type code; the tier token its last argument; not the low-bit types, which only the per-combination closures
-below dispatch, and rows_with: rows_into plus a model's low-bit types, for the step's variants, step_variants.py)
+below dispatch, and rows_of_code, the dispatch inlined for a constant code, as step_variants.py's rows_with adds
+them to rows_into for a model's step)
 and matvec_into (a tuple of weight arrays, one range of rows);
 with quantize.py's quantize_legacy_into and quantize_k_into.
 """
@@ -182,39 +183,8 @@ def _rows_any(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, 
         _rows_base(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
 
 
-_rows_of = njit(inline="always")(_rows_any)
+rows_of_code = njit(inline="always")(_rows_any)
 _NO_CODE = -1  # an unused slot
-
-
-_LOWBIT_SLOTS = 6  # rows_with's slots: every low-bit type at once
-
-
-@functools.cache
-def rows_with(codes: tuple[int, ...]):
-    """rows_into's dispatch with the low-bit types `codes` added (sorted, at most six): the decode step's variant
-    for a model holding them (step_variants.py) calls this where the shared step calls rows_into. Each slot a closure
-    cell, so numba prunes the empty ones and inlines one low-bit kernel per slot: a variant compiles its model's
-    low-bit types only."""
-    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * _LOWBIT_SLOTS)[:_LOWBIT_SLOTS]
-
-    @njit(cache=True)
-    def rows(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
-        if k0 != _NO_CODE and code == k0:
-            _rows_of(k0, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-        elif k1 != _NO_CODE and code == k1:
-            _rows_of(k1, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-        elif k2 != _NO_CODE and code == k2:
-            _rows_of(k2, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-        elif k3 != _NO_CODE and code == k3:
-            _rows_of(k3, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-        elif k4 != _NO_CODE and code == k4:
-            _rows_of(k4, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-        elif k5 != _NO_CODE and code == k5:
-            _rows_of(k5, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-        else:
-            rows_into(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
-
-    return rows
 
 
 @functools.cache
@@ -230,17 +200,17 @@ def _matvec_of(codes: tuple[int, ...]):
         lo, hi = ch * (s2 + w2.shape[0]) // n_chunks, (ch + 1) * (s2 + w2.shape[0]) // n_chunks
         a, z = max(lo, 0), min(hi, s1)
         if a < z:
-            _rows_of(c0, w0.reshape(-1), np.int64(0), w0.shape[1], a, z, xq8, xs8, xqk, xdk, xbk, x, out, np.int64(0),
+            rows_of_code(c0, w0.reshape(-1), np.int64(0), w0.shape[1], a, z, xq8, xs8, xqk, xdk, xbk, x, out, np.int64(0),
                      tier)
         if c1 != _NO_CODE:
             a, z = max(lo, s1), min(hi, s2)
             if a < z:
-                _rows_of(c1, w1.reshape(-1), np.int64(0), w1.shape[1], a - s1, z - s1, xq8, xs8, xqk, xdk, xbk, x,
+                rows_of_code(c1, w1.reshape(-1), np.int64(0), w1.shape[1], a - s1, z - s1, xq8, xs8, xqk, xdk, xbk, x,
                          out, np.int64(s1), tier)
         if c2 != _NO_CODE:
             a, z = max(lo, s2), hi
             if a < z:
-                _rows_of(c2, w2.reshape(-1), np.int64(0), w2.shape[1], a - s2, z - s2, xq8, xs8, xqk, xdk, xbk, x,
+                rows_of_code(c2, w2.reshape(-1), np.int64(0), w2.shape[1], a - s2, z - s2, xq8, xs8, xqk, xdk, xbk, x,
                          out, np.int64(s2), tier)
 
     return matvec_of

@@ -1,6 +1,6 @@
 """The compiled decode step for a model with low-bit tensors (quant_types.LOWBIT_TYPES): the shared step compiled
 once more, with its model's low-bit types added to the step's two run-time type dispatches (int8.rows_into for the
-matvecs, dequant.dequant_row for embedding rows), as int8.rows_with and dequant_lowbit.row_with give them.
+matvecs, dequant.dequant_row for embedding rows), as rows_with and row_with below give them.
 
 Why a second compile: numba compiles every branch of a run-time dispatch into every function that reaches it, and
 the shared step (decode_step.py) serves every model; with the six low-bit types in its dispatch every model would
@@ -24,8 +24,9 @@ from numba import njit
 from numba.core.caching import NullCache
 from numba.core.dispatcher import Dispatcher
 
-from engine.kernels.cpu import dequant, dequant_lowbit, int8
+from engine.kernels.cpu import dequant, int8
 from engine.kernels.cpu.decode_step import decode_step
+from engine.kernels.cpu.dequant_lowbit import dequant_any_row
 
 
 @functools.cache
@@ -33,8 +34,69 @@ def step_for(codes: tuple[int, ...]) -> Dispatcher:
     """The decode step that runs the low-bit types `codes` (sorted) besides the shared step's types."""
     if not codes:
         return decode_step
-    swaps = {int8.rows_into: int8.rows_with(codes), dequant.dequant_row: dequant_lowbit.row_with(codes)}
+    swaps = {int8.rows_into: rows_with(codes), dequant.dequant_row: row_with(codes)}
     return variant(decode_step, swaps, "lowbit_" + "_".join(str(c) for c in codes))
+
+
+_SLOTS = 6  # every low-bit type at once
+_NO_CODE = -1  # an empty slot
+# (globals, not closure cells: numba's cache keys a closure by pickling its cells, and a jitted function pickles
+# differently in every process)
+_rows_of_code = int8.rows_of_code
+_row_of_code = njit(inline="always")(dequant_any_row)
+
+
+@functools.cache
+def rows_with(codes: tuple[int, ...]):
+    """int8.rows_into's dispatch with the low-bit types `codes` (sorted, at most six) added. Each slot a closure
+    cell, so numba prunes the empty ones and inlines one low-bit kernel per slot (int8.rows_of_code with a
+    constant code): a variant compiles its model's low-bit types only, and numba's cache keys it by the codes."""
+    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * _SLOTS)[:_SLOTS]
+
+    @njit(cache=True)
+    def rows(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
+        if k0 != _NO_CODE and code == k0:
+            _rows_of_code(k0, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+        elif k1 != _NO_CODE and code == k1:
+            _rows_of_code(k1, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+        elif k2 != _NO_CODE and code == k2:
+            _rows_of_code(k2, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+        elif k3 != _NO_CODE and code == k3:
+            _rows_of_code(k3, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+        elif k4 != _NO_CODE and code == k4:
+            _rows_of_code(k4, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+        elif k5 != _NO_CODE and code == k5:
+            _rows_of_code(k5, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+        else:
+            int8.rows_into(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
+
+    return rows
+
+
+@functools.cache
+def row_with(codes: tuple[int, ...]):
+    """dequant.dequant_row's dispatch with the low-bit types `codes` added, as rows_with adds them to the
+    matvec's: the variant reads its embedding rows here."""
+    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * _SLOTS)[:_SLOTS]
+
+    @njit(cache=True)
+    def row(src, code, dst):
+        if k0 != _NO_CODE and code == k0:
+            _row_of_code(src, k0, dst)
+        elif k1 != _NO_CODE and code == k1:
+            _row_of_code(src, k1, dst)
+        elif k2 != _NO_CODE and code == k2:
+            _row_of_code(src, k2, dst)
+        elif k3 != _NO_CODE and code == k3:
+            _row_of_code(src, k3, dst)
+        elif k4 != _NO_CODE and code == k4:
+            _row_of_code(src, k4, dst)
+        elif k5 != _NO_CODE and code == k5:
+            _row_of_code(src, k5, dst)
+        else:
+            dequant.dequant_row(src, code, dst)
+
+    return row
 
 
 def variant(fn: Dispatcher, swaps: dict, tag: str) -> Dispatcher:
