@@ -152,21 +152,3 @@ def test_low_bit_models_take_it_for_their_types(monkeypatch):
         model = engine.load_model(QUANT_KIT / f"tiny-qwen2-a.{name}.gguf", selftest=False)
         model.prefill(list(range(10, 90)), model.new_cache(128))
         assert low <= set(calls), (name, set(calls))
-
-
-def test_its_prompts_keep_blas_to_one_thread_and_others_do_not():
-    # OpenBLAS's workers spin after each call and would starve the GEMM's plain threads (threads.py): a model
-    # whose prompts take the GEMM runs them with BLAS on one thread; a model on sgemm keeps its BLAS threads.
-    import engine
-    from threadpoolctl import threadpool_info
-    from tests.conftest import in_kit
-
-    def blas_threads():
-        return max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
-
-    before = blas_threads()
-    for name, expected in (("tiny-qwen2-a.Q4_K_M.gguf", 1), ("tiny-qwen2-a.Q8_0.gguf", before)):
-        backend = engine.load_model(in_kit("qwen2") / name, selftest=False).backend
-        with backend.prompt_pass():
-            assert blas_threads() == expected, name
-        assert blas_threads() == before

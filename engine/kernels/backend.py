@@ -14,8 +14,6 @@ cache, the compiled one-token step; the default) and "exact" (f32 throughout, we
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -161,10 +159,6 @@ class Backend(Protocol):
     def decode_runs(self, runs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> np.ndarray:
         """Several new tokens per sequence (runs[m] after caches[m]'s end) through the decode step, each row the
         numbers a step of that one token gives: raw head output (sum of the runs' lengths, head rows)."""
-
-    def prompt_pass(self) -> contextlib.AbstractContextManager:
-        """The context a chunk of a prompt runs its forward pass in (the CPU backend's keeps BLAS to one thread
-        where its own threads carry the matrix work)."""
 
     def end_prompt(self) -> None:
         """A prompt is done: let go of its scratch memory."""

@@ -6,16 +6,14 @@ package's __init__.py.)
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
 import numba
-from threadpoolctl import ThreadpoolController, threadpool_limits
+from threadpoolctl import threadpool_limits
 
 _limits = None  # keeps the BLAS limit in force for the life of the process
 _local = threading.local()  # the count set_threads gave this thread (numba's own count is per thread too)
-_controller: ThreadpoolController | None = None  # the BLAS libraries found once (finding them costs ~1 ms)
 
 
 def available_cores() -> int:
@@ -45,17 +43,3 @@ def get_threads() -> int:
     changed behind our back only changes how many workers split the step, not a result."""
     n = getattr(_local, "n", None)
     return n if n is not None else numba.get_num_threads()
-
-
-@contextlib.contextmanager
-def blas_single_threaded():
-    """BLAS on the calling thread only, within: for a prompt pass whose matrix work runs on plain threads
-    (gemm8.py). OpenBLAS's workers spin for a while after each call of theirs (the attention's small sgemms) and
-    starve the plain threads on a machine with as many threads as cores: the Qwen2.5-1.5B shape's 512-token
-    prompt took 3.0 s with two BLAS threads and 1.8 s with one (docs/benchmarks.md, "Measurements behind the
-    code", BLAS during the int8 GEMM)."""
-    global _controller
-    if _controller is None:
-        _controller = ThreadpoolController()
-    with _controller.limit(limits=1, user_api="blas"):
-        yield

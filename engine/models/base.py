@@ -109,7 +109,7 @@ class Model:
         ids[logits_from:], None when that is empty. The caller ends the prompt (backend.end_prompt)."""
         ids = np.asarray(ids, dtype=np.int64)
         cache.reserve(len(ids))
-        with COMPUTE, self.backend.prompt_pass():
+        with COMPUTE:
             hidden = self._forward(self.config, self.weights, self.backend, ids, cache)  # (T, n_embd)
             return self.head(hidden[logits_from:]) if logits_from < len(ids) else None
 
@@ -123,7 +123,7 @@ class Model:
             for c0 in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[c0 : c0 + PREFILL_CHUNK]
                 cache.reserve(len(chunk))
-                with COMPUTE, self.backend.prompt_pass():
+                with COMPUTE:
                     rows.append(np.array(self._forward(self.config, self.weights, self.backend, chunk, cache),
                                          np.float32))  # a copy: the forward pass's buffers are reused
         finally:

@@ -13,14 +13,12 @@ where the self-test (selftest.py) found a fast kernel wrong.
 
 from __future__ import annotations
 
-import contextlib
-
 import sys
 from typing import Sequence
 
 import numpy as np
 
-from engine.kernels import kernel_cache, threads
+from engine.kernels import kernel_cache
 from engine.kernels.backend import PROMPT_TILE, ModelConfig, Weights
 from engine.kernels.cpu import (decode_step, expert_matmul, ir, layout, ops, packed, recurrent,
                                 step_compile, step_roles, step_tables)
@@ -137,13 +135,6 @@ class CpuBackend:
         if self.step is None:
             raise RuntimeError("this backend has no compiled decode step for the model (see has_decode_step)")
         return self.step.runs(runs, caches)
-
-    def prompt_pass(self) -> contextlib.AbstractContextManager:
-        # Where the int8 GEMM carries the prompt's matrix work (plain threads), BLAS is left the attention's small
-        # products, and its threads' spinning after them would starve the GEMM's (threads.blas_single_threaded).
-        if getattr(self.kernels, "prompt_gemm8", False):
-            return threads.blas_single_threaded()
-        return contextlib.nullcontext()
 
     def end_prompt(self) -> None:
         release = getattr(self.kernels, "release", None)

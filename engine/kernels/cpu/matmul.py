@@ -257,11 +257,6 @@ class Int8Kernels(ExactKernels):
         self._gemm8 = gemm8.available(self.tier) and gemm8.carries_most(list(matrices), self.tier)
         self._gemm8_types = frozenset(w.ggml_type for w in matrices if gemm8.usable(w, self.tier))
 
-    @property
-    def prompt_gemm8(self) -> bool:
-        """Whether this model's prompts take the int8 GEMM (use_prompt_gemm8)."""
-        return self._gemm8
-
     def warm_prompt_gemm(self) -> None:
         """Compile the int8 GEMM of this model's types now where its prompts will take it
         (engine/loading/precompile.py)."""

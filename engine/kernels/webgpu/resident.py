@@ -18,8 +18,6 @@ default cache); the tables of RoPE are computed on the host in f64 as the CPU's 
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Sequence
 
 import numpy as np
@@ -117,9 +115,6 @@ class WebGPUResident:
     def forward(self, cfg, w, be, ids: np.ndarray, cache: WebGPUKVCache) -> np.ndarray:
         """A prompt chunk (models/family.py's ForwardFn): ids appended to cache; final-normed hidden (T, n_embd)."""
         return self._run(np.asarray(ids, np.int64), [(cache, 0, len(ids))], head=False)
-
-    def prompt_pass(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
     def end_prompt(self) -> None:
         self._scratch = {t: s for t, s in self._scratch.items() if t <= _PLANNED_ROWS}  # a prompt's activations go
