@@ -56,7 +56,11 @@ WIDE_TYPES = frozenset({GGMLType.IQ4_XS})
 def variant(tier: str | None = None) -> str | None:
     """The kernel form this CPU runs under `tier` (default: the one in force): "512" (512-bit VNNI), "256" (AVX2's
     vpmaddubsw, and AVX-VNNI without AVX-512), or None (the generic tier: dequantize + sgemm)."""
-    tier = tier or kir.TIER
+    return _form(tier or kir.TIER)
+
+
+@functools.cache  # (asked on every prompt matmul: reading the CPU's features through llvmlite takes ~0.2 ms)
+def _form(tier: str) -> str | None:
     if tier == "vnni" and {"avx512f", "avx512bw", "avx512vnni"} <= kir.target_features():
         return "512"
     return "256" if tier in ("avx2", "vnni") else None
@@ -236,21 +240,31 @@ def _gemm_of(code: int):
 
 
 class QuantizedInput:
-    """x (T, K) quantized once (Q8_K) for every matrix that reads it, padded to whole tiles of tokens."""
+    """x (T, K) quantized once (Q8_K) for every matrix that reads it, padded with zeros to whole tiles of tokens."""
 
     def __init__(self, x: np.ndarray):
         T, K = x.shape
         Tp = -(-T // TOKENS) * TOKENS
-        xp = np.zeros((Tp, K), np.float32)
-        xp[:T] = x
         nsb = K // QK_K
         self.T = T
         self.xq, self.xd = np.empty((Tp, K), np.int8), np.empty((Tp, nsb), np.float32)
         sums = np.empty((Tp, nsb, 24), np.int16)  # 8 sums over 32 columns, then 16 over 16
-        quantize_k_into(xp, self.xq, self.xd, sums, 0, K)
+        quantize_k_into(np.ascontiguousarray(x, np.float32), self.xq[:T], self.xd[:T], sums[:T], 0, K)
+        self.xq[T:], self.xd[T:], sums[T:] = 0, 0.0, 0  # the padding tokens: zeros (no copy of x to pad it)
         # minus dx times each sub-block's sum (of 32 columns, and of 16): the min terms' share, per token
-        self.xm32 = (-self.xd[:, :, None] * sums[:, :, :8]).reshape(Tp, nsb * 8).astype(np.float32)
-        self.xm16 = (-self.xd[:, :, None] * sums[:, :, 8:]).reshape(Tp, nsb * 16).astype(np.float32)
+        self.xm32, self.xm16 = np.empty((Tp, nsb * 8), np.float32), np.empty((Tp, nsb * 16), np.float32)
+        _min_terms(self.xd, sums, self.xm32, self.xm16)
+
+
+@njit(cache=True)
+def _min_terms(xd, sums, xm32, xm16):
+    for t in range(xd.shape[0]):
+        for sb in range(xd.shape[1]):
+            d = -xd[t, sb]
+            for j in range(8):
+                xm32[t, sb * 8 + j] = d * np.float32(sums[t, sb, j])
+            for j in range(16):
+                xm16[t, sb * 16 + j] = d * np.float32(sums[t, sb, 8 + j])
 
 
 def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarray:
