@@ -191,4 +191,3 @@ def dequant_any_row(src, code, dst):
         _row_tq2_0(src, dst)
     else:
         _base_row(src, code, dst)
-

@@ -293,6 +293,7 @@ def warm(ggml_types=(GGMLType.Q4_K,), tier: str | None = None) -> None:
     rows = TILE[variant(tier)][0]
     qin = QuantizedInput(np.zeros((TOKENS, QK_K), np.float32))
     for t in ggml_types:
-        w = QTensor("warm", GGMLType(int(t)), (rows, QK_K), np.zeros((rows, row_bytes(GGMLType(int(t)), QK_K)), np.uint8))
+        t = GGMLType(int(t))
+        w = QTensor("warm", t, (rows, QK_K), np.zeros((rows, row_bytes(t, QK_K)), np.uint8))
         if usable(w, tier):
             matmul(qin, w, tier)

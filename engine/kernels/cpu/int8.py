@@ -21,9 +21,9 @@ Public API (Python; each is one compiled call after argument checks):
   (and from ir.py: available_tiers(), TIER, tier_token(tier); from quantize.py: legacy_x_order(K))
 njit-callable (for the compiled decode step, decode_step.py): rows_into (one matrix's row range, dispatched on
 its type code; the tier token its last argument; not the low-bit types, which only the per-combination closures
-below dispatch, and rows_of_code, the dispatch inlined for a constant code, as step_variants.py's rows_with adds
-them to rows_into for a model's step)
-and matvec_into (a tuple of weight arrays, one range of rows);
+below dispatch: rows_of_code, that dispatch inlined for a constant code, through which step_variants.rows_with
+adds a model's low-bit types to rows_into for its step) and matvec_into (a tuple of weight arrays, one range of
+rows);
 with quantize.py's quantize_legacy_into and quantize_k_into.
 """
 
@@ -200,18 +200,18 @@ def _matvec_of(codes: tuple[int, ...]):
         lo, hi = ch * (s2 + w2.shape[0]) // n_chunks, (ch + 1) * (s2 + w2.shape[0]) // n_chunks
         a, z = max(lo, 0), min(hi, s1)
         if a < z:
-            rows_of_code(c0, w0.reshape(-1), np.int64(0), w0.shape[1], a, z, xq8, xs8, xqk, xdk, xbk, x, out, np.int64(0),
-                     tier)
+            rows_of_code(c0, w0.reshape(-1), np.int64(0), w0.shape[1], a, z, xq8, xs8, xqk, xdk, xbk, x, out,
+                         np.int64(0), tier)
         if c1 != _NO_CODE:
             a, z = max(lo, s1), min(hi, s2)
             if a < z:
-                rows_of_code(c1, w1.reshape(-1), np.int64(0), w1.shape[1], a - s1, z - s1, xq8, xs8, xqk, xdk, xbk, x,
-                         out, np.int64(s1), tier)
+                rows_of_code(c1, w1.reshape(-1), np.int64(0), w1.shape[1], a - s1, z - s1, xq8, xs8, xqk, xdk, xbk,
+                             x, out, np.int64(s1), tier)
         if c2 != _NO_CODE:
             a, z = max(lo, s2), hi
             if a < z:
-                rows_of_code(c2, w2.reshape(-1), np.int64(0), w2.shape[1], a - s2, z - s2, xq8, xs8, xqk, xdk, xbk, x,
-                         out, np.int64(s2), tier)
+                rows_of_code(c2, w2.reshape(-1), np.int64(0), w2.shape[1], a - s2, z - s2, xq8, xs8, xqk, xdk, xbk,
+                             x, out, np.int64(s2), tier)
 
     return matvec_of
 

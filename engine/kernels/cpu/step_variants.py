@@ -137,7 +137,8 @@ class _Rebinder:
             if new is not value:
                 rebound[name] = new
         for cell in py.__closure__ or ():
-            if isinstance(cell.cell_contents, Dispatcher) and self.dispatcher(cell.cell_contents) is not cell.cell_contents:
+            held = cell.cell_contents
+            if isinstance(held, Dispatcher) and self.dispatcher(held) is not held:
                 raise NotImplementedError(f"{py.__qualname__} reaches a swapped kernel through a closure")
         if not rebound:
             return d
