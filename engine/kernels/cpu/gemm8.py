@@ -16,7 +16,8 @@ BLAS threads), in one of two forms (variant): R rows x TT tokens per tile, 16 x 
 - each group of R rows is unpacked into the layout the kernel reads: per 4 columns, R rows x 4 bytes of u (one
   register), and per sub-block the R rows' a_j and b_j as f32 (and a_j as an integer scale and d, for the 256);
 - the tile kernel (IR intrinsic) computes R rows x TT tokens: per 4 columns one weight register and, per token,
-  its 4 bytes broadcast into vpdpbusd (512: per sub-block the integer sums times a_j dx accumulate in f32) or
+  its 4 bytes broadcast into vpdpbusd (512: per sub-block the integer sums times a_j dx accumulate in f32, or where
+  b_j = c a_j the sums of (u - c) x times the integer scale in int32 over the super-block: _symmetric_tile) or
   vpmaddubsw (256: the products' pairs summed in int16 over a few groups, then vpmaddwd by the sub-block's integer
   scale into int32 over the whole super-block, times d dx once per super-block); b_j times the token's scaled
   sum of the sub-block is subtracted in f32.
@@ -36,7 +37,8 @@ from numba.extending import intrinsic
 
 from engine.kernels.cpu import ir as kir
 from engine.kernels.cpu import gemm8_unpack, plain_threads
-from engine.kernels.cpu.ir import FLT, I32, Q2_K_CODE, Q3_K_CODE, Q5_K_CODE, Q6_K_CODE, V, Emitter, is_arr
+from engine.kernels.cpu.ir import (FLT, I32, IQ4_XS_CODE, Q2_K_CODE, Q3_K_CODE, Q4_K_CODE, Q5_K_CODE, Q6_K_CODE, V,
+                                   Emitter, is_arr)
 from engine.kernels.cpu.quantize import QK_K, quantize_k_into
 from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
 
@@ -84,34 +86,37 @@ def carries_most(matrices: list[QTensor], tier: str | None = None) -> bool:
     return total > 0 and 2 * sum(w.rows * w.cols for w in matrices if usable(w, tier)) >= total
 
 
-def _tile_kernel(sub: int, chunk: int):
+def _tile_kernel(sub: int, chunk: int, symmetric: bool = False, lut=None):
     """The tile intrinsic for sub-blocks of `sub` columns (32: Q4_K/Q5_K, 16: Q6_K):
     (form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, wi, wd, res) -> res (tokens, rows) f32 = a tile's tokens (rows
     xoff / K .. of xq) x its rows (see module doc). ws: per sub-block, `rows` f32 of its scale a_j then `rows` of
     its min term b_j; xd (T, nsb) scales and xm (T, nsb * 256 / sub) minus dx times the sum of each sub-block, from
     token soff / nsb. wi (sub-blocks, rows) i32 and wd (nsb, rows) f32: a_j split into an integer scale (twice,
     as two i16) and the super-block's d, for the 256-bit form.
-    form WIDE: 16 rows x 8 tokens, vpdpbusd on 512 bits, a_j applied per sub-block in f32. NARROW: 8 rows x 4
+    form WIDE: 16 rows x 8 tokens, vpdpbusd on 512 bits, a_j applied per sub-block in f32 (symmetric: the types
+    with b_j = c a_j, _symmetric_tile; lut: the levels of the codebook indices in the tile). NARROW: 8 rows x 4
     tokens, vpmaddubsw (u8 x s8 pairs into i16) summed over `chunk` groups of 4 columns in i16 (chunk x 2 x max u x
     127 < 2^15), then vpmaddwd by the integer scale into i32, summed over the super-block; d once per super-block."""
     nsub = QK_K // sub
 
-    def impl(typingctx, form, tile, nsb, xq, xoff, K, xd, xm, soff, ws, wi, wd, res):
+    def impl(typingctx, form, tile, nsb, xq, xoff, K, xd, xm, xs, soff, ws, wi, wd, res):
         if not (isinstance(form, types.Integer) and form.bitwidth in (16, 32) and is_arr(tile, types.uint8)
                 and is_arr(xq, types.int8) and is_arr(xd, types.float32) and is_arr(xm, types.float32)
-                and is_arr(ws, types.float32) and is_arr(wi, types.int32) and is_arr(wd, types.float32)
-                and is_arr(res, types.float32)):
+                and is_arr(xs, types.int32) and is_arr(ws, types.float32) and is_arr(wi, types.int32)
+                and is_arr(wd, types.float32) and is_arr(res, types.float32)):
             return None
         wide = form.bitwidth == 32
+        if lut is not None and not (wide and symmetric):
+            return None
         rows, tokens = TILE["512" if wide else "256"]
-        sig = types.none(form, tile, types.intp, xq, types.intp, types.intp, xd, xm, types.intp, ws, wi, wd, res)
+        sig = types.none(form, tile, types.intp, xq, types.intp, types.intp, xd, xm, xs, types.intp, ws, wi, wd, res)
 
         def codegen(context, builder, signature, args):
             e = Emitter(context, builder, "vnni" if wide else "avx2")
             b = builder
             at = signature.args
-            _, tl, n, x, xo, k, d, m, so, w, wint, wdd, r = args
-            tp, wp, rp = e.base(at[1], tl), e.base(at[9], w), e.base(at[12], r)
+            _, tl, n, x, xo, k, d, m, xsum, so, w, wint, wdd, r = args
+            tp, wp, rp = e.base(at[1], tl), e.base(at[10], w), e.base(at[13], r)
             xp = b.gep(e.base(at[3], x), [xo], source_etype=kir.I8)
             dp = b.gep(e.base(at[6], d), [e.mul(so, 4)], source_etype=kir.I8)
             mp = b.gep(e.base(at[7], m), [e.mul(so, 4 * nsub)], source_etype=kir.I8)
@@ -121,7 +126,12 @@ def _tile_kernel(sub: int, chunk: int):
             iacc = [cgutils.alloca_once(b, vi) for _ in range(tokens)]  # entry block: kept in registers
 
             def weights(j, g, ty):  # group g of sub-block j: 4 columns of the tile's rows
-                return e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), ty)
+                w = e.ld(tp, e.add(e.mul(j, sub // 4 * group), g * group), ty)
+                if lut is None:
+                    return w
+                v64 = V(kir.I8, 64)  # the tile holds codebook indices: their levels, one vpshufb per register
+                table = e.vc(kir.I8, [int(v) - 256 * (v > 127) for v in lut] * 4)
+                return b.bitcast(e.call("llvm.x86.avx512.pshuf.b.512", v64, [table, b.bitcast(w, v64)]), ty)
 
             def inputs(j, g, t):  # token t's 4 bytes at group g of sub-block j, in every lane
                 return e.splat(e.ld(xp, e.add(e.add(e.mul(j, sub), 4 * g), e.mul(k, t)), I32), rows)
@@ -134,7 +144,11 @@ def _tile_kernel(sub: int, chunk: int):
                 for t in range(tokens):
                     e.fmacc(facc[t], mins, e.splat(e.ld(mp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), FLT), rows))
 
-            if wide:
+            if wide and symmetric:  # b_j = c a_j: integer sums over the super-block (see _symmetric_tile)
+                _symmetric_tile(e, n, nsub, sub, tokens, rows, iacc, facc, weights, inputs, dx_of,
+                                b.gep(e.base(at[8], xsum), [e.mul(so, 4 * nsub)], source_etype=kir.I8),
+                                e.base(at[11], wint), e.base(at[12], wdd))
+            elif wide:
                 with e.loop(e.mul(n, nsub)) as lp:  # sub-blocks, over all super-blocks
                     j = lp.index
                     sb = b.udiv(j, e.i64(nsub))
@@ -151,7 +165,7 @@ def _tile_kernel(sub: int, chunk: int):
                     min_terms(j)
             else:
                 v32, v16 = V(kir.I8, 32), V(kir.I16, 16)
-                wip, wdp = e.base(at[10], wint), e.base(at[11], wdd)
+                wip, wdp = e.base(at[11], wint), e.base(at[12], wdd)
                 with e.loop(n) as lp:  # super-blocks
                     sb = lp.index
                     for t in range(tokens):
@@ -180,18 +194,55 @@ def _tile_kernel(sub: int, chunk: int):
 
         return sig, codegen
 
-    impl.__name__ = f"_tile{sub}_{chunk}"
+    impl.__name__ = f"_tile{sub}_{chunk}{'_sym' if symmetric else ''}{'_lut' if lut is not None else ''}"
     return intrinsic(impl)
+
+
+def _symmetric_tile(e, n, nsub, sub, tokens, rows, iacc, facc, weights, inputs, dx_of, xsp, wip, wdp):
+    """The 512-bit form for the types whose min term is a constant c times the scale (w = a_j (u - c), a_j = d s_j
+    with s_j an integer: IQ4_XS, Q6_K, Q3_K, TQ1_0, TQ2_0). Each sub-block's vpdpbusd sums start from the token's
+    -c sum(x) over the sub-block (xsp: int32 per token and sub-block), so they come out as sum (u - c) x; times
+    s_j (vpmulld) they add up in int32 over the super-block, and d dx is applied once per super-block. Per token and
+    sub-block that is a multiply and an add where the float form takes a convert, a multiply and two FMAs (the min
+    term): the GEMM's overhead beside its vpdpbusd (IQ4_XS: |s_j (u - c) x| summed <= 8 x 32 x 32 x 127 x 127 <
+    2^31)."""
+    b = e.b
+    vi, vf = V(I32, rows), V(FLT, rows)
+    sacc = [cgutils.alloca_once(b, vi) for _ in range(tokens)]
+    with e.loop(n) as lp:  # super-blocks
+        sb = lp.index
+        for t in range(tokens):
+            b.store(ir.Constant(vi, None), sacc[t])
+        with e.loop(nsub) as lj:
+            j = e.add(e.mul(sb, nsub), lj.index)
+            for t in range(tokens):  # sum (u - c) x = -c sum x + sum u x
+                b.store(e.splat(e.ld(xsp, e.mul(e.add(e.mul(e.mul(n, nsub), t), j), 4), I32), rows), iacc[t])
+            for g in range(sub // 4):
+                wv = weights(j, g, vi)
+                for t in range(tokens):
+                    b.store(e.call("llvm.x86.avx512.vpdpbusd.512", vi, [b.load(iacc[t]), wv, inputs(j, g, t)]),
+                            iacc[t])
+            # s_j: wi holds it in both i16 halves (for the 256-bit form's vpmaddwd); the high one, sign-extended
+            scale = b.ashr(e.ld(wip, e.mul(j, rows * 4), vi), e.splat_c(I32, 16, rows))
+            for t in range(tokens):
+                b.store(b.add(b.load(sacc[t]), b.mul(b.load(iacc[t]), scale)), sacc[t])
+        dv = e.ld(wdp, e.mul(sb, rows * 4), vf)
+        for t in range(tokens):
+            e.fmacc(facc[t], b.fmul(b.sitofp(b.load(sacc[t]), vf), dv), dx_of(t, sb))
 
 
 # Q4_K: u <= 15, 8 groups in i16; Q5_K: u <= 31, 4; Q6_K: u <= 63, 2 (|x| <= 127)
 _tile_q4, _tile_q5, _tile_q6 = _tile_kernel(32, 8), _tile_kernel(32, 4), _tile_kernel(16, 2)
+# IQ4_XS, TQ1_0, TQ2_0 (sub-blocks of 32); Q6_K, Q3_K (16): the same, but symmetric in the 512-bit form
+_tile_sym32, _tile_sym16 = _tile_kernel(32, 8, True), _tile_kernel(16, 2, True)
+# IQ4_XS: sym32 with the codebook's levels (+ 128) looked up from the indices in the tile
+_tile_iq4 = _tile_kernel(32, 8, True, lut=gemm8_unpack.IQ4_LEVELS)
 
 
 _unpack_of = njit(inline="always")(gemm8_unpack.unpack)
 
 
-def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
+def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, xs, out, n_chunks, ch):
     """Chunk ch of n_chunks (a range of row groups) of out = x @ W.T in tiles of R rows x TT tokens (the form's);
     the chunks run on plain threads. Plain Python: compiled per type (_gemm_of), its code a constant."""
     rows, K = raw.shape[0], xq.shape[1]
@@ -209,16 +260,22 @@ def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch):
     for g0 in range(ch * n_groups // n_chunks, g_end, per_block):
         ng = min(per_block, g_end - g0)
         for j in range(ng):
-            _unpack_of(raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j], wi[j], wd[j])
+            _unpack_of(form, raw, code, (g0 + j) * R, rows, nsb, u, tiles[j], ws[j], wi[j], wd[j])
         for t0 in range(0, xq.shape[0], TT):  # one tile of tokens (L1) against every group of the block
             for j in range(ng):
                 r0 = (g0 + j) * R
-                if code == Q6_K_CODE or code == Q2_K_CODE or code == Q3_K_CODE:  # sub-blocks of 16
-                    _tile_q6(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, t0 * nsb, ws[j], wi[j], wd[j], res)
+                if code == Q6_K_CODE or code == Q3_K_CODE:  # sub-blocks of 16, b_j = c a_j
+                    _tile_sym16(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == Q2_K_CODE:  # sub-blocks of 16, mins of their own
+                    _tile_q6(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
                 elif code == Q5_K_CODE:
-                    _tile_q5(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], wi[j], wd[j], res)
-                else:  # Q4_K; the ternary types (u <= 3); IQ4_XS (the 512-bit form only)
-                    _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, t0 * nsb, ws[j], wi[j], wd[j], res)
+                    _tile_q5(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == Q4_K_CODE:
+                    _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == IQ4_XS_CODE:  # (the 512-bit form only)
+                    _tile_iq4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                else:  # the ternary types (u <= 3): b_j = c a_j
+                    _tile_sym32(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
                 for t in range(min(TT, T - t0)):
                     for r in range(min(R, rows - r0)):
                         out[t0 + t, r0 + r] = res[t, r]
@@ -233,8 +290,8 @@ def _gemm_of(code: int):
     kernel only, and its cache keys the closure by the code), so a model compiles the types it has."""
 
     @njit(nogil=True, cache=True)
-    def gemm(form, R, TT, raw, xq, xd, xm32, xm16, out, n_chunks, ch):
-        _gemm_inline(form, R, TT, raw, code, xq, xd, xm32, xm16, out, n_chunks, ch)
+    def gemm(form, R, TT, raw, xq, xd, xm32, xm16, xs, out, n_chunks, ch):
+        _gemm_inline(form, R, TT, raw, code, xq, xd, xm32, xm16, xs, out, n_chunks, ch)
 
     return gemm
 
@@ -254,6 +311,21 @@ class QuantizedInput:
         # minus dx times each sub-block's sum (of 32 columns, and of 16): the min terms' share, per token
         self.xm32, self.xm16 = np.empty((Tp, nsb * 8), np.float32), np.empty((Tp, nsb * 16), np.float32)
         _min_terms(self.xd, sums, self.xm32, self.xm16)
+        self._sums, self._offset_sums = sums, {}
+
+    def offset_sums(self, code: int) -> np.ndarray:
+        """(Tp, sub-blocks) int32: -c times each sub-block's sum of quants, for a type whose min term is c times its
+        scale (gemm8_unpack.OFFSETS; the 512-bit form starts its sums there); a placeholder for the other types."""
+        if code not in gemm8_unpack.OFFSETS:
+            return _NO_SUMS
+        c, sub = gemm8_unpack.OFFSETS[code]
+        if (c, sub) not in self._offset_sums:
+            part = self._sums[:, :, :8] if sub == 32 else self._sums[:, :, 8:]
+            self._offset_sums[c, sub] = (np.int32(-c) * part.astype(np.int32)).reshape(part.shape[0], -1)
+        return self._offset_sums[c, sub]
+
+
+_NO_SUMS = np.zeros((1, 1), np.int32)
 
 
 @njit(cache=True)
@@ -279,7 +351,8 @@ def matmul(qin: QuantizedInput, w: QTensor, tier: str | None = None) -> np.ndarr
     R, TT = TILE[form]
     out = np.empty((qin.T, w.rows), np.float32)
     n = max(1, min(-(-w.rows // R), numba.get_num_threads()))
-    args = (WIDE if form == "512" else NARROW, R, TT, w.raw, qin.xq, qin.xd, qin.xm32, qin.xm16, out, n)
+    xs = qin.offset_sums(int(w.ggml_type)) if form == "512" else _NO_SUMS
+    args = (WIDE if form == "512" else NARROW, R, TT, w.raw, qin.xq, qin.xd, qin.xm32, qin.xm16, xs, out, n)
     plain_threads.split(_gemm_of(int(w.ggml_type)), args, n)
     return out
 
