@@ -204,8 +204,8 @@ def _symmetric_tile(e, n, nsub, sub, tokens, rows, iacc, facc, weights, inputs, 
     -c sum(x) over the sub-block (xsp: int32 per token and sub-block), so they come out as sum (u - c) x; times
     s_j (vpmulld) they add up in int32 over the super-block, and d dx is applied once per super-block. Per token and
     sub-block that is a multiply and an add where the float form takes a convert, a multiply and two FMAs (the min
-    term): the GEMM's overhead beside its vpdpbusd (IQ4_XS: |s_j (u - c) x| summed <= 8 x 32 x 32 x 127 x 127 <
-    2^31)."""
+    term): the GEMM's overhead beside its vpdpbusd (docs/benchmarks.md, "Measurements behind the code", gemm8
+    symmetric sums). No overflow: IQ4_XS's |s_j (u - c) x| summed <= 8 x 32 x 32 x 127 x 127 < 2^31."""
     b = e.b
     vi, vf = V(I32, rows), V(FLT, rows)
     sacc = [cgutils.alloca_once(b, vi) for _ in range(tokens)]

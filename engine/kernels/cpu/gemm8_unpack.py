@@ -158,8 +158,8 @@ def _quant_tile(code: int):
     register, _quants32) and then a transpose of the R x 8 groups of 4 bytes into the tile's groups (R x 4 bytes
     each) by two-register shuffles (vpermt2d). Rows past the matrix repeat its last (their scales are zero).
     Why: a row at a time through u in scalar code (numba vectorizes none of those short loops: src and u may
-    alias) took 0.32 ns a weight for Q4_K and IQ4_XS, 17 % of a prompt matmul; with this, scales included,
-    0.06 (Q6_K: 0.14)."""
+    alias) took a sixth of a prompt matmul; this, a twenty-fifth (docs/benchmarks.md, "Measurements behind the code",
+    gemm8 quant tiles)."""
 
     def impl(typingctx, form, raw, r0, nsb, tile):
         if not (isinstance(form, types.Integer) and form.bitwidth in (16, 32) and isinstance(raw, types.Array)
