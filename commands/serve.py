@@ -41,11 +41,11 @@ from engine.server.state import session_budget_bytes
 from engine.sessions.pool import DEFAULT_SESSIONS
 from engine.store import DEFAULT_MODEL, lookup_builtin
 
-HELP = """Serve models over HTTP with OpenAI- and Anthropic-compatible APIs.
+HELP = """Serve models over HTTP with OpenAI-, Anthropic- and Ollama-compatible APIs.
 
-Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (OpenAI; GET /v1/responses/{id} returns a stored response), POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages), GET /health, /v1/models and /v1/models/{id}.
+Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (OpenAI; GET /v1/responses/{id} returns a stored response), POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages), POST /api/chat, /api/generate and /api/embed, GET /api/tags (Ollama), GET /health, /v1/models and /v1/models/{id}.
 
-Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model decodes up to --max-concurrent sequences together (one step reads each weight once for all of them); a newcomer's prompt is evaluated in --prefill-chunk token chunks between their steps. Up to --max-queue more requests wait (first come, first served); further ones get 429 with Retry-After. A prompt that starts as a recent one did (a chat's next turn, an agent's fixed system prompt) continues from that prompt's warm KV session (--kv-sessions) and evaluates only the rest; usage reports the reused tokens as cached_tokens.
+Point an OpenAI SDK at http://HOST:PORT/v1, an Anthropic SDK or an Ollama client at http://HOST:PORT. Requests route on their "model" field; --model is repeatable as NAME=REF. Each model decodes up to --max-concurrent sequences together (one step reads each weight once for all of them); a newcomer's prompt is evaluated in --prefill-chunk token chunks between their steps. Up to --max-queue more requests wait (first come, first served); further ones get 429 with Retry-After. A prompt that starts as a recent one did (a chat's next turn, an agent's fixed system prompt) continues from that prompt's warm KV session (--kv-sessions) and evaluates only the rest; usage reports the reused tokens as cached_tokens.
 
 With --api-key (or GOINFER_API_KEY) every route needs "Authorization: Bearer KEY" or "x-api-key: KEY". A non-loopback --addr needs a key.
 

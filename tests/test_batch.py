@@ -167,11 +167,15 @@ def test_sigkill_anywhere_then_rerun_equals_a_clean_run(tmp_path, smollm2_gguf, 
     p = start_batch(*args)
     _wait_for_finished_lines(p, 1)
     p.send_signal(signal.SIGINT)
-    _, stderr = p.communicate(timeout=120)
+    p.wait(timeout=120)
+    # read through the text wrapper: readline above may hold more of stderr in its buffer (communicate() reads the
+    # pipe itself and would lose it: CI once saw an empty stderr)
+    stderr = p.stderr.read()
     ids = _check_whole_lines(out)
     if p.returncode != 0:  # 0 only if the run had already finished when the signal came
         assert p.returncode == 130, stderr
-        assert "interrupted" in stderr and "Traceback" not in stderr
+        assert "Traceback" not in stderr
+        assert "interrupted" in stderr or len(ids) == len(LINES), stderr  # (or the signal met a finished run)
         assert out.read_text().endswith("\n")  # never a torn line after Ctrl-C
 
     # 5. rerun: it finishes what is left

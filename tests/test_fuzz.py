@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine.api import anthropic, responses
+from engine.api import anthropic, ollama, responses
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.api.openai_objects import error_status
 from engine.batch.io import read_input
@@ -45,7 +45,8 @@ VALID = {
                "logprobs": True, "top_logprobs": 2, "logit_bias": {"1": 2}, "tools": [TOOL], "tool_choice": "auto",
                "response_format": {"type": "json_object"}, "stream": False,
                "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
-               "reasoning_format": "deepseek", "thinking_token_budget": 8},
+               "reasoning_format": "deepseek", "thinking_token_budget": 8, "n_predict": 4, "cache_prompt": True,
+               "samplers": "kpmt", "ignore_eos": False, "sse_ping_interval": 1, "typical_p": 1.0},
     COMPLETIONS_URL: {"model": "m", "prompt": "Once", "max_tokens": 4, "echo": True, "logprobs": 2, "stop": "x",
                       "presence_penalty": 0.1, "frequency_penalty": 0.1},
     anthropic.MESSAGES_URL: {"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}],
@@ -65,6 +66,19 @@ VALID = {
                                                                               "name": "get_weather",
                                                                               "parameters": TOOL["function"][
                                                                                   "parameters"]}]},
+    ollama.CHAT_URL: {"model": "m:latest", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "thinking": "Greet.",
+         "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_name": "get_weather"}],
+        "tools": [TOOL], "format": "json", "stream": False, "keep_alive": "5m", "think": False, "logprobs": True,
+        "top_logprobs": 2, "options": {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "num_predict": 4,
+                                       "stop": ["\n"], "seed": 1, "repeat_penalty": 1.1, "repeat_last_n": 32,
+                                       "presence_penalty": 0.1, "num_ctx": 2048, "num_thread": 2,
+                                       "typical_p": 1.0, "mirostat": 0, "mirostat_tau": 5.0}},
+    ollama.GENERATE_URL: {"model": "m", "prompt": "Once", "system": "Be brief.", "raw": False, "stream": True,
+                          "format": {"type": "object", "properties": {"a": {"type": "string"}}}, "think": "low",
+                          "options": {"num_predict": -1, "temperature": 0}, "images": [], "context": []},
 }
 FIELDS = sorted({k for body in VALID.values() for k in body} | {
     "max_completion_tokens", "top_k", "min_p", "repetition_penalty", "stream_options", "parallel_tool_calls",
@@ -72,7 +86,10 @@ FIELDS = sorted({k for body in VALID.values() for k in body} | {
     "functions", "function_call", "input", "text", "instructions", "content", "role", "type", "name", "arguments",
     "tool_call_id", "tool_calls", "image_url", "source", "id", "json_schema", "schema", "strict", "disable",
     "chat_template_kwargs", "enable_thinking", "reasoning_format", "thinking_token_budget", "thinking",
-    "budget_tokens", "reasoning_content", "signature", "effort", "summary", "self"})
+    "budget_tokens", "reasoning_content", "signature", "effort", "summary", "self", "options", "num_predict",
+    "raw", "images", "tool_name", "keep_alive", "think", "format", "suffix", "template", "mirostat", "typical_p",
+    "n_predict", "n_probs", "ignore_eos", "samplers", "sse_ping_interval", "cache_prompt", "repeat_penalty",
+    "dry_multiplier", "top_n_sigma"})
 
 leaves = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),

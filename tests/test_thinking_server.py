@@ -141,7 +141,7 @@ def test_a_running_reply_told_to_end_its_thinking_answers_at_once(kit_server):
             if reasoning and told is None:  # thinking has begun: tell it to stop
                 told = httpx.post(kit_server.url + "/v1/chat/completions/control", timeout=30,
                                   json={"id": chunk["id"], "action": "reasoning_end"})
-    assert told.status_code == 200 and told.json()["applied"] is True
+    assert told.status_code == 200 and told.json()["applied"] is True and told.json()["success"] is True
     thought = usage["completion_tokens_details"]["reasoning_tokens"]
     assert thought < 1000 and content  # it stopped thinking long before its budget, and answered
     gone = httpx.post(kit_server.url + "/v1/chat/completions/control", json={"id": chunk["id"],

@@ -5,8 +5,10 @@ A dialect is made per request (it may keep what its parse saw: the Responses API
 request) and answers, in its own format:
     parse(body) -> GenerationRequest            every refusal a RequestError naming the field
     new_id(req)                                 the answer's id (chatcmpl-..., msg_..., resp_...)
-    answer(req, result, ...) -> dict            the whole answer
-    stream(req, ...) -> StreamEncoder           the answer as server-sent events, piece by piece
+    answer(req, result, ...) -> dict            the whole answer (timings: the job's, for the formats that report them)
+    stream(req, ...) -> StreamEncoder           the answer as server-sent events (media_type: as the format
+                                                streams, e.g. Ollama's NDJSON), piece by piece; keepalive() the
+                                                bytes a quiet stream sends (b"": none, where the format has none)
     error(status, body) -> (status, body)       an OpenAI-shaped error (openai_objects.error_object) in its shape
 A dialect with `counts_tokens` never generates: the server answers `count(n)` with the prompt's token count.
 """
@@ -18,7 +20,7 @@ from typing import Any, Callable, Protocol
 from engine.api import anthropic, responses, sse
 from engine.api.openai import parse_request
 from engine.api.openai_objects import new_id, response_object
-from engine.requests.request import Collector, Completion, Delta, GenerationRequest
+from engine.requests.request import Collector, Completion, Delta, GenerationRequest, Timings
 
 
 class StreamEncoder(Protocol):
@@ -37,17 +39,22 @@ class StreamEncoder(Protocol):
 
 class Dialect(Protocol):
     counts_tokens: bool
+    media_type: str
+
+    def keepalive(self) -> bytes: ...
 
     def parse(self, body: Any) -> GenerationRequest: ...
 
     def new_id(self, req: GenerationRequest) -> str: ...
 
     def answer(self, req: GenerationRequest, result: Completion, *, job_id: str, model_name: str,
-               created: int) -> dict: ...
+               created: int, timings: Timings | None = None) -> dict: ...
 
     def stream(self, req: GenerationRequest, *, job_id: str, model_name: str, created: int,
-               prompt_tokens: int, cached_tokens: Callable[[], int] = lambda: 0) -> StreamEncoder:
-        """cached_tokens: the prompt tokens a warm session held, known once the prompt is evaluated."""
+               prompt_tokens: int, cached_tokens: Callable[[], int] = lambda: 0,
+               timings: Callable[[], Timings] | None = None) -> StreamEncoder:
+        """cached_tokens: the prompt tokens a warm session held, known once the prompt is evaluated; timings: the
+        job's so far."""
 
     def error(self, status: int, body: dict) -> tuple[int, dict]: ...
 
@@ -65,6 +72,10 @@ class _Generating:
     errors in OpenAI's shape."""
 
     counts_tokens = False
+    media_type = "text/event-stream; charset=utf-8"
+
+    def keepalive(self) -> bytes:
+        return sse.comment()
 
     def error(self, status: int, body: dict) -> tuple[int, dict]:
         return status, body
@@ -87,10 +98,11 @@ class OpenAIDialect(_Generating):
     def new_id(self, req: GenerationRequest) -> str:
         return new_id(req.kind)
 
-    def answer(self, req, result, *, job_id, model_name, created) -> dict:
+    def answer(self, req, result, *, job_id, model_name, created, timings=None) -> dict:
         return response_object(req, result, model_name=model_name, request_id=job_id, created=created)
 
-    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0) -> StreamEncoder:
+    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0,
+               timings=None) -> StreamEncoder:
         return _OpenAIStream(sse.Stream(req.kind, job_id, created, model_name, req.logprobs, req.include_usage,
                                         _tool_names(req)), prompt_tokens)
 
@@ -131,10 +143,11 @@ class AnthropicMessages(_Generating):
     def new_id(self, req: GenerationRequest) -> str:
         return anthropic.new_id()
 
-    def answer(self, req, result, *, job_id, model_name, created) -> dict:
+    def answer(self, req, result, *, job_id, model_name, created, timings=None) -> dict:
         return anthropic.message_object(result, model_name=model_name, message_id=job_id)
 
-    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0) -> StreamEncoder:
+    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0,
+               timings=None) -> StreamEncoder:
         return _NamedStream(anthropic.MessageStream(job_id, model_name, prompt_tokens, _tool_names(req),
                                                     cached_tokens),
                             lambda status, body: anthropic.MessageStream.error(anthropic.error_status(status),
@@ -193,7 +206,7 @@ class ResponsesDialect(_Generating):
     def new_id(self, req: GenerationRequest) -> str:
         return responses.new_id()
 
-    def answer(self, req, result, *, job_id, model_name, created, message_id: str | None = None,
+    def answer(self, req, result, *, job_id, model_name, created, timings=None, message_id: str | None = None,
                reasoning_id: str | None = None) -> dict:
         obj = responses.response_object(self.rr, result, response_id=job_id, model_name=model_name,
                                         created=created, message_id=message_id, reasoning_id=reasoning_id)
@@ -201,7 +214,8 @@ class ResponsesDialect(_Generating):
             self.store.put(obj, responses.conversation(self.rr, result))
         return obj
 
-    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0) -> StreamEncoder:
+    def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0,
+               timings=None) -> StreamEncoder:
         return _ResponsesStream(self, responses.ResponseStream(self.rr, job_id, model_name, created,
                                                                _tool_names(req)))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.api import llamacpp_fields
 from engine.api import thinking_controls as thinking_fields
 from engine.api.constraints import GRAMMAR_FIELDS, answer_grammar, parse_tool_choice, parse_tools
 from engine.api.fields import bool_field, float_field, int_field, is_int, is_number, kind_of, object_body, str_field
@@ -36,7 +37,7 @@ MAX_N = 16  # choices per request; they run one after another, so each one costs
 # Accepted and without effect here: routing, bookkeeping and hints about how to deliver.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "logit_bias", "n", "stream", "stream_options"}
+             "frequency_penalty", "repetition_penalty", "repeat_last_n", "logit_bias", "n", "stream", "stream_options"}
 _CHAT_FIELDS = _IGNORED | _SAMPLING | thinking_fields.FIELDS | set(GRAMMAR_FIELDS) | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "goinfer_confidence"}
@@ -67,7 +68,7 @@ def parse_request(url: str, body: Any) -> GenerationRequest:
 
 def parse_chat_request(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (RequestError names what is wrong)."""
-    body = object_body(body)
+    body, llamacpp = llamacpp_fields.translate(object_body(body), True, MAX_TOP_LOGPROBS)
     for name, what in _UNSUPPORTED_CHAT.items():
         value = body.get(name)
         if value is None or value == [] or (name == "modalities" and value == ["text"]):
@@ -100,12 +101,12 @@ def parse_chat_request(body: Any) -> GenerationRequest:
                              n=_n(body), stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=grammar, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
                              confidence=_confidence(body, grammar, tools and choice != "none"),
-                             **thinking_fields.thinking_controls(body))
+                             **thinking_fields.thinking_controls(body), **llamacpp)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (RequestError names what is wrong)."""
-    body = object_body(body)
+    body, llamacpp = llamacpp_fields.translate(object_body(body), False, MAX_COMPLETION_LOGPROBS)
     _known(body, _COMPLETION_FIELDS)
     if body.get("suffix") not in (None, ""):
         raise RequestError("suffix: insertion (fill-in-the-middle) is not supported", "suffix",
@@ -123,7 +124,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
                              options=_options(body, int_field(body, "max_tokens", 1)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=bool_field(body, "echo", False),
                              n=n, stream=stream, include_usage=include_usage, model=str_field(body, "model"),
-                             grammar=grammar, confidence=_confidence(body, grammar, False))
+                             grammar=grammar, confidence=_confidence(body, grammar, False), **llamacpp)
 
 
 def _confidence(body: dict, grammar: Grammar | None, calls_tools: bool) -> bool:
@@ -187,6 +188,7 @@ def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
         presence_penalty=float_field(body, "presence_penalty", -2.0, 2.0),
         frequency_penalty=float_field(body, "frequency_penalty", -2.0, 2.0),
         repetition_penalty=float_field(body, "repetition_penalty", 0.0, None, low_open=True),
+        penalty_last_n=int_field(body, "repeat_last_n", -1),  # llama.cpp's and Ollama's name
         logit_bias=_logit_bias(body.get("logit_bias")),
     )
 

@@ -38,7 +38,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    penalty_last_n: int = 64  # how many recent tokens the penalties look at (llama.cpp's default)
+    penalty_last_n: int = 64  # how many recent tokens the penalties look at (llama.cpp's default; -1: all, 0: none)
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)  # token id -> added to its logit
 
     def __post_init__(self):
@@ -55,6 +55,8 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if not (self.repetition_penalty > 0):
             raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.penalty_last_n < -1:
+            raise InvalidRequest(f"repeat_last_n must be >= -1 (-1: every token so far), got {self.penalty_last_n}")
         for tok in self.logit_bias:
             if not 0 <= int(tok) < vocab_size:
                 raise InvalidRequest(f"logit_bias names token {tok}, outside the vocabulary of {vocab_size}")
@@ -78,7 +80,7 @@ def make_logits_processors(p: SamplingParams) -> list[Processor]:
 
 def _penalties(repeat: float, presence: float, frequency: float, last_n: int) -> Processor:
     def apply(logits: np.ndarray, history: list[int]) -> np.ndarray:
-        recent = history[-last_n:] if last_n > 0 else history
+        recent = history[-last_n:] if last_n > 0 else history if last_n < 0 else []  # as llama.cpp's repeat_last_n
         if not recent:
             return logits
         ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)

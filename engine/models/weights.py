@@ -45,6 +45,11 @@ class Weights:
             t = self._tensors[name] = self._file.tensor(name + ".weight")
         return t
 
+    def parameter_count(self) -> int | None:
+        """Every tensor's elements, where the source lists its tensors (GGUF); None where it does not."""
+        entries = getattr(self._file, "entries", None)
+        return sum(int(np.prod(e.shape)) for e in entries.values()) if entries else None
+
     def expert(self, name: str, e: int, n_expert: int) -> QTensor:
         """Expert e's matrix of a stacked expert tensor (`blk.0.ffn_up_exps`: n_expert matrices one under
         another), a view of its rows; the same object each time, so kernels may key their caches on it."""

@@ -42,6 +42,7 @@ class SamplingOptions:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    penalty_last_n: int | None = None
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
 
     def fill(self, other: SamplingOptions) -> SamplingOptions:
@@ -100,6 +101,9 @@ class GenerationRequest:
     thinking_budget: int | None = None
     template_variables: dict | None = field(default=None, hash=False)
     reasoning_effort: str | None = None  # low / medium / high: a Harmony template's Reasoning line (gpt-oss only)
+    ignore_eos: bool = False  # llama.cpp's: the end-of-generation tokens are never sampled (max_tokens ends it)
+    keepalive_s: float | None = None  # a stream's keep-alive interval (llama.cpp's sse_ping_interval); None: the
+    # server's, inf: none
 
     @property
     def kind(self) -> str:
@@ -226,6 +230,9 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     runner's thinking mode and reasoning budget, for what the request leaves unsaid."""
     opts = req.options.fill(API_DEFAULTS)
     sampling = opts.to_sampling_params()
+    if req.ignore_eos:
+        banned = {int(t): float("-inf") for t in model.tokenizer.eog_ids}
+        sampling = replace(sampling, logit_bias={**sampling.logit_bias, **banned})
     plan, marks = None, ()
     if req.messages is not None:
         prompt = render_request(model, req, thinking)
@@ -256,6 +263,19 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
     return Prepared(req, ids, window, head, choices, model.tokenizer, marks=marks)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """A job's time: waiting in the queue, evaluating its prompt (prompt_tokens: those evaluated, a warm session's
+    cached prefix left out), generating (`generated` tokens over all choices); total_s from submission."""
+
+    queued_s: float
+    prompt_s: float
+    generate_s: float
+    total_s: float
+    prompt_tokens: int
+    generated: int
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Callable
 from engine.errors import Cancelled, GoinferError
 from engine.kernels.threads import set_threads
 from engine.models.base import PREFILL_CHUNK, Model
-from engine.requests.request import Delta, Prepared
+from engine.requests.request import Delta, Prepared, Timings
 from engine.sessions.pool import SessionPool
 from engine.generation.speculation import Speculation
 from engine.running.stepper import Stepper
@@ -61,7 +61,9 @@ class Job:
         self._on_event = on_event
         self.cancel_reason: str | None = None
         self.generated = 0  # tokens so far, over all choices
+        self.submitted = time.monotonic()
         self.started: float | None = None  # when it left the queue (monotonic)
+        self.first_token: float | None = None  # when its first generated token came: the prompt was evaluated
         self.done = False
 
     @property
@@ -72,9 +74,20 @@ class Job:
     def put(self, item: Delta | Finished) -> None:
         if isinstance(item, Delta):
             self.generated += item.new_tokens
+            if item.new_tokens and self.first_token is None:
+                self.first_token = time.monotonic()
         self.events.put(item)
         if self._on_event is not None:
             self._on_event(self, item)
+
+    def timings(self) -> Timings:
+        """Where its time went so far (the llama.cpp and Ollama answers report it)."""
+        now = time.monotonic()
+        started = self.started or now
+        first = self.first_token or now
+        return Timings(queued_s=started - self.submitted, prompt_s=max(first - started, 0.0),
+                       generate_s=max(now - first, 0.0), total_s=now - self.submitted,
+                       prompt_tokens=len(self.prep.ids) - self.prep.cached_tokens, generated=self.generated)
 
     def cancel(self, reason: str) -> None:
         if not self._cancel.is_set():

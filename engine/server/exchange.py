@@ -116,11 +116,12 @@ class Exchange:
         status, body = self.dialect.error(e.status, e.body)
         self.send_json(status, body, e.headers)
 
-    def start_events(self, headers: dict[str, str]) -> None:
-        """A 200 whose body is server-sent events, written as they come (write_chunk)."""
+    def start_events(self, headers: dict[str, str], media_type: str = "text/event-stream; charset=utf-8") -> None:
+        """A 200 whose body is streamed events (server-sent events, or another format's: Ollama's NDJSON),
+        written as they come (write_chunk)."""
         h = self.handler
         h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        h.send_header("Content-Type", media_type)
         h.send_header("Cache-Control", "no-cache")
         # HTTP/1.1: chunked, so the connection can serve the next request; HTTP/1.0: ended by closing it
         self.chunked = h.request_version != "HTTP/1.0"

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Iterator
 
-from engine.api import anthropic, sse
+from engine.api import anthropic
 from engine.api.dialects import AnthropicCountTokens, AnthropicMessages, OpenAIDialect, ResponsesDialect
 from engine.api.fields import known_fields, object_body, str_field
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL
@@ -32,8 +32,12 @@ CONTROL_URL = "/v1/chat/completions/control"  # llama.cpp's: a running reply tol
 TICK_S = 0.1  # how often a waiting handler looks at its client's socket
 
 
-def generate(ex) -> None:
-    body = ex.json_body()
+_UNREAD = object()
+
+
+def generate(ex, body=_UNREAD) -> None:
+    """Answer a generation route's request (`body`: read already, by a route that looked at it first)."""
+    body = ex.json_body() if body is _UNREAD else body
     dialect, state = ex.dialect, ex.state
     cancel = threading.Event()
     try:
@@ -96,6 +100,8 @@ def _events(ex, job: Job, *, stream: bool) -> Iterator[Delta]:
     """The job's pieces as the scheduler makes them. Meanwhile: watch the client's socket (a client that
     left cancels the job) and, on a stream, send a keep-alive comment after keepalive_s of silence."""
     last_check = 0.0
+    keepalive = job.prep.request.keepalive_s  # the request's own (llama.cpp's sse_ping_interval), else the server's
+    keepalive = ex.state.keepalive_s if keepalive is None else keepalive
     while True:
         try:
             item = job.events.get(timeout=TICK_S)
@@ -106,8 +112,8 @@ def _events(ex, job: Job, *, stream: bool) -> Iterator[Delta]:
             last_check = now
             if ex.client_gone():
                 raise ClientGone()
-            if stream and now - ex.last_write >= ex.state.keepalive_s:
-                ex.write_chunk(sse.comment())
+            if stream and now - ex.last_write >= keepalive:
+                ex.send_events(ex.dialect.keepalive())
         if item is None:
             continue
         if isinstance(item, Finished):
@@ -130,14 +136,16 @@ def _answer(ex, job: Job, req, model_name: str) -> None:
     except GoinferError as e:
         raise HTTPError(error_status(e), error_body(e)) from None
     ex.usage = (len(job.prep.ids), out.generated)
-    obj = ex.dialect.answer(req, out.result(), job_id=job.id, model_name=model_name, created=job.created)
+    obj = ex.dialect.answer(req, out.result(), job_id=job.id, model_name=model_name, created=job.created,
+                            timings=job.timings())
     ex.send_json(200, obj, {"X-Request-Id": job.id})
 
 
 def _stream(ex, job: Job, req, model_name: str) -> None:
-    ex.start_events({"X-Request-Id": job.id})
+    ex.start_events({"X-Request-Id": job.id}, ex.dialect.media_type)
     enc = ex.dialect.stream(req, job_id=job.id, model_name=model_name, created=job.created,
-                            prompt_tokens=len(job.prep.ids), cached_tokens=lambda: job.prep.cached_tokens)
+                            prompt_tokens=len(job.prep.ids), cached_tokens=lambda: job.prep.cached_tokens,
+                            timings=job.timings)
     ex.send_events(enc.start())
     out = Collector(job.prep)
     try:
@@ -173,8 +181,10 @@ def control(ex) -> None:
     job = ex.state.running.get(request_id or "")
     if job is None:
         raise not_found("running request", request_id)
-    applied = [gen.end_reasoning() for gen in job.prep.choices]
-    ex.send_json(200, {"id": request_id, "action": action, "applied": any(applied)})
+    applied = any([gen.end_reasoning() for gen in job.prep.choices])
+    # `success`: llama.cpp's answer (its web UI reads it); `applied`: ours, the same
+    ex.send_json(200, {"success": applied, "id": request_id, "action": action, "applied": applied}
+                 | ({} if applied else {"message": "the reply is not thinking (any more)"}))
 
 
 def stored_response(ex, id: str) -> None:  # noqa: A002 - the route's parameter

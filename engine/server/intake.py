@@ -13,7 +13,10 @@ class HTTPError(Exception):
     """An answer other than 200, decided before any response byte was sent."""
 
     def __init__(self, status: int, body: dict, headers: dict | None = None):
-        super().__init__(body["error"]["message"])
+        """body: the error object in the route's format (OpenAI's and Anthropic's nest the message, Ollama's is
+        {"error": "..."})."""
+        error = body["error"]
+        super().__init__(error["message"] if isinstance(error, dict) else error)
         self.status, self.body, self.headers = status, body, headers or {}
 
 

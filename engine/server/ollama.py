@@ -1,0 +1,127 @@
+"""The Ollama API on the server: /api/chat and /api/generate (their dialect runs them through generating.py, as
+every generation route), /api/embed and /api/embeddings, and what Ollama's clients ask of the models (/api/tags,
+/api/show, /api/ps, /api/version). Every answer and error in Ollama's shape (engine/api/ollama*.py); the API key,
+where the server has one, as a Bearer token (Ollama's clients send it that way).
+"""
+
+from __future__ import annotations
+
+from engine.api.embeddings import embeddings_object, token_lists
+from engine.api.ollama import (CHAT_URL, EMBED_URL, EMBEDDINGS_URL, GENERATE_URL, loads_only, model_field, parse_embed,
+                               parse_embeddings)
+from engine.api.ollama_answers import Ollama, error_body, load_answer
+from engine.api.ollama_models import VERSION, ps_entry, show_object, tags_entry
+from engine.api.openai_objects import error_status
+from engine.api.openai_objects import error_body as openai_error_body
+from engine.errors import GoinferError
+from engine.server import generating
+from engine.server.intake import HTTPError
+from engine.server.routes import Route, Subtree
+
+__all__ = ["ROUTES"]
+
+_UNLOAD = (0, "0", "0s", "0m")  # keep_alive values that ask Ollama to unload the model now
+
+
+def _refused(e: GoinferError) -> HTTPError:
+    return HTTPError(error_status(e), openai_error_body(e))
+
+
+def _not_found(name) -> HTTPError:
+    return HTTPError(404, error_body(f"model {name!r} not found"))
+
+
+def answer(ex) -> None:
+    """/api/chat and /api/generate: a request without a prompt only loads the model (done at once: goinfer keeps
+    its models loaded); the others generate."""
+    body = ex.json_body()
+    if loads_only(ex.route.path, body):
+        try:
+            served = ex.state.route(model_field(body))
+        except GoinferError as e:
+            raise _refused(e) from None
+        if served is None:
+            raise _not_found(model_field(body))
+        ex.send_json(200, load_answer(ex.route.path, served.name, unload=body.get("keep_alive") in _UNLOAD))
+        return
+    generating.generate(ex, body)
+
+
+def _models(state) -> list[tuple[str, object, int, str]]:
+    """(name, model, context window, kind) of every model served: generation, then embedding."""
+    return ([(m.name, m.model, m.window, "generation") for m in state.models.values()]
+            + [(m.name, m, m.context, "embedding") for m in state.embedders.values()])
+
+
+def tags(ex) -> None:
+    ex.send_json(200, {"models": [tags_entry(name, model, kind) for name, model, _, kind in _models(ex.state)]})
+
+
+def ps(ex) -> None:
+    ex.send_json(200, {"models": [ps_entry(name, model, ctx, kind) for name, model, ctx, kind in _models(ex.state)]})
+
+
+def show(ex) -> None:
+    try:
+        name = model_field(ex.json_body())
+    except GoinferError as e:
+        raise _refused(e) from None
+    for served, model, ctx, kind in _models(ex.state):
+        if name == served:
+            ex.send_json(200, show_object(served, model, ctx, kind))
+            return
+    raise _not_found(name)
+
+
+def version(ex) -> None:
+    ex.send_json(200, {"version": VERSION})
+
+
+def _embed(ex, parse, answer_of) -> None:
+    state = ex.state
+    try:
+        req = parse(ex.json_body())
+        model = state.embedder(req.model)
+        if model is None:
+            raise _not_found(req.model)
+        ex.model_name = model.name
+        lists = token_lists(model, req)
+        vectors = state.embed_queues[model.name].embed(lists)
+    except GoinferError as e:
+        raise _refused(e) from None
+    tokens = sum(len(ids) for ids in lists)
+    ex.usage = (tokens, 0)
+    data = embeddings_object(model, req, vectors, tokens)["data"]  # (dimensions: cut and renormalised there)
+    ex.send_json(200, answer_of(model.name, [d["embedding"] for d in data], tokens))
+
+
+def embed(ex) -> None:
+    _embed(ex, parse_embed, lambda name, vectors, tokens: {"model": name, "embeddings": vectors,
+                                                           "prompt_eval_count": tokens})
+
+
+def embeddings(ex) -> None:
+    _embed(ex, parse_embeddings, lambda name, vectors, tokens: {"embedding": vectors[0]})
+
+
+def _dialect(url: str):
+    return lambda store: Ollama(url)
+
+
+def _no_route(rest: str) -> HTTPError:
+    return HTTPError(404, error_body(f"no Ollama route /api/{rest} (routes: /api/chat, /api/generate, /api/tags, "
+                                     "/api/show, /api/ps, /api/embed, /api/embeddings, /api/version)"))
+
+
+_EMBED_CAP = dict(body_cap=lambda state: state.embeddings_body_cap)
+ROUTES = (
+    Route("POST", CHAT_URL, answer, dialect=_dialect(CHAT_URL)),
+    Route("POST", GENERATE_URL, answer, dialect=_dialect(GENERATE_URL)),
+    Route("POST", EMBED_URL, embed, dialect=_dialect(EMBED_URL), **_EMBED_CAP),
+    Route("POST", EMBEDDINGS_URL, embeddings, dialect=_dialect(EMBEDDINGS_URL), **_EMBED_CAP),
+    Route("GET", "/api/tags", tags, dialect=_dialect("/api/tags")),
+    Route("POST", "/api/show", show, dialect=_dialect("/api/show")),
+    Route("GET", "/api/ps", ps, dialect=_dialect("/api/ps")),
+    Route("GET", "/api/version", version, dialect=_dialect("/api/version")),
+    Subtree("/api", _no_route),
+)

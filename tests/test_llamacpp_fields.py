@@ -1,0 +1,112 @@
+"""llama.cpp's request fields on /v1/chat/completions and /v1/completions do what docs/server.md's table says
+("llama.cpp's request fields"): read into OpenAI's, accepted without effect, accepted at a neutral value only, or
+refused naming the field; and a body as llama.cpp's web UI sends it gets an answer from the real server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+import engine
+from engine.api.llamacpp_fields import DEFAULT_SAMPLERS, NO_LIMIT
+from engine.api.openai import parse_chat_request, parse_completion_request
+from engine.errors import RequestError
+from engine.requests.request import prepare
+from tests.conftest import SERVER_KEY
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat(**fields):
+    return parse_chat_request({"messages": ASK, **fields})
+
+
+def completion(**fields):
+    return parse_completion_request({"prompt": "Once", **fields})
+
+
+def test_fields_read_into_openais():
+    assert chat(n_predict=7).options.max_tokens == 7 and chat(n_predict=-1).options.max_tokens == NO_LIMIT
+    assert chat(n_predict=7, max_tokens=7).options.max_tokens == 7
+    r = chat(n_probs=3)
+    assert r.logprobs and r.top_logprobs == 3
+    c = completion(n_probs=2)
+    assert c.logprobs and c.top_logprobs == 2
+    assert chat(repeat_penalty=1.2).options.repetition_penalty == 1.2
+    assert chat(repeat_last_n=16).options.penalty_last_n == 16
+    assert chat(ignore_eos=True).ignore_eos and not chat().ignore_eos
+    assert chat(sse_ping_interval=1).keepalive_s == 1.0 and chat(sse_ping_interval=-1).keepalive_s == math.inf
+    assert chat().keepalive_s is None
+    assert chat(chat_template_kwargs={"enable_thinking": False}).thinking == "off"
+
+
+@pytest.mark.parametrize("fields", [
+    {"cache_prompt": True}, {"cache_prompt": False}, {"id_slot": -1}, {"id_slot": 0}, {"reasoning_control": True},
+    {"n_indent": 0}, {"t_max_predict_ms": 0},
+    {"typical_p": 1.0}, {"top_n_sigma": -1}, {"dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2,
+                                              "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":"]},
+    {"xtc_probability": 0, "xtc_threshold": 0.1}, {"mirostat": 0, "mirostat_tau": 5, "mirostat_eta": 0.1},
+    {"dynatemp_range": 0, "dynatemp_exponent": 1}, {"samplers": list(DEFAULT_SAMPLERS)},
+    {"samplers": "edskypmxt"}, {"timings_per_token": False}, {"return_tokens": False}, {"return_progress": False},
+    {"post_sampling_probs": False},
+])
+def test_no_ops_and_neutral_samplers_change_nothing(fields):
+    assert chat(**fields) == chat() and completion(**fields) == completion()
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"typical_p": 0.9}, "typical_p"), ({"top_n_sigma": 1.5}, "top_n_sigma"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"xtc_probability": 0.5}, "xtc_probability"),
+    ({"mirostat": 2}, "mirostat"), ({"dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"samplers": ["temperature", "top_k"]}, "samplers"), ({"samplers": ["top_k", "magic"]}, "samplers"),
+    ({"samplers": 3}, "samplers"),
+    ({"timings_per_token": True}, "timings_per_token"), ({"return_tokens": True}, "return_tokens"),
+    ({"return_progress": True}, "return_progress"), ({"post_sampling_probs": True}, "post_sampling_probs"),
+    ({"n_predict": 0}, "n_predict"), ({"n_predict": 5, "max_tokens": 6}, "n_predict"),
+    ({"n_probs": 21}, "n_probs"), ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"sse_ping_interval": "1s"}, "sse_ping_interval"),
+    ({"n_keep": 4}, "n_keep"),  # outside both dialects: still unknown
+])
+def test_refusals_name_the_field(fields, param):
+    with pytest.raises(RequestError) as e:
+        chat(**fields)
+    assert e.value.param == param
+
+
+def test_a_sampler_chain_that_leaves_samplers_out_turns_them_off():
+    r = chat(samplers=["top_k", "temperature"], top_k=40, top_p=0.5, min_p=0.1, temperature=0.7)
+    assert (r.options.top_k, r.options.top_p, r.options.min_p, r.options.temperature) == (40, 1.0, 0.0, 0.7)
+    assert chat(samplers="kpm", temperature=0.2).options.temperature == 1.0  # no temperature in the chain
+    assert chat(samplers="top_k;top_p;min_p;temperature", top_p=0.9).options.top_p == 0.9
+
+
+def test_ignore_eos_bans_the_end_of_generation_tokens(smollm2_gguf):
+    model = engine.load_model(smollm2_gguf, selftest=False)
+    prep = prepare(model, chat(ignore_eos=True, n_predict=4), window=256)
+    bias = prep.choices[0].sampling.logit_bias
+    assert set(model.tokenizer.eog_ids) <= set(bias) and all(bias[t] == -math.inf for t in model.tokenizer.eog_ids)
+
+
+# ---------------------------------------------------------------------------------------------- over HTTP
+
+# The fields llama.cpp's web UI sends with a chat (its settings' defaults), beside messages and stream
+WEB_UI = {"stream": True, "cache_prompt": True, "reasoning_format": "auto", "temperature": 0, "max_tokens": -1,
+          "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "xtc_probability": 0,
+          "xtc_threshold": 0.1, "typical_p": 1, "repeat_last_n": 64, "repeat_penalty": 1, "presence_penalty": 0,
+          "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2,
+          "dry_penalty_last_n": -1, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
+          "timings_per_token": False, "sse_ping_interval": 1, "reasoning_control": True}
+
+
+def test_a_web_ui_body_streams_an_answer(server, name):
+    body = {**WEB_UI, "messages": ASK, "model": name, "max_tokens": 12, "n_predict": 12, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {SERVER_KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert text and finish == ["length"]  # ignore_eos: the 12 tokens, no end token
