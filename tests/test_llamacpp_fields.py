@@ -40,6 +40,9 @@ def test_fields_read_into_openais():
     assert chat(ignore_eos=True).ignore_eos and not chat().ignore_eos
     assert chat(sse_ping_interval=1).keepalive_s == 1.0 and chat(sse_ping_interval=-1).keepalive_s == math.inf
     assert chat().keepalive_s is None
+    assert chat(timings_per_token=True).timings_per_token and not chat().timings_per_token
+    assert chat(return_progress=True).return_progress and not chat().return_progress
+    assert chat(max_tokens=-1).options.max_tokens == NO_LIMIT  # llama.cpp's (and its web UI's) "no limit"
     assert chat(chat_template_kwargs={"enable_thinking": False}).thinking == "off"
 
 
@@ -50,7 +53,8 @@ def test_fields_read_into_openais():
                                               "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":"]},
     {"xtc_probability": 0, "xtc_threshold": 0.1}, {"mirostat": 0, "mirostat_tau": 5, "mirostat_eta": 0.1},
     {"dynatemp_range": 0, "dynatemp_exponent": 1}, {"samplers": list(DEFAULT_SAMPLERS)},
-    {"samplers": "edskypmxt"}, {"timings_per_token": False}, {"return_tokens": False}, {"return_progress": False},
+    {"samplers": "edskypmxt"}, {"return_tokens": False}, {"return_progress": False}, {"typ_p": 1},
+    {"backend_sampling": True},
     {"post_sampling_probs": False},
 ])
 def test_no_ops_and_neutral_samplers_change_nothing(fields):
@@ -63,8 +67,8 @@ def test_no_ops_and_neutral_samplers_change_nothing(fields):
     ({"mirostat": 2}, "mirostat"), ({"dynatemp_range": 0.5}, "dynatemp_range"),
     ({"samplers": ["temperature", "top_k"]}, "samplers"), ({"samplers": ["top_k", "magic"]}, "samplers"),
     ({"samplers": 3}, "samplers"),
-    ({"timings_per_token": True}, "timings_per_token"), ({"return_tokens": True}, "return_tokens"),
-    ({"return_progress": True}, "return_progress"), ({"post_sampling_probs": True}, "post_sampling_probs"),
+    ({"timings_per_token": "yes"}, "timings_per_token"), ({"return_tokens": True}, "return_tokens"),
+    ({"typ_p": 0.5}, "typ_p"), ({"post_sampling_probs": True}, "post_sampling_probs"),
     ({"n_predict": 0}, "n_predict"), ({"n_predict": 5, "max_tokens": 6}, "n_predict"),
     ({"n_probs": 21}, "n_probs"), ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"sse_ping_interval": "1s"}, "sse_ping_interval"),
@@ -92,21 +96,91 @@ def test_ignore_eos_bans_the_end_of_generation_tokens(smollm2_gguf):
 
 # ---------------------------------------------------------------------------------------------- over HTTP
 
-# The fields llama.cpp's web UI sends with a chat (its settings' defaults), beside messages and stream
-WEB_UI = {"stream": True, "cache_prompt": True, "reasoning_format": "auto", "temperature": 0, "max_tokens": -1,
-          "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "xtc_probability": 0,
-          "xtc_threshold": 0.1, "typical_p": 1, "repeat_last_n": 64, "repeat_penalty": 1, "presence_penalty": 0,
-          "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2,
-          "dry_penalty_last_n": -1, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
-          "timings_per_token": False, "sse_ping_interval": 1, "reasoning_control": True}
+# A chat as llama.cpp's web UI sends it (tools/server/webui: chat.service.ts builds the body, its settings'
+# defaults from settings-config.ts; read at ggml-org/llama.cpp 00fce05): streamed with return_progress, the
+# sampler settings and chain from the settings, max_tokens -1 (no limit)
+WEB_UI = {"stream": True, "return_progress": True, "reasoning_format": "auto", "temperature": 0.8, "max_tokens": -1,
+          "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+          "xtc_probability": 0.0, "xtc_threshold": 0.1, "typ_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
+          "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "dry_base": 1.75,
+          "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+          "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
+          "backend_sampling": False}
 
 
-def test_a_web_ui_body_streams_an_answer(server, name):
-    body = {**WEB_UI, "messages": ASK, "model": name, "max_tokens": 12, "n_predict": 12, "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120,
+def test_a_web_ui_body_streams_an_answer_with_progress_and_timings(server, name):
+    # a seed and ignore_eos with a limit (custom parameters in the web UI): the test's reply is short and its own
+    body = {**WEB_UI, "messages": ASK, "model": name, "seed": 3, "max_tokens": 12, "ignore_eos": True}
+    events = _events(server, "/v1/chat/completions", body)
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert progress and progress[-1]["processed"] == progress[-1]["total"] > 10
+    assert all(e["choices"] == [] for e in events if "prompt_progress" in e)
+    assert events.index(next(e for e in events if "prompt_progress" in e)) < \
+        events.index(next(e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert text and [e["choices"][0]["finish_reason"] for e in finish] == ["length"]  # ignore_eos: all 12
+    _timings_ok(finish[0]["timings"], predicted_n=12)
+
+
+def _post(server, path, body):
+    return httpx.post(server.url + path, json=body, timeout=120, headers={"Authorization": f"Bearer {SERVER_KEY}"})
+
+
+def _events(server, path, body):
+    with httpx.stream("POST", server.url + path, json=body, timeout=120,
                       headers={"Authorization": f"Bearer {SERVER_KEY}"}) as r:
         assert r.status_code == 200, r.read()
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-    assert text and finish == ["length"]  # ignore_eos: the 12 tokens, no end token
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def _timings_ok(t, prompt_n=None, predicted_n=None):
+    assert set(t) == {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+                      "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
+    assert t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+    assert predicted_n is None or t["predicted_n"] == predicted_n
+    assert prompt_n is None or t["prompt_n"] + t["cache_n"] == prompt_n
+
+
+def test_answers_carry_llamacpps_timings(server, name):
+    body = {"model": name, "messages": ASK, "temperature": 0, "max_tokens": 6}
+    whole = _post(server, "/v1/chat/completions", body).json()
+    _timings_ok(whole["timings"], whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"])
+    events = _events(server, "/v1/chat/completions", {**body, "stream": True})
+    timed = [e for e in events if "timings" in e]
+    assert len(timed) == 1 and timed[0]["choices"][0]["finish_reason"] == "length"  # the finish chunk only
+    _timings_ok(timed[0]["timings"], predicted_n=6)
+    events = _events(server, "/v1/chat/completions", {**body, "stream": True, "timings_per_token": True})
+    assert all("timings" in e for e in events)
+    assert [e["timings"]["predicted_n"] for e in events][-1] == 6
+
+
+def test_the_completion_route_answers_in_llamacpps_shape(server, name):
+    whole = _post(server, "/completion", {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0})
+    assert whole.status_code == 200, whole.text
+    r = whole.json()
+    assert r["stop"] is True and r["content"] and r["tokens_predicted"] == 5 and r["stop_type"] == "limit"
+    assert r["model"] == name and r["tokens_evaluated"] > 3
+    _timings_ok(r["timings"], r["tokens_evaluated"], 5)
+    events = _events(server, "/completion", {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0,
+                                             "stream": True})
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == r["content"] and events[-1]["tokens_predicted"] == 5
+    stopped = _post(server, "/completion", {"prompt": "The capital of France is", "n_predict": 20, "temperature": 0,
+                                            "stop": [r["content"].split()[-1]]}).json()
+    assert stopped["stop_type"] == "word" and stopped["stopping_word"] == r["content"].split()[-1]
+    bad = _post(server, "/completion", {"prompt": "x", "mirostat": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mirostat"
+
+
+def test_props_and_slots(server, name):
+    headers = {"Authorization": f"Bearer {SERVER_KEY}"}
+    props = httpx.get(server.url + "/props", headers=headers).json()
+    settings = props["default_generation_settings"]
+    assert props["model_alias"] == name and settings["n_ctx"] > 0 and "im_start" in props["chat_template"]
+    assert props["total_slots"] >= 1 and props["modalities"] == {"vision": False, "audio": False}
+    assert set(DEFAULT_SAMPLERS) >= set(settings["params"]["samplers"])
+    slots = httpx.get(server.url + "/slots", params={"model": name}, headers=headers).json()
+    assert len(slots) == props["total_slots"] and all(s["n_ctx"] == settings["n_ctx"] for s in slots)
+    assert not any(s["is_processing"] for s in slots)
+    assert httpx.get(server.url + "/props", params={"model": "nope"}, headers=headers).status_code == 404

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from engine.api import anthropic, responses, sse
+from engine.api.llamacpp import timings_object
 from engine.api.openai import parse_request
 from engine.api.openai_objects import new_id, response_object
 from engine.requests.request import Collector, Completion, Delta, GenerationRequest, Timings
@@ -99,28 +100,44 @@ class OpenAIDialect(_Generating):
         return new_id(req.kind)
 
     def answer(self, req, result, *, job_id, model_name, created, timings=None) -> dict:
-        return response_object(req, result, model_name=model_name, request_id=job_id, created=created)
+        obj = response_object(req, result, model_name=model_name, request_id=job_id, created=created)
+        if timings is not None:  # llama.cpp's, beside OpenAI's fields (its clients show speeds from them)
+            obj["timings"] = timings_object(timings, result.cached_tokens)
+        return obj
 
     def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0,
                timings=None) -> StreamEncoder:
         return _OpenAIStream(sse.Stream(req.kind, job_id, created, model_name, req.logprobs, req.include_usage,
-                                        _tool_names(req)), prompt_tokens)
+                                        _tool_names(req)), prompt_tokens, timings, cached_tokens,
+                             req.timings_per_token)
 
 
 class _OpenAIStream:
-    """Data-only chunks for every choice, then the usage chunk (when asked for) and [DONE]."""
+    """Data-only chunks for every choice, then the usage chunk (when asked for) and [DONE]. A choice's finish
+    chunk carries llama.cpp's `timings` (every chunk does with timings_per_token)."""
 
-    def __init__(self, info: sse.Stream, prompt_tokens: int):
+    def __init__(self, info: sse.Stream, prompt_tokens: int, timings=None, cached=lambda: 0, per_token=False):
         self.info, self.prompt_tokens = info, prompt_tokens
+        self.timings, self.cached, self.per_token = timings, cached, per_token
         self.started: set[int] = set()  # choices whose first chunk went out
 
     def start(self) -> bytes:
         return b""
 
     def piece(self, d: Delta) -> bytes:
-        data = b"".join(sse.event(c) for c in self.info.chunks(d, first=d.index not in self.started))
+        chunks = self.info.chunks(d, first=d.index not in self.started)
+        if self.timings is not None and chunks and (self.per_token or d.finish_reason):
+            t = timings_object(self.timings(), self.cached())
+            for c in chunks if self.per_token else chunks[-1:]:
+                c["timings"] = t
         self.started.add(d.index)
-        return data
+        return b"".join(sse.event(c) for c in chunks)
+
+    def progress(self, done: int, total: int, cached: int, seconds: float) -> bytes:
+        """llama.cpp's prompt_progress (return_progress): `done` of `total` prompt tokens evaluated or reused
+        (`cached` of them reused from a warm session)."""
+        return sse.event(self.info.progress_chunk({"total": total, "cache": cached, "processed": done,
+                                                   "time_ms": seconds * 1e3}))
 
     def finish(self, out: Collector) -> bytes:
         confidence = out.confidence()  # goinfer_confidence: one event after the finish chunk

@@ -4,7 +4,7 @@ scripts written for it) send to /v1/chat/completions and /v1/completions beside 
     translate(body, chat, max_probs) -> (body, extras)
         the body with llama.cpp's fields read into OpenAI's (n_predict as max_tokens, n_probs as logprobs,
         repeat_penalty as repetition_penalty, a sampler chain's left-out samplers turned off) and the request
-        settings they add (ignore_eos, sse_ping_interval's keepalive_s)
+        settings they add (ignore_eos, timings_per_token, sse_ping_interval's keepalive_s)
 
 Each field is honoured, accepted as a documented no-op (goinfer's design does it anyway), accepted at its neutral
 value only (a sampler goinfer does not have), or refused naming it; docs/server.md's table ("llama.cpp's fields")
@@ -28,8 +28,8 @@ NO_LIMIT = 1 << 30  # n_predict -1: until the answer ends or the context window 
 # (id_slot), arms its control route for every running reply (reasoning_control), and reads no per-request indent.
 _NO_OPS = {"cache_prompt", "id_slot", "reasoning_control", "n_indent", "t_max_predict_ms"}
 # Samplers goinfer does not have, at the value that turns each off (and the settings that act only with it on)
-_NEUTRAL = {"typical_p": 1.0, "top_n_sigma": -1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0,
-            "dynatemp_range": 0.0}
+_NEUTRAL = {"typical_p": 1.0, "typ_p": 1.0, "top_n_sigma": -1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+            "mirostat": 0, "dynatemp_range": 0.0}
 _ONLY_WITH = {"dry_base": "dry_multiplier", "dry_allowed_length": "dry_multiplier",
               "dry_penalty_last_n": "dry_multiplier", "dry_sequence_breakers": "dry_multiplier",
               "xtc_threshold": "xtc_probability", "mirostat_tau": "mirostat", "mirostat_eta": "mirostat",
@@ -40,15 +40,17 @@ DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p"
 _SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
                     "m": "min_p", "x": "xtc", "t": "temperature"}
 # Asked for by name and not done yet: refused when on
-_NOT_YET = {"timings_per_token": "per-token timings", "return_tokens": "the answer's token ids",
-            "return_progress": "prompt progress events", "post_sampling_probs": "post-sampling probabilities"}
-_RENAMED = {"n_predict", "n_probs", "repeat_penalty", "ignore_eos", "sse_ping_interval", "samplers"}
+_NOT_YET = {"return_tokens": "the answer's token ids", "post_sampling_probs": "post-sampling probabilities"}
+_RENAMED = {"n_predict", "n_probs", "repeat_penalty", "ignore_eos", "sse_ping_interval", "samplers",
+            "timings_per_token", "return_progress", "backend_sampling"}
 FIELDS = frozenset(_NO_OPS | set(_NEUTRAL) | set(_ONLY_WITH) | set(_NOT_YET) | _RENAMED)
 
 
 def translate(body: dict, chat: bool, max_probs: int) -> tuple[dict, dict]:
     """(the body with llama.cpp's fields read into OpenAI's and removed, the request settings they add);
     max_probs: the route's limit on alternatives per token."""
+    if body.get("max_tokens") == -1:  # llama.cpp's "no limit" (its web UI's default)
+        body = {**body, "max_tokens": NO_LIMIT}
     if not any(k in body for k in FIELDS):
         return body, {}
     out = {k: v for k, v in body.items() if k not in FIELDS}
@@ -76,7 +78,10 @@ def translate(body: dict, chat: bool, max_probs: int) -> tuple[dict, dict]:
             _set(out, "top_logprobs", n_probs, "n_probs")
         else:
             _set(out, "logprobs", n_probs, "n_probs")
-    extras = {"ignore_eos": bool_field(body, "ignore_eos", False)}
+    extras = {"ignore_eos": bool_field(body, "ignore_eos", False),
+              "timings_per_token": bool_field(body, "timings_per_token", False),
+              "return_progress": bool_field(body, "return_progress", False)}
+    bool_field(body, "backend_sampling", False)  # where the samplers run: goinfer's always run on the CPU
     ping = int_field(body, "sse_ping_interval", None)
     if ping is not None:  # a stream's keep-alive comments every `ping` seconds; <= 0 (llama.cpp's -1): none
         extras["keepalive_s"] = float(ping) if ping > 0 else math.inf
@@ -96,7 +101,8 @@ def _neutral_samplers(body: dict) -> None:
         if value is None:
             continue
         off = is_number(value) and not isinstance(value, bool) and (
-            value == neutral or (name == "top_n_sigma" and value <= 0) or (name == "typical_p" and value >= 1))
+            value == neutral or (name == "top_n_sigma" and value <= 0)
+            or (name in ("typical_p", "typ_p") and value >= 1))
         if not off:
             raise RequestError(f"{name}: this sampler is not supported; only its neutral value {neutral} (got "
                                f"{value!r})", name, "unsupported_value")

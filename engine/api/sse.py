@@ -105,6 +105,10 @@ class Stream:
             out.append(self._chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return out
 
+    def progress_chunk(self, progress: dict) -> dict:
+        """llama.cpp's prompt progress (return_progress): a chunk with no choices and `prompt_progress`."""
+        return {**self._chunk([]), "prompt_progress": progress}
+
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
                     reasoning_tokens: int = 0) -> dict | None:
         """The closing usage chunk, when the request asked for one (stream_options.include_usage)."""

@@ -104,6 +104,8 @@ class GenerationRequest:
     ignore_eos: bool = False  # llama.cpp's: the end-of-generation tokens are never sampled (max_tokens ends it)
     keepalive_s: float | None = None  # a stream's keep-alive interval (llama.cpp's sse_ping_interval); None: the
     # server's, inf: none
+    timings_per_token: bool = False  # llama.cpp's: every streamed chunk carries the timings so far
+    return_progress: bool = False  # llama.cpp's: a stream reports the prompt's evaluation as it goes
 
     @property
     def kind(self) -> str:

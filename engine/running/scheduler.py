@@ -64,6 +64,7 @@ class Job:
         self.submitted = time.monotonic()
         self.started: float | None = None  # when it left the queue (monotonic)
         self.first_token: float | None = None  # when its first generated token came: the prompt was evaluated
+        self.prompt_done = 0  # prompt tokens evaluated (or reused) so far: a stream's progress (return_progress)
         self.done = False
 
     @property

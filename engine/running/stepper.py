@@ -114,6 +114,7 @@ class Stepper:
         cache, reused = taken.cache, taken.reused
         prep.cached_tokens = reused
         self._homes[id(job)] = p = Prompt(job, cache, reused, reply=[] if len(prep.choices) == 1 else None)
+        job.prompt_done = reused
         if cache.state and self.sessions is not None:  # snapshots for a later prompt that shares a prefix
             p.snapshots = taken.snapshots
             p.pauses = pause_points(len(prep.ids), self.model.backend.prompt_tile, (*prep.marks, taken.shared),
@@ -147,6 +148,7 @@ class Stepper:
             if p.done == 0 and len(ids) <= self.prefill_chunk and not pause:  # whole, as `requests.run` does
                 logits = model.prefill(ids, cache)
                 p.done = len(ids)
+                job.prompt_done = p.done
             else:
                 end = min(len(ids), p.done + self.prefill_chunk)
                 if p.done < pause < end:
@@ -156,7 +158,7 @@ class Stepper:
                     logits = model.prefill_part(ids[p.done : end], cache, n - 1 if end == len(ids) else n)
                 finally:
                     model.backend.end_prompt()
-                p.done = end
+                p.done = job.prompt_done = end  # (job.prompt_done: what a stream's progress events report)
                 if p.done == pause:
                     p.snapshots.append(cache.snapshot())
             if p.done == len(ids):

@@ -96,9 +96,10 @@ def _stream_error(e: GoinferError | HTTPError) -> tuple[int, dict]:
     return error_status(e), error_body(e)
 
 
-def _events(ex, job: Job, *, stream: bool) -> Iterator[Delta]:
+def _events(ex, job: Job, *, stream: bool, tick=lambda: None) -> Iterator[Delta]:
     """The job's pieces as the scheduler makes them. Meanwhile: watch the client's socket (a client that
-    left cancels the job) and, on a stream, send a keep-alive comment after keepalive_s of silence."""
+    left cancels the job), on a stream send a keep-alive comment after keepalive_s of silence, and call tick()
+    whenever it wakes (a stream's progress events)."""
     last_check = 0.0
     keepalive = job.prep.request.keepalive_s  # the request's own (llama.cpp's sse_ping_interval), else the server's
     keepalive = ex.state.keepalive_s if keepalive is None else keepalive
@@ -107,6 +108,7 @@ def _events(ex, job: Job, *, stream: bool) -> Iterator[Delta]:
             item = job.events.get(timeout=TICK_S)
         except queue.Empty:
             item = None
+        tick()
         now = time.monotonic()
         if now - last_check >= TICK_S:
             last_check = now
@@ -149,7 +151,7 @@ def _stream(ex, job: Job, req, model_name: str) -> None:
     ex.send_events(enc.start())
     out = Collector(job.prep)
     try:
-        for d in _events(ex, job, stream=True):
+        for d in _events(ex, job, stream=True, tick=_progress(ex, job, enc)):
             out.add(d)
             ex.send_events(enc.piece(d))
     except (GoinferError, HTTPError) as e:
@@ -162,6 +164,22 @@ def _stream(ex, job: Job, req, model_name: str) -> None:
     ex.usage = (len(job.prep.ids), out.generated)
     ex.send_events(enc.finish(out))
     ex.write_chunk(b"")  # the zero-length chunk: end of the response
+
+
+def _progress(ex, job: Job, enc):
+    """The tick that sends llama.cpp's prompt progress (return_progress) each time more of the prompt is in, until
+    the first token; nothing where the request did not ask or its format has no such event."""
+    report = getattr(enc, "progress", None) if job.prep.request.return_progress else None
+    sent = [-1]
+
+    def tick() -> None:
+        done = job.prompt_done
+        if report is None or done == sent[0] or job.started is None or sent[0] == len(job.prep.ids):
+            return
+        sent[0] = done
+        ex.send_events(report(done, len(job.prep.ids), job.prep.cached_tokens, time.monotonic() - job.started))
+
+    return tick
 
 
 def control(ex) -> None:

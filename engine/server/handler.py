@@ -16,8 +16,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
 from engine.api.openai_objects import error_object
-from engine.server import (admin, batches, deciding, embedding, files, generating, intake, message_batches, metrics,
-                           ollama, page, status, tokens)
+from engine.server import (admin, batches, deciding, embedding, files, generating, intake, llamacpp, message_batches,
+                           metrics, ollama, page, status, tokens)
 from engine.server.exchange import GONE, Exchange
 from engine.server.intake import ClientGone, HTTPError
 from engine.server.routes import RouteTable
@@ -28,7 +28,7 @@ IDLE_TIMEOUT_S = 120  # a connection silent this long (between requests, or mid-
 # Every route the server answers: the order is the 404 list's (no two routes of one method share a path).
 TABLE = RouteTable(*page.ROUTES, *status.ROUTES, *metrics.ROUTES, *generating.ROUTES, *embedding.ROUTES,
                    *deciding.ROUTES, *tokens.ROUTES, *files.ROUTES, *batches.ROUTES, *message_batches.ROUTES,
-                   *admin.ROUTES, *ollama.ROUTES)
+                   *admin.ROUTES, *ollama.ROUTES, *llamacpp.ROUTES)
 
 
 class Handler(BaseHTTPRequestHandler):
