@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine.api import anthropic, ollama, responses
+from engine.api import anthropic, llamacpp, ollama, responses
 from engine.api.openai import CHAT_URL, COMPLETIONS_URL
 from engine.api.openai_objects import error_status
 from engine.batch.io import read_input
@@ -76,6 +76,10 @@ VALID = {
                                        "stop": ["\n"], "seed": 1, "repeat_penalty": 1.1, "repeat_last_n": 32,
                                        "presence_penalty": 0.1, "num_ctx": 2048, "num_thread": 2,
                                        "typical_p": 1.0, "mirostat": 0, "mirostat_tau": 5.0}},
+    llamacpp.COMPLETION_URL: {"prompt": "Once", "n_predict": 4, "temperature": 0.2, "stop": ["\n"], "n_probs": 2,
+                              "cache_prompt": True, "samplers": ["top_k", "top_p", "min_p", "temperature"],
+                              "top_k": 20, "repeat_penalty": 1.05, "repeat_last_n": 16, "stream": True,
+                              "timings_per_token": True, "return_progress": True},
     ollama.GENERATE_URL: {"model": "m", "prompt": "Once", "system": "Be brief.", "raw": False, "stream": True,
                           "format": {"type": "object", "properties": {"a": {"type": "string"}}}, "think": "low",
                           "options": {"num_predict": -1, "temperature": 0}, "images": [], "context": []},
