@@ -246,3 +246,35 @@ def test_think_puts_the_reasoning_apart(thinker):
     off = client.chat(model=kit, messages=[{"role": "user", "content": "Hello"}], think=False,
                       options={"temperature": 0, "num_predict": 8})
     assert not off.message.thinking
+
+
+# ---------------------------------------------------------------------------------------------- pull and delete
+
+@pytest.fixture(scope="module")
+def admin_client(tmp_path_factory, smollm2_gguf):
+    s = start_server(tmp_path_factory.mktemp("serve-ollama-admin") / "serve.log", "--model", str(smollm2_gguf),
+                     "--api-key", SERVER_KEY, "--allow-admin")
+    yield ollama.Client(host=s.url, headers=BEARER, timeout=300)
+    stop(s)
+
+
+def test_pull_serves_a_model_and_delete_stops_serving_it(admin_client):
+    steps = [p.status for p in admin_client.pull("smollm2-135m", stream=True)]  # a built-in name, in the cache
+    assert steps[0] == "pulling smollm2-135m" and steps[-1] == "success"
+    assert "smollm2-135m" in {m.model for m in admin_client.list().models}
+    assert admin_client.chat(model="smollm2-135m:latest", messages=ASK, options=GREEDY).message.content
+    assert admin_client.pull("smollm2-135m").status == "success"  # served already: at once
+    assert admin_client.delete("smollm2-135m").status == "success"
+    assert "smollm2-135m" not in {m.model for m in admin_client.list().models}
+    with pytest.raises(ollama.ResponseError) as e:
+        admin_client.delete("smollm2-135m")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        admin_client.pull("llama3.2:3b", stream=False)  # Ollama's registry: not a reference goinfer takes
+    assert e.value.status_code == 400 and "llama3.2" in e.value.error
+
+
+def test_pull_needs_allow_admin(client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("smollm2-135m", stream=False)
+    assert e.value.status_code == 403 and "--allow-admin" in e.value.error

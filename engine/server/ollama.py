@@ -1,6 +1,6 @@
 """The Ollama API on the server: /api/chat and /api/generate (their dialect runs them through generating.py, as
-every generation route), /api/embed and /api/embeddings, and what Ollama's clients ask of the models (/api/tags,
-/api/show, /api/ps, /api/version). Every answer and error in Ollama's shape (engine/api/ollama*.py); the API key,
+every generation route), /api/embed and /api/embeddings, what Ollama's clients ask of the models (/api/tags,
+/api/show, /api/ps, /api/version), and /api/pull and /api/delete (with --allow-admin: the admin loader's). Every answer and error in Ollama's shape (engine/api/ollama*.py); the API key,
 where the server has one, as a Bearer token (Ollama's clients send it that way).
 """
 
@@ -9,11 +9,12 @@ from __future__ import annotations
 from engine.api.embeddings import embeddings_object, token_lists
 from engine.api.ollama import (CHAT_URL, EMBED_URL, EMBEDDINGS_URL, GENERATE_URL, loads_only, model_field, parse_embed,
                                parse_embeddings)
-from engine.api.ollama_answers import Ollama, error_body, load_answer
+from engine.api.fields import bool_field, known_fields, object_body
+from engine.api.ollama_answers import Ollama, error_body, line, load_answer
 from engine.api.ollama_models import VERSION, ps_entry, show_object, tags_entry
 from engine.api.openai_objects import error_status
 from engine.api.openai_objects import error_body as openai_error_body
-from engine.errors import GoinferError
+from engine.errors import GoinferError, RequestError
 from engine.server import generating
 from engine.server.intake import HTTPError
 from engine.server.routes import Route, Subtree
@@ -104,13 +105,71 @@ def embeddings(ex) -> None:
     _embed(ex, parse_embeddings, lambda name, vectors, tokens: {"embedding": vectors[0]})
 
 
+def pull(ex) -> None:
+    """/api/pull {"model": REF}: with --allow-admin, the model fetched into goinfer's cache where it is not there
+    yet and served under REF (`goinfer pull` and POST /admin/models/load). Streamed as Ollama's status lines unless
+    `stream` is false. A model served under that name already is a success at once."""
+    body = ex.json_body()
+    try:
+        body = object_body(body)
+        known_fields(body, {"model", "name", "insecure", "stream"})
+        name = model_field({"model": body.get("model") or body.get("name")})
+        if not name:
+            raise RequestError("model: required (a built-in name, hf:OWNER/REPO[:QUANT] or a path)", "model",
+                               "missing_required_parameter")
+        stream = bool_field(body, "stream", True)
+    except GoinferError as e:
+        raise _refused(e) from None
+    admin = _admin(ex)
+    if stream:
+        ex.start_events({}, "application/x-ndjson")
+        ex.send_events(line({"status": f"pulling {name}"}))
+    try:
+        if name not in ex.state.models:
+            admin.load({"model": name, "name": name})
+    except GoinferError as e:
+        if not stream:
+            raise HTTPError(400, error_body(str(e))) from None
+        ex.send_events(line(error_body(str(e))))
+    else:
+        ex.model_name = name
+        if not stream:
+            ex.send_json(200, {"status": "success"})
+            return
+        ex.send_events(line({"status": "success"}))
+    ex.write_chunk(b"")
+
+
+def delete(ex) -> None:
+    """/api/delete {"model": NAME}: with --allow-admin, the model is no longer served (POST /admin/models/unload).
+    Its files stay in goinfer's cache (`goinfer cache rm NAME` removes them): they may be what another name or
+    another server runs."""
+    try:
+        name = model_field(ex.json_body())
+    except GoinferError as e:
+        raise _refused(e) from None
+    admin = _admin(ex)
+    if name not in ex.state.models:
+        raise _not_found(name)
+    admin.unload({"name": name})
+    ex.send_body(200, b"", "application/json")
+
+
+def _admin(ex):
+    if ex.state.admin is None:
+        raise HTTPError(403, error_body("pulling and deleting models is off: `goinfer serve --allow-admin` turns it "
+                                        "on (with an API key)"))
+    return ex.state.admin
+
+
 def _dialect(url: str):
     return lambda store: Ollama(url)
 
 
 def _no_route(rest: str) -> HTTPError:
     return HTTPError(404, error_body(f"no Ollama route /api/{rest} (routes: /api/chat, /api/generate, /api/tags, "
-                                     "/api/show, /api/ps, /api/embed, /api/embeddings, /api/version)"))
+                                     "/api/show, /api/ps, /api/embed, /api/embeddings, /api/version, /api/pull, "
+                                     "/api/delete)"))
 
 
 _EMBED_CAP = dict(body_cap=lambda state: state.embeddings_body_cap)
@@ -123,5 +182,7 @@ ROUTES = (
     Route("POST", "/api/show", show, dialect=_dialect("/api/show")),
     Route("GET", "/api/ps", ps, dialect=_dialect("/api/ps")),
     Route("GET", "/api/version", version, dialect=_dialect("/api/version")),
+    Route("POST", "/api/pull", pull, dialect=_dialect("/api/pull")),
+    Route("DELETE", "/api/delete", delete, dialect=_dialect("/api/delete")),
     Subtree("/api", _no_route),
 )
