@@ -1,7 +1,8 @@
 """The Ollama API on the server: /api/chat and /api/generate (their dialect runs them through generating.py, as
 every generation route), /api/embed and /api/embeddings, what Ollama's clients ask of the models (/api/tags,
-/api/show, /api/ps, /api/version), and /api/pull and /api/delete (with --allow-admin: the admin loader's). Every answer and error in Ollama's shape (engine/api/ollama*.py); the API key,
-where the server has one, as a Bearer token (Ollama's clients send it that way).
+/api/show, /api/ps, /api/version), and /api/pull and /api/delete (with --allow-admin: the admin loader's). Every
+answer and error in Ollama's shape (engine/api/ollama*.py); the API key, where the server has one, as a Bearer
+token (Ollama's clients send it that way).
 """
 
 from __future__ import annotations
