@@ -242,7 +242,9 @@ def test_a_step_variant_compiles_its_own_low_bit_kernels_only():
     # step_variants.rows_with / row_with: the step's dispatches plus one model's low-bit types (a Q3_K_M
     # file's), the other low-bit kernels pruned (the base types go through rows_into / dequant_row, called).
     code = int(G.Q3_K)
-    rows, row = step_variants.rows_with((code,)), step_variants.row_with((code,))
+    # compiled here from their Python functions: numba's cache (which an earlier test may have filled with these
+    # very variants) returns code that cannot be inspected
+    rows, row = (numba.njit(f((code,)).py_func) for f in (step_variants.rows_with, step_variants.row_with))
     raw = np.zeros(2 * row_bytes(G.Q3_K, 256), np.uint8)
     qin = int8.quantize(np.ones((1, 256), np.float32), [G.Q3_K])
     rows(code, raw, np.int64(0), raw.size // 2, np.int64(0), np.int64(2), *qin[1:], qin.x, np.zeros((1, 2), np.float32),
