@@ -15,11 +15,11 @@ The answers, the NDJSON stream and the dialects: ollama_answers.py.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from engine.api import openai
 from engine.api.embeddings import EmbeddingRequest, parse_embeddings_request
+from engine.api.llamacpp_fields import NO_LIMIT  # num_predict -1 / -2 (Ollama's default): no limit
 from engine.api.fields import is_int, is_number, kind_of, object_body, str_field
 from engine.errors import RequestError
 from engine.requests.request import GenerationRequest
@@ -49,7 +49,6 @@ _THINK_LEVELS = ("low", "medium", "high")
 # The OpenAI body's names in a refusal -> Ollama's (longest first: response_format.json_schema before its prefix)
 _RENAMED = {**{v: f"options.{k}" for k, v in _SAMPLING.items()}, "response_format.json_schema.schema": "format",
             "response_format": "format", "chat_template_kwargs.enable_thinking": "think"}
-NO_LIMIT = 1 << 30  # num_predict -1 / -2 (Ollama's default): until the context window is full
 
 
 def loads_only(url: str, body: Any) -> bool:
@@ -205,22 +204,10 @@ def _message(m: Any, where: str) -> dict:
     if m.get("thinking") is not None:
         out["reasoning_content"] = m["thinking"]
     calls = m.get("tool_calls")
-    if calls:
-        if not isinstance(calls, list):
-            raise RequestError(f"{where}.tool_calls: must be an array, not {kind_of(calls)}", f"{where}.tool_calls",
-                               "invalid_type")
-        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]", j) for j, c in enumerate(calls)]
+    if calls:  # Ollama's {"function": {"name", "arguments": {...}}}: openai.py reads them (ids given here)
+        out["tool_calls"] = [{"id": f"call_{j}", **c} if isinstance(c, dict) else c for j, c in enumerate(calls)] \
+            if isinstance(calls, list) else calls
     return out
-
-
-def _tool_call(call: Any, where: str, j: int) -> dict:
-    """Ollama's {"function": {"name", "arguments": {...}}} -> OpenAI's (arguments as a JSON string)."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError(f'{where}: must be {{"function": {{"name", "arguments"}}}}', where, "invalid_value")
-    args = fn.get("arguments", {})
-    return {"id": f"call_{j}", "type": "function",
-            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
 def _no_images(images: Any, where: str) -> None:

@@ -42,12 +42,29 @@ def error_body(message: str) -> dict:
     return {"error": message}
 
 
+def _reply(model: str, chat: bool, text: str = "", thinking: str | None = None, calls: list | None = None,
+           logprobs=None) -> dict:
+    """What every answer object and stream line of chat (a `message`) or generate (`response`) holds."""
+    obj: dict[str, Any] = {"model": model, "created_at": created_at()}
+    if chat:
+        obj["message"] = {"role": "assistant", "content": text}
+        if thinking:
+            obj["message"]["thinking"] = thinking
+        if calls:
+            obj["message"]["tool_calls"] = calls
+    else:
+        obj["response"] = text
+        if thinking:
+            obj["thinking"] = thinking
+    if logprobs is not None:
+        obj["logprobs"] = _logprobs(logprobs)
+    return obj
+
+
 def load_answer(url: str, model_name: str, unload: bool = False) -> dict:
     """The answer to a request that only loads (or, keep_alive 0, unloads) a model: goinfer keeps its models
     loaded, so it is done at once."""
-    text = {"message": {"role": "assistant", "content": ""}} if url == CHAT_URL else {"response": ""}
-    return {"model": model_name, "created_at": created_at(), **text, "done": True,
-            "done_reason": "unload" if unload else "load"}
+    return {**_reply(model_name, url == CHAT_URL), "done": True, "done_reason": "unload" if unload else "load"}
 
 
 def _counts(prompt_tokens: int, generated: int, timings: Timings | None) -> dict:
@@ -92,20 +109,8 @@ class Ollama:
 
     def answer(self, req, result: Completion, *, job_id, model_name, created, timings=None) -> dict:
         choice = result.choices[0]
-        obj = {"model": model_name, "created_at": created_at()}
-        if self.chat:
-            message = {"role": "assistant", "content": choice.text}
-            if choice.reasoning:
-                message["thinking"] = choice.reasoning
-            if choice.tool_calls:
-                message["tool_calls"] = _calls(choice.tool_calls)
-            obj["message"] = message
-        else:
-            obj["response"] = choice.text
-            if choice.reasoning:
-                obj["thinking"] = choice.reasoning
-        if choice.logprobs is not None:
-            obj["logprobs"] = _logprobs(choice.logprobs)
+        obj = _reply(model_name, self.chat, choice.text, choice.reasoning,
+                     _calls(choice.tool_calls) if choice.tool_calls else None, choice.logprobs)
         return {**obj, "done": True, "done_reason": _DONE_REASON.get(choice.finish_reason, "stop"),
                 **_counts(result.prompt_tokens, result.completion_tokens, timings)}
 
@@ -134,21 +139,7 @@ class _Stream:
         return b""
 
     def _line(self, text: str = "", thinking: str = "", calls: list | None = None, logprobs=None) -> bytes:
-        obj: dict[str, Any] = {"model": self.model, "created_at": created_at()}
-        if self.chat:
-            obj["message"] = {"role": "assistant", "content": text}
-            if thinking:
-                obj["message"]["thinking"] = thinking
-            if calls:
-                obj["message"]["tool_calls"] = calls
-        else:
-            obj["response"] = text
-            if thinking:
-                obj["thinking"] = thinking
-        if logprobs:
-            obj["logprobs"] = _logprobs(logprobs)
-        obj["done"] = False
-        return line(obj)
+        return line({**_reply(self.model, self.chat, text, thinking, calls, logprobs or None), "done": False})
 
     def piece(self, d: Delta) -> bytes:
         if d.index != 0:
@@ -172,10 +163,8 @@ class _Stream:
         return out
 
     def finish(self, out: Collector) -> bytes:
-        last: dict[str, Any] = {"model": self.model, "created_at": created_at()}
-        last.update({"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""})
         timings = self.timings() if self.timings is not None else None
-        return line({**last, "done": True, "done_reason": _DONE_REASON.get(self.finish_reason, "stop"),
+        return line({**_reply(self.model, self.chat), "done": True, "done_reason": _DONE_REASON.get(self.finish_reason, "stop"),
                      **_counts(self.prompt_tokens, out.generated, timings)})
 
     def error(self, status: int, body: dict) -> bytes:

@@ -9,14 +9,21 @@ from engine.errors import GoinferError
 from engine.server.intake import HTTPError
 from engine.server.routes import Route
 
-__all__ = ["ROUTES"]
+__all__ = ["ROUTES", "run"]
 
 
 def embed(ex) -> None:
-    body = ex.json_body()
+    model, req, vectors, tokens = run(ex, parse_embeddings_request)
+    ex.send_json(200, embeddings_object(model, req, vectors, tokens))
+
+
+def run(ex, parse):
+    """The body read by `parse` (OpenAI's, Ollama's) and embedded on its model's queue:
+    (model, request, vectors, prompt tokens); refusals as HTTPErrors (OpenAI's shape: a route's dialect restates
+    them)."""
     state = ex.state
     try:
-        req = parse_embeddings_request(body)
+        req = parse(ex.json_body())
         model = state.embedder(req.model)
         if model is None:
             served = ", ".join(state.embedders) or "none"
@@ -30,7 +37,7 @@ def embed(ex) -> None:
         raise HTTPError(error_status(e), error_body(e)) from None
     tokens = sum(len(ids) for ids in lists)
     ex.usage = (tokens, 0)
-    ex.send_json(200, embeddings_object(model, req, vectors, tokens))
+    return model, req, vectors, tokens
 
 
 # vectors of many long inputs: a body limit of its own (config.embeddings_body_cap)

@@ -7,7 +7,7 @@ token (Ollama's clients send it that way).
 
 from __future__ import annotations
 
-from engine.api.embeddings import embeddings_object, token_lists
+from engine.api.embeddings import embeddings_object
 from engine.api.ollama import (CHAT_URL, EMBED_URL, EMBEDDINGS_URL, GENERATE_URL, loads_only, model_field, parse_embed,
                                parse_embeddings)
 from engine.api.fields import bool_field, known_fields, object_body
@@ -16,7 +16,7 @@ from engine.api.ollama_models import VERSION, ps_entry, show_object, tags_entry
 from engine.api.openai_objects import error_status
 from engine.api.openai_objects import error_body as openai_error_body
 from engine.errors import GoinferError, RequestError
-from engine.server import generating
+from engine.server import embedding, generating
 from engine.server.intake import HTTPError
 from engine.server.routes import Route, Subtree
 
@@ -80,19 +80,7 @@ def version(ex) -> None:
 
 
 def _embed(ex, parse, answer_of) -> None:
-    state = ex.state
-    try:
-        req = parse(ex.json_body())
-        model = state.embedder(req.model)
-        if model is None:
-            raise _not_found(req.model)
-        ex.model_name = model.name
-        lists = token_lists(model, req)
-        vectors = state.embed_queues[model.name].embed(lists)
-    except GoinferError as e:
-        raise _refused(e) from None
-    tokens = sum(len(ids) for ids in lists)
-    ex.usage = (tokens, 0)
+    model, req, vectors, tokens = embedding.run(ex, parse)
     data = embeddings_object(model, req, vectors, tokens)["data"]  # (dimensions: cut and renormalised there)
     ex.send_json(200, answer_of(model.name, [d["embedding"] for d in data], tokens))
 
