@@ -48,7 +48,10 @@ VALID = {
                "reasoning_format": "deepseek", "thinking_token_budget": 8, "n_predict": 4, "cache_prompt": True,
                "samplers": "kpmt", "ignore_eos": False, "sse_ping_interval": 1, "typical_p": 1.0},
     COMPLETIONS_URL: {"model": "m", "prompt": "Once", "max_tokens": 4, "echo": True, "logprobs": 2, "stop": "x",
-                      "presence_penalty": 0.1, "frequency_penalty": 0.1},
+                      "presence_penalty": 0.1, "frequency_penalty": 0.1, "temperature": 0.7, "typical_p": 0.9,
+                      "top_n_sigma": 2.0, "xtc_probability": 0.5, "xtc_threshold": 0.1, "dry_multiplier": 0.5,
+                      "dry_sequence_breakers": ["\n"], "min_keep": 1, "dynatemp_range": 0.2,
+                      "samplers": "edskypmxt", "post_sampling_probs": True},
     anthropic.MESSAGES_URL: {"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}],
                              "messages": [{"role": "user", "content": "Hi"},
                                           {"role": "assistant", "content": [
@@ -79,7 +82,8 @@ VALID = {
     llamacpp.COMPLETION_URL: {"prompt": "Once", "n_predict": 4, "temperature": 0.2, "stop": ["\n"], "n_probs": 2,
                               "cache_prompt": True, "samplers": ["top_k", "top_p", "min_p", "temperature"],
                               "top_k": 20, "repeat_penalty": 1.05, "repeat_last_n": 16, "stream": True,
-                              "timings_per_token": True, "return_progress": True},
+                              "timings_per_token": True, "return_progress": True, "return_tokens": True,
+                              "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2, "post_sampling_probs": True},
     ollama.GENERATE_URL: {"model": "m", "prompt": "Once", "system": "Be brief.", "raw": False, "stream": True,
                           "format": {"type": "object", "properties": {"a": {"type": "string"}}}, "think": "low",
                           "options": {"num_predict": -1, "temperature": 0}, "images": [], "context": []},
@@ -93,7 +97,8 @@ FIELDS = sorted({k for body in VALID.values() for k in body} | {
     "budget_tokens", "reasoning_content", "signature", "effort", "summary", "self", "options", "num_predict",
     "raw", "images", "tool_name", "keep_alive", "think", "format", "suffix", "template", "mirostat", "typical_p",
     "n_predict", "n_probs", "ignore_eos", "samplers", "sse_ping_interval", "cache_prompt", "repeat_penalty",
-    "dry_multiplier", "top_n_sigma"})
+    "dry_multiplier", "top_n_sigma", "xtc_probability", "dry_sequence_breakers", "min_keep", "return_tokens",
+    "post_sampling_probs", "mirostat_tau", "dynatemp_range"})
 
 leaves = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),

@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 import engine
-from engine.api.llamacpp_fields import DEFAULT_SAMPLERS, NO_LIMIT
+from engine.api.llamacpp_fields import NO_LIMIT
 from engine.api.openai import parse_chat_request, parse_completion_request
 from engine.errors import RequestError
+from engine.generation.sampler_chain import DEFAULT_ORDER as DEFAULT_SAMPLERS
 from engine.requests.request import prepare
 from tests.conftest import SERVER_KEY
 
@@ -62,13 +63,18 @@ def test_no_ops_and_neutral_samplers_change_nothing(fields):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"typical_p": 0.9}, "typical_p"), ({"top_n_sigma": 1.5}, "top_n_sigma"),
-    ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"xtc_probability": 0.5}, "xtc_probability"),
-    ({"mirostat": 2}, "mirostat"), ({"dynatemp_range": 0.5}, "dynatemp_range"),
-    ({"samplers": ["temperature", "top_k"]}, "samplers"), ({"samplers": ["top_k", "magic"]}, "samplers"),
-    ({"samplers": 3}, "samplers"),
-    ({"timings_per_token": "yes"}, "timings_per_token"), ({"return_tokens": True}, "return_tokens"),
-    ({"typ_p": 0.5}, "typ_p"), ({"post_sampling_probs": True}, "post_sampling_probs"),
+    ({"typical_p": -0.1}, "typical_p"), ({"top_n_sigma": "wide"}, "top_n_sigma"),
+    ({"dry_multiplier": -1}, "dry_multiplier"), ({"dry_base": 0.5}, "dry_base"),
+    ({"dry_allowed_length": -1}, "dry_allowed_length"), ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ({"dry_sequence_breakers": []}, "dry_sequence_breakers"),
+    ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+    ({"xtc_probability": 1.5}, "xtc_probability"), ({"xtc_threshold": -0.1}, "xtc_threshold"),
+    ({"mirostat": 3}, "mirostat"), ({"mirostat_tau": -1}, "mirostat_tau"), ({"dynatemp_range": -0.5}, "dynatemp_range"),
+    ({"min_keep": -1}, "min_keep"), ({"typ_p": 0.5, "typical_p": 0.9}, "typ_p"),
+    ({"samplers": ["top_k", "magic"]}, "samplers"), ({"samplers": ["top_k", "top_k"]}, "samplers"),
+    ({"samplers": 3}, "samplers"), ({"samplers": "kpq"}, "samplers"),
+    ({"timings_per_token": "yes"}, "timings_per_token"), ({"return_tokens": "yes"}, "return_tokens"),
+    ({"post_sampling_probs": 1}, "post_sampling_probs"),
     ({"n_predict": 0}, "n_predict"), ({"n_predict": 5, "max_tokens": 6}, "n_predict"),
     ({"n_probs": 21}, "n_probs"), ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"sse_ping_interval": "1s"}, "sse_ping_interval"),
@@ -169,8 +175,63 @@ def test_the_completion_route_answers_in_llamacpps_shape(server, name):
     stopped = _post(server, "/completion", {"prompt": "The capital of France is", "n_predict": 20, "temperature": 0,
                                             "stop": [r["content"].split()[-1]]}).json()
     assert stopped["stop_type"] == "word" and stopped["stopping_word"] == r["content"].split()[-1]
-    bad = _post(server, "/completion", {"prompt": "x", "mirostat": 2})
+    bad = _post(server, "/completion", {"prompt": "x", "mirostat": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mirostat"
+
+
+def test_the_completion_route_returns_token_ids_and_probabilities(server, name):
+    body = {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0, "n_probs": 3}
+    r = _post(server, "/completion", {**body, "return_tokens": True}).json()
+    ids, probs = r["tokens"], r["completion_probabilities"]
+    assert len(ids) == 5 and [p["id"] for p in probs] == ids
+    assert "".join(bytes(p["bytes"]).decode("utf-8", "replace") for p in probs) == r["content"]
+    for p in probs:  # greedy: each token is the likeliest, its top_logprobs the model's own (log-softmax)
+        assert p["top_logprobs"][0]["id"] == p["id"] and len(p["top_logprobs"]) == 3
+        assert p["logprob"] == p["top_logprobs"][0]["logprob"] < 0
+        assert sum(math.exp(t["logprob"]) for t in p["top_logprobs"]) < 1
+    assert _post(server, "/completion", body).json()["tokens"] == []  # only when asked for, as llama.cpp's
+    events = _events(server, "/completion", {**body, "stream": True})
+    assert [t for e in events for t in e["tokens"]] == ids and events[-1]["tokens"] == []
+    assert [p["id"] for e in events for p in e.get("completion_probabilities", [])] == ids
+    # post_sampling_probs: the probabilities of what each token was drawn from, after the samplers
+    post = _post(server, "/completion", {**body, "post_sampling_probs": True}).json()["completion_probabilities"]
+    assert all(p["prob"] == 1.0 and p["top_probs"] == [{**p["top_probs"][0], "prob": 1.0}] for p in post)
+    sampled = _post(server, "/completion", {**body, "post_sampling_probs": True, "temperature": 1.0, "top_k": 3,
+                                            "seed": 5}).json()["completion_probabilities"]
+    for p in sampled:  # top_k 3: the three kept share all the probability; the drawn one is among them
+        assert len(p["top_probs"]) == 3 and math.isclose(sum(t["prob"] for t in p["top_probs"]), 1.0, rel_tol=1e-6)
+        assert p["prob"] == next(t["prob"] for t in p["top_probs"] if t["id"] == p["id"]) > 0
+
+
+def test_post_sampling_probs_on_the_openai_routes(server, name):
+    body = {"model": name, "messages": ASK, "max_tokens": 4, "temperature": 0.7, "top_k": 2, "seed": 1,
+            "logprobs": True, "top_logprobs": 2, "post_sampling_probs": True}
+    content = _post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert set(entry) == {"id", "token", "bytes", "prob", "top_probs"} and 0 < entry["prob"] <= 1
+        assert math.isclose(sum(t["prob"] for t in entry["top_probs"]), 1.0, rel_tol=1e-6)
+    streamed = [c for e in _events(server, "/v1/chat/completions", {**body, "stream": True}) if e["choices"]
+                for c in (e["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert [e["id"] for e in streamed] == [e["id"] for e in content]  # the same seed: the same draws
+
+
+# A prompt that repeats itself: greedy decoding goes on repeating; DRY pushes the continuing token down
+LOOP = "red green blue red green blue red green blue red green"
+
+
+@pytest.mark.parametrize("route", ["/completion", "/v1/completions"])
+def test_llamacpps_samplers_change_what_is_drawn(server, name, route):
+    body = {"model": name, "prompt": LOOP, "max_tokens": 1, "temperature": 0}
+    plain = _post(server, route, body).json()
+    text = plain["content"] if route == "/completion" else plain["choices"][0]["text"]
+    assert text.strip() == "blue"
+    dry = _post(server, route, {**body, "dry_multiplier": 4.0, "dry_base": 2.0, "dry_allowed_length": 2}).json()
+    assert (dry["content"] if route == "/completion" else dry["choices"][0]["text"]).strip() != "blue"
+    for fields in ({"typical_p": 0.5}, {"top_n_sigma": 1.0}, {"xtc_probability": 1.0, "xtc_threshold": 0.05},
+                   {"mirostat": 2, "mirostat_tau": 3.0}, {"dynatemp_range": 0.5}, {"samplers": "tkp", "top_p": 0.5}):
+        r = _post(server, route, {**body, "temperature": 0.8, "seed": 2, "max_tokens": 6, **fields})
+        assert r.status_code == 200, (fields, r.text)
 
 
 def test_props_and_slots(server, name):

@@ -42,11 +42,20 @@ def test_runtime_options_and_neutral_samplers_are_accepted_without_effect(option
     assert chat(options={option: value}) == chat()
 
 
-@pytest.mark.parametrize("option, value", [("typical_p", 0.9), ("tfs_z", 0.5), ("mirostat", 2)])
-def test_a_sampler_goinfer_lacks_is_refused_away_from_neutral(option, value):
-    with pytest.raises(RequestError, match=f"options.{option}: this sampler is not supported") as e:
-        chat(options={option: value})
-    assert e.value.param == f"options.{option}"
+def test_tail_free_sampling_is_refused_away_from_neutral():
+    with pytest.raises(RequestError, match="options.tfs_z: this sampler is not supported") as e:
+        chat(options={"tfs_z": 0.5})
+    assert e.value.param == "options.tfs_z"
+
+
+def test_typical_p_and_mirostat_run_llamacpps_samplers():
+    chain = chat(options={"typical_p": 0.9}).options.chain
+    assert chain.typical_p == 0.9 and chain.needed
+    chain = chat(options={"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2}).options.chain
+    assert (chain.mirostat, chain.mirostat_tau, chain.mirostat_eta) == (2, 3.0, 0.2)
+    with pytest.raises(RequestError) as e:
+        chat(options={"mirostat": 4})
+    assert e.value.param == "options.mirostat"
 
 
 @pytest.mark.parametrize("options, param", [

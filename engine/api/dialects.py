@@ -108,7 +108,8 @@ class OpenAIDialect(_Generating):
     def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0,
                timings=None) -> StreamEncoder:
         return _OpenAIStream(sse.Stream(req.kind, job_id, created, model_name, req.logprobs, req.include_usage,
-                                        _tool_names(req)), prompt_tokens, timings, cached_tokens,
+                                        _tool_names(req), req.post_sampling_probs), prompt_tokens, timings,
+                             cached_tokens,
                              req.timings_per_token)
 
 

@@ -50,7 +50,7 @@ def float_field(body: dict, name: str, low: float, high: float | None, low_open:
         raise RequestError(f"{name}: must be a number, not {kind_of(v)}", name, "invalid_type")
     if v < low or (low_open and v == low) or (high is not None and v > high):
         lo = "(" if low_open else "["
-        bounds = f"> {low}" if high is None and low_open else f"in {lo}{low}, {high}]"
+        bounds = (f"> {low}" if low_open else f">= {low}") if high is None else f"in {lo}{low}, {high}]"
         raise RequestError(f"{name}: must be {bounds} (got {v})", name, "invalid_value")
     return float(v)
 

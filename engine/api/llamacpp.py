@@ -8,10 +8,11 @@ clients read (also on the OpenAI routes' answers), and what GET /props and GET /
                                     fields (llamacpp_fields.py), `model` optional; the answer
                                     {"index", "content", "tokens", "id_slot", "stop": true, "model",
                                     "tokens_predicted", "tokens_evaluated", "tokens_cached", "stop_type",
-                                    "stopping_word",
-                                    "has_new_line", "truncated", "timings"}; the stream: one `data:` event per piece
-                                    ({"index", "content", "tokens", "stop": false, ...}), the last the whole answer
-                                    with "content": "" and "stop": true; no [DONE] (llama.cpp sends none here).
+                                    "stopping_word", "has_new_line", "truncated", "timings"}, "tokens" the
+                                    generated ids with return_tokens, "completion_probabilities" with n_probs;
+                                    the stream: one `data:` event per token ({"index", "content", "tokens": [its
+                                    id], "stop": false, ...}), the last the whole answer with "content": "",
+                                    "tokens": [] and "stop": true; no [DONE] (llama.cpp sends none here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 from engine.api import sse
 from engine.api.openai import parse_completion_request
-from engine.api.openai_objects import new_id
+from engine.api.openai_objects import llamacpp_probabilities, new_id
 from engine.requests.request import Collector, Completion, Delta, GenerationRequest, Timings
 
 __all__ = ["COMPLETION_URL", "LlamaCppCompletion", "props_object", "slots_object", "timings_object"]
@@ -67,12 +68,15 @@ class LlamaCppCompletion:
     def answer(self, req, result: Completion, *, job_id, model_name, created, timings=None) -> dict:
         choice = result.choices[0]
         t = timings or Timings(0.0, 0.0, 0.0, 0.0, result.prompt_tokens, result.completion_tokens)
-        return {"index": 0, "content": choice.text, "tokens": [], "id_slot": 0, "stop": True, "model": model_name,
-                "tokens_predicted": choice.completion_tokens, "tokens_evaluated": result.prompt_tokens,
-                "tokens_cached": result.cached_tokens, "stop_type": _stop_type(choice.finish_reason,
-                                                                               choice.stop_sequence),
-                "stopping_word": choice.stop_sequence or "", "has_new_line": "\n" in choice.text, "truncated": False,
-                "timings": timings_object(t, result.cached_tokens)}
+        obj = {"index": 0, "content": choice.text, "tokens": list(choice.tokens or []) if req.return_tokens else [],
+               "id_slot": 0, "stop": True, "model": model_name, "tokens_predicted": choice.completion_tokens,
+               "tokens_evaluated": result.prompt_tokens, "tokens_cached": result.cached_tokens,
+               "stop_type": _stop_type(choice.finish_reason, choice.stop_sequence),
+               "stopping_word": choice.stop_sequence or "", "has_new_line": "\n" in choice.text, "truncated": False,
+               "timings": timings_object(t, result.cached_tokens)}
+        if req.logprobs and choice.logprobs:
+            obj["completion_probabilities"] = llamacpp_probabilities(choice.logprobs, req.post_sampling_probs)
+        return obj
 
     def stream(self, req, *, job_id, model_name, created, prompt_tokens, cached_tokens=lambda: 0,
                timings: Callable[[], Timings] | None = None) -> _CompletionStream:
@@ -101,10 +105,12 @@ class _CompletionStream:
             return b""
         self.generated += d.new_tokens
         self.last = d
-        if not d.text:
+        if not d.text and not d.logprobs and not self.req.return_tokens:
             return b""
-        obj = {"index": 0, "content": d.text, "tokens": [], "stop": False, "id_slot": 0,
-               "tokens_predicted": self.generated, "tokens_evaluated": self.prompt_tokens}
+        obj = {"index": 0, "content": d.text, "tokens": [] if d.token is None else [d.token], "stop": False,
+               "id_slot": 0, "tokens_predicted": self.generated, "tokens_evaluated": self.prompt_tokens}
+        if d.logprobs:
+            obj["completion_probabilities"] = llamacpp_probabilities(d.logprobs, self.req.post_sampling_probs)
         if self.req.timings_per_token and self.timings is not None:
             obj["timings"] = timings_object(self.timings(), self.cached())
         return sse.event(obj)
@@ -113,7 +119,8 @@ class _CompletionStream:
         result = out.result()
         final = self.dialect.answer(self.req, result, job_id="", model_name=self.model, created=0,
                                     timings=self.timings() if self.timings is not None else None)
-        return sse.event({**final, "content": ""})
+        final.pop("completion_probabilities", None)  # each token's went with it
+        return sse.event({**final, "content": "", "tokens": []})
 
     def error(self, status: int, body: dict) -> bytes:
         return sse.event(body)

@@ -38,13 +38,15 @@ _MESSAGE_FIELDS = {"role", "content", "images", "tool_calls", "thinking", "tool_
 # options: Ollama's sampling names -> the OpenAI body's
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
              "stop": "stop", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-             "repeat_penalty": "repetition_penalty", "repeat_last_n": "repeat_last_n", "num_predict": "max_tokens"}
+             "repeat_penalty": "repetition_penalty", "repeat_last_n": "repeat_last_n", "num_predict": "max_tokens",
+             # llama.cpp's samplers, by the same names (engine/api/llamacpp_fields.py reads them)
+             "typical_p": "typical_p", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
+             "mirostat_eta": "mirostat_eta"}
 # How Ollama loads and runs a model: accepted, without effect (goinfer serve's flags decide these)
 _RUNTIME = {"numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
             "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "penalize_newline"}
-# Samplers goinfer does not have: their neutral value (mirostat's tau and eta matter only with mirostat on)
-_NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
-_MIROSTAT = {"mirostat_tau", "mirostat_eta"}
+# A sampler neither goinfer nor llama.cpp has any more (tail-free sampling): accepted at its neutral value only
+_NEUTRAL = {"tfs_z": 1.0}
 _THINK_LEVELS = ("low", "medium", "high")
 # The OpenAI body's names in a refusal -> Ollama's (longest first: response_format.json_schema before its prefix)
 _RENAMED = {**{v: f"options.{k}" for k, v in _SAMPLING.items()}, "response_format.json_schema.schema": "format",
@@ -175,7 +177,7 @@ def _options(options: Any) -> dict:
     out = {}
     for name, value in options.items():
         at = f"options.{name}"
-        if value is None or name in _RUNTIME or name in _MIROSTAT:  # (mirostat itself is refused unless off)
+        if value is None or name in _RUNTIME:
             continue
         if name in _NEUTRAL:
             if not (is_number(value) and value == _NEUTRAL[name]):

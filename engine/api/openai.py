@@ -23,6 +23,7 @@ from engine.api.fields import bool_field, float_field, int_field, is_int, is_num
 from engine.constrain.grammar import Grammar
 from engine.constrain.tools import tool_call_grammar
 from engine.errors import RequestError
+from engine.generation.sampler_chain import ChainSettings
 from engine.requests.request import GenerationRequest, SamplingOptions
 
 CHAT_URL = "/v1/chat/completions"
@@ -95,7 +96,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise RequestError("max_completion_tokens: disagrees with max_tokens; send one of them",
                            "max_completion_tokens", "invalid_value")
-    options = _options(body, max_completion if max_completion is not None else max_tokens)
+    options = _options(body, max_completion if max_completion is not None else max_tokens, llamacpp.pop("chain", None))
     stream, include_usage = _stream(body)
     return GenerationRequest(messages=messages, options=options, logprobs=logprobs, top_logprobs=top or 0,
                              n=_n(body), stream=stream, include_usage=include_usage, model=str_field(body, "model"),
@@ -121,7 +122,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     stream, include_usage = _stream(body)
     grammar = answer_grammar(body)
     return GenerationRequest(prompt=_prompt(body.get("prompt")),
-                             options=_options(body, int_field(body, "max_tokens", 1)),
+                             options=_options(body, int_field(body, "max_tokens", 1), llamacpp.pop("chain", None)),
                              logprobs=top is not None, top_logprobs=top or 0, echo=bool_field(body, "echo", False),
                              n=n, stream=stream, include_usage=include_usage, model=str_field(body, "model"),
                              grammar=grammar, confidence=_confidence(body, grammar, False), **llamacpp)
@@ -176,7 +177,8 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, include
 
 
-def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
+def _options(body: dict, max_tokens: int | None, chain: ChainSettings | None = None) -> SamplingOptions:
+    """chain: llama.cpp's other samplers, as llamacpp_fields read them."""
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=float_field(body, "temperature", 0.0, 2.0),
@@ -190,6 +192,7 @@ def _options(body: dict, max_tokens: int | None) -> SamplingOptions:
         repetition_penalty=float_field(body, "repetition_penalty", 0.0, None, low_open=True),
         penalty_last_n=int_field(body, "repeat_last_n", -1),  # llama.cpp's and Ollama's name
         logit_bias=_logit_bias(body.get("logit_bias")),
+        chain=chain,
     )
 
 

@@ -1,9 +1,11 @@
 """The OpenAI wire format's answers: chat.completion and text_completion objects (with logprobs and usage),
 /v1/models entries, and the error objects every route answers with (OpenAI's shape; the Anthropic routes
-translate them). Pure functions."""
+translate them), and llama.cpp's per-token probabilities (its post_sampling_probs on these routes, and
+/completion's completion_probabilities). Pure functions."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -12,7 +14,7 @@ from engine.requests.request import Completion, GenerationRequest, TokenLogprob
 
 
 def chat_completion(result: Completion, *, model_name: str, request_id: str | None = None,
-                    created: int | None = None, with_logprobs: bool = False) -> dict:
+                    created: int | None = None, with_logprobs: bool = False, post_sampling: bool = False) -> dict:
     """The chat.completion object for one result (one choice per answer)."""
     return {
         "id": request_id or new_id("chat"),
@@ -20,7 +22,7 @@ def chat_completion(result: Completion, *, model_name: str, request_id: str | No
         "created": int(time.time()) if created is None else created,
         "model": model_name,
         "choices": [{"index": i, "message": _message(c),
-                     "logprobs": chat_logprobs(c.logprobs or []) if with_logprobs else None,
+                     "logprobs": chat_logprobs(c.logprobs or [], post_sampling) if with_logprobs else None,
                      "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
         "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens,
                        sum(c.reasoning_tokens for c in result.choices)),
@@ -42,7 +44,7 @@ def tool_call_object(t) -> dict:
 
 
 def text_completion(result: Completion, *, model_name: str, request_id: str | None = None,
-                    created: int | None = None, with_logprobs: bool = False) -> dict:
+                    created: int | None = None, with_logprobs: bool = False, post_sampling: bool = False) -> dict:
     """The text_completion object (legacy /v1/completions) for one result."""
     return {
         "id": request_id or new_id("completion"),
@@ -50,7 +52,7 @@ def text_completion(result: Completion, *, model_name: str, request_id: str | No
         "created": int(time.time()) if created is None else created,
         "model": model_name,
         "choices": [{"text": c.text, "index": i,
-                     "logprobs": completion_logprobs(c.logprobs or []) if with_logprobs else None,
+                     "logprobs": completion_logprobs(c.logprobs or [], post_sampling) if with_logprobs else None,
                      "finish_reason": c.finish_reason} for i, c in enumerate(result.choices)],
         "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
     }
@@ -60,7 +62,8 @@ def response_object(req: GenerationRequest, result: Completion, *, model_name: s
                     request_id: str | None = None, created: int | None = None) -> dict:
     """The object the endpoint `req` came from answers with."""
     build = chat_completion if req.kind == "chat" else text_completion
-    obj = build(result, model_name=model_name, request_id=request_id, created=created, with_logprobs=req.logprobs)
+    obj = build(result, model_name=model_name, request_id=request_id, created=created, with_logprobs=req.logprobs,
+                post_sampling=req.post_sampling_probs)
     if result.confidence is not None:
         obj["goinfer_confidence"] = result.confidence
     return obj
@@ -87,20 +90,41 @@ def _token_str(piece: bytes) -> str:
     return piece.decode("utf-8", errors="backslashreplace")
 
 
-def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
-    """A chat choice's `logprobs` for these tokens (a whole answer, or one stream chunk's share)."""
+def chat_logprobs(tokens: list[TokenLogprob], post_sampling: bool = False) -> dict:
+    """A chat choice's `logprobs` for these tokens (a whole answer, or one stream chunk's share); post_sampling:
+    llama.cpp's entries with the drawn-from probabilities ("prob", "top_probs"), as llama-server sends them."""
+    if post_sampling:
+        return {"content": llamacpp_probabilities(tokens, True), "refusal": None}
     return {"content": [{"token": _token_str(t.piece), "logprob": t.logprob, "bytes": list(t.piece),
                          "top_logprobs": [{"token": _token_str(p), "logprob": lp, "bytes": list(p)}
                                           for _, p, lp in t.top]} for t in tokens],
             "refusal": None}
 
 
-def completion_logprobs(tokens: list[TokenLogprob]) -> dict:
-    """A completion choice's `logprobs` (the legacy parallel arrays) for these tokens."""
+def completion_logprobs(tokens: list[TokenLogprob], post_sampling: bool = False) -> dict:
+    """A completion choice's `logprobs` (the legacy parallel arrays) for these tokens; post_sampling: llama.cpp's
+    entries instead, as llama-server sends them."""
+    if post_sampling:
+        return {"content": llamacpp_probabilities(tokens, True)}
     return {"tokens": [_token_str(t.piece) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [None if t.logprob is None else {_token_str(p): lp for _, p, lp in t.top} for t in tokens],
             "text_offset": [t.offset for t in tokens]}
+
+
+LOG_ZERO = -3.4028234663852886e38  # llama.cpp's log of a probability of 0 (float's lowest: JSON has no -inf)
+
+
+def llamacpp_probabilities(tokens: list[TokenLogprob], post_sampling: bool) -> list[dict]:
+    """llama.cpp's per-token entries: {"id", "token", "bytes", "logprob", "top_logprobs": [{"id", "token",
+    "bytes", "logprob"}]}; post_sampling: "prob" and "top_probs" (probabilities after the samplers) instead."""
+    key, top_key = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+
+    def entry(token: int, piece: bytes, lp: float | None) -> dict:
+        value = None if lp is None else math.exp(lp) if post_sampling else max(lp, LOG_ZERO)
+        return {"id": token, "token": piece.decode("utf-8", errors="ignore"), "bytes": list(piece), key: value}
+
+    return [{**entry(t.token, t.piece, t.logprob), top_key: [entry(i, p, lp) for i, p, lp in t.top]} for t in tokens]
 
 
 def model_object(name: str, *, created: int, context_window: int) -> dict:

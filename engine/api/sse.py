@@ -57,6 +57,7 @@ class Stream:
     # With tools: the names an answer may call. Its calls are read as they come (engine.templates.tool_stream)
     # and sent as tool_calls deltas: a call's id and name, then its arguments piece by piece.
     tool_names: Mapping[str, dict] | None = field(default=None, compare=False)  # name -> parameters' schema
+    post_sampling: bool = False  # logprobs in llama.cpp's post_sampling_probs shape
     _readers: dict = field(default_factory=dict, compare=False, repr=False)  # choice index -> ToolCallStream
 
     def _chunk(self, choices: list[dict]) -> dict:
@@ -70,7 +71,7 @@ class Stream:
         """The chunks for one piece of choice d.index; `first`: the choice's first piece."""
         if self.kind == "chat":
             return self._chat_chunks(d, first)
-        lp = completion_logprobs(d.logprobs or []) if self.logprobs else None
+        lp = completion_logprobs(d.logprobs or [], self.post_sampling) if self.logprobs else None
         return [self._chunk([{"text": d.text, "index": d.index, "logprobs": lp, "finish_reason": d.finish_reason}])]
 
     def _chat_chunks(self, d: Delta, first: bool) -> list[dict]:
@@ -89,7 +90,7 @@ class Stream:
             if reader.started and finish == "stop":
                 finish = "tool_calls"
         if text or d.logprobs:
-            lp = chat_logprobs(d.logprobs or []) if self.logprobs else None
+            lp = chat_logprobs(d.logprobs or [], self.post_sampling) if self.logprobs else None
             out.append(self._chunk([{"index": d.index, "delta": {"content": text}, "logprobs": lp,
                                      "finish_reason": None}]))
         for e in events:  # OpenAI's shape: index, id, type and name first, then the arguments piece by piece

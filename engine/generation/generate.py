@@ -7,6 +7,7 @@ while it could still be the start of a stop string.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -76,9 +77,11 @@ class Generation:
     def __init__(self, model: Model, prompt_ids: Sequence[int], max_tokens: int, *, window: int,
                  sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None,
                  top_logprobs: int = 0, logprobs: bool = True, processors: Sequence[Processor] = (),
-                 thinking: ThinkingPlan | None = None):
+                 thinking: ThinkingPlan | None = None, post_sampling: bool = False):
         """Checks every argument (InvalidRequest, ContextOverflow); `window` is the most tokens the sequence may
-        hold, prompt included; `sampling` (default: greedy) how its tokens are picked."""
+        hold, prompt included; `sampling` (default: greedy) how its tokens are picked. post_sampling: an event's
+        logprob and top_logprobs are those of the distribution the token was drawn from, after every sampler
+        (llama.cpp's post_sampling_probs; log 0 = -inf for a token they cut), not the model's."""
         self.sampling = sampling if sampling is not None else SamplingParams()
         self.sampling.validate(model.vocab_size)
         self.prompt_ids = [int(t) for t in prompt_ids]
@@ -97,7 +100,8 @@ class Generation:
         self._tok = model.tokenizer
         self._processors = make_logits_processors(self.sampling) + list(processors)
         self._accepts = [p.accept for p in self._processors if hasattr(p, "accept")]
-        self._sampler = make_sampler(self.sampling)
+        self._sampler = make_sampler(self.sampling, model.tokenizer)
+        self._post_sampling = post_sampling
         self._decoder = IncrementalDecoder(model.tokenizer, skip_special=True)
         self._top_logprobs = top_logprobs
         self._want_logprob = logprobs or top_logprobs > 0
@@ -140,18 +144,22 @@ class Generation:
         if not self._forcing and self._budget is not None and self._split.can_close and \
                 self.thought_tokens >= self._budget:
             self._forcing = list(self._plan.close_tokens)  # the budget is spent: the block closes, the answer follows
-        if self._forcing:
+        forced = bool(self._forcing)
+        if forced:
             token = self._forcing.pop(0)
         else:
             for proc in processors:
                 work = proc(work, self._history)
-            token = self._sampler(work)
+            token = self._sampler(work, self._history)
         self._history.append(token)
         self.generated += 1
         for accept in self._accepts:
             accept(token)
-        lp = float(logits[token]) - lse if want_logprob else None
-        top = top_logprobs_of(logits.astype(np.float64) - lse, self._top_logprobs) if self._top_logprobs else None
+        if self._post_sampling and want_logprob:
+            lp, top = self._drawn_from(token, forced)
+        else:
+            lp = float(logits[token]) - lse if want_logprob else None
+            top = top_logprobs_of(logits.astype(np.float64) - lse, self._top_logprobs) if self._top_logprobs else None
         was_thinking = self._split is not None and self._split.thinking
         ev = self._event(token, lp, top)
         if self._split is not None and (was_thinking or self._split.thinking):
@@ -159,6 +167,13 @@ class Generation:
             self.thought_tokens += self._split.thinking
         self.finished = ev.finish_reason is not None
         return ev
+
+    def _drawn_from(self, token: int, forced: bool) -> tuple[float, list[tuple[int, float]] | None]:
+        """(log p of token, the top_logprobs likeliest as (id, log p)) in the distribution it was drawn from; a
+        forced token (a thinking block's close) was certain."""
+        prob, cands = (1.0, [(token, 1.0)]) if forced else self._sampler.drawn(token, self._top_logprobs)
+        top = [(t, math.log(q) if q > 0 else -math.inf) for t, q in cands[:self._top_logprobs]]
+        return (math.log(prob) if prob > 0 else -math.inf), (top if self._top_logprobs else None)
 
     def _event(self, token: int, lp: float | None, top) -> TokenEvent:
         eog = token in self._tok.eog_ids

@@ -6,24 +6,34 @@ built from it as plain callables.
 and Generation / generate() take it whole (engine/generation/generate.py), as vLLM's SamplingParams and mlx-lm's
 make_sampler are passed down.
 
-A processor maps (logits (vocab,) f32, history: list[int]) -> logits; a sampler maps logits -> token id.
-Order follows llama.cpp's default chain: penalties and bias, then top-k, top-p, min-p, temperature.
+A processor maps (logits (vocab,) f32, history: list[int]) -> logits; a sampler maps (logits, history) -> token id
+and says, after a draw, what it drew from (`drawn(token, n)`: the candidates left, with their probabilities:
+llama.cpp's post-sampling probabilities). Order follows llama.cpp's default chain: penalties and bias, then top-k,
+top-p, min-p, temperature. A request that turns on one of llama.cpp's other samplers (typical_p, top_n_sigma, DRY, XTC,
+dynamic temperature, mirostat) or reorders them gets llama.cpp's chain (sampler_chain.py) instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from engine.errors import InvalidRequest
+from engine.generation.sampler_chain import ChainSampler, ChainSettings
 from engine.kernels import vmath
 
 HEAP_MAX_K = 1024  # top-k selection by a compiled heap up to here (0.1 ms on 262k logits), argpartition above
 
 Processor = Callable[[np.ndarray, list[int]], np.ndarray]
-Sampler = Callable[[np.ndarray], int]
+
+
+class Sampler(Protocol):
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int: ...
+
+    def drawn(self, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+        """Of the last draw: token's probability, and the n likeliest candidates (id, probability), best first."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64  # how many recent tokens the penalties look at (llama.cpp's default; -1: all, 0: none)
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)  # token id -> added to its logit
+    chain: ChainSettings | None = None  # llama.cpp's other samplers and their order (None: none of them)
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", dict(self.logit_bias or {}))  # None reads as none; a copy of ours
@@ -60,11 +71,18 @@ class SamplingParams:
         for tok in self.logit_bias:
             if not 0 <= int(tok) < vocab_size:
                 raise InvalidRequest(f"logit_bias names token {tok}, outside the vocabulary of {vocab_size}")
+        if self.chain is not None:
+            self.chain.validate()
+
+    @property
+    def uses_chain(self) -> bool:
+        return self.chain is not None and self.chain.needed
 
 
 def make_logits_processors(p: SamplingParams) -> list[Processor]:
     procs: list[Processor] = []
-    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+    # (llama.cpp's chain applies the penalties itself, where its order puts them)
+    if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty) and not p.uses_chain:
         procs.append(_penalties(p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.penalty_last_n))
     if p.logit_bias:
         ids = np.array([int(k) for k in p.logit_bias], dtype=np.int64)
@@ -94,17 +112,41 @@ def _penalties(repeat: float, presence: float, frequency: float, last_n: int) ->
     return apply
 
 
-def make_sampler(p: SamplingParams) -> Sampler:
-    if p.temperature <= 0:
-        return lambda logits: int(np.argmax(logits))  # greedy; lowest id on ties
-    rng = np.random.default_rng(p.seed)
+def make_sampler(p: SamplingParams, tokenizer=None) -> Sampler:
+    """The sampler for p: llama.cpp's chain where p asks for it (tokenizer: DRY reads its breakers with it), else
+    goinfer's fast one."""
+    return ChainSampler(p, tokenizer) if p.uses_chain else FastSampler(p)
 
-    def sample(logits: np.ndarray) -> int:
+
+class FastSampler:
+    """Greedy, or a draw after top-k, top-p, min-p and temperature: the samplers most requests use, fast (a compiled
+    pass over the vocabulary, and a sort of only the few candidates that can be kept)."""
+
+    def __init__(self, p: SamplingParams):
+        self.p = p
+        self.rng = np.random.default_rng(p.seed) if p.temperature > 0 else None
+        self._last: tuple = ()
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        p = self.p
+        if p.temperature <= 0:
+            token = int(np.argmax(logits))  # greedy; lowest id on ties
+            self._last = ("one", token)
+            return token
         row = np.ascontiguousarray(logits, dtype=np.float32)
         n = len(row)
         if not 0 < p.top_k < n and p.top_p >= 1.0 and p.min_p <= 0:
             # Every token is a candidate: one compiled pass, in id order (no sort of the vocabulary per token).
-            return int(vmath.softmax_draw(row, np.float32(1.0 / p.temperature), rng.random()))
+            self._last = ("all", row)
+            return int(vmath.softmax_draw(row, np.float32(1.0 / p.temperature), self.rng.random()))
+        c, v = self._candidates(row)
+        probs = _softmax(v / p.temperature)
+        self._last = ("some", c, probs)
+        return int(c[self.rng.choice(len(c), p=probs)])
+
+    def _candidates(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids top-k, top-p and min-p keep, and their logits (f64), most likely first."""
+        p, n = self.p, len(row)
         top_k = 0 < p.top_k < n
         # Probabilities for top_p / min_p are over the top_k set when top_k is on, else over the whole vocabulary
         # (its normalizer compiled: numpy's f64 exp over 262k logits took 4 ms); then only as many of the best as
@@ -134,10 +176,20 @@ def make_sampler(p: SamplingParams) -> Sampler:
         if p.min_p > 0:
             keep = probs >= p.min_p * probs[0]
             c, v = c[keep], v[keep]
-        probs = _softmax(v / p.temperature)
-        return int(c[rng.choice(len(c), p=probs)])
+        return c, v
 
-    return sample
+    def drawn(self, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+        if self._last[0] == "one":
+            return float(token == self._last[1]), [(self._last[1], 1.0)]
+        if self._last[0] == "all":  # the whole vocabulary at the temperature
+            v = self._last[1].astype(np.float64) / self.p.temperature
+            lse = v.max() + np.log(np.exp(v - v.max()).sum())
+            ids = np.argpartition(-v, n - 1)[:n] if 0 < n < len(v) else np.arange(len(v) if n else 0)
+            ids = ids[np.lexsort((ids, -v[ids]))]
+            return float(np.exp(v[token] - lse)), [(int(i), float(np.exp(v[i] - lse))) for i in ids]
+        _, c, probs = self._last
+        hit = np.flatnonzero(c == token)
+        return (float(probs[hit[0]]) if len(hit) else 0.0), [(int(t), float(q)) for t, q in zip(c[:n], probs[:n])]
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from engine.constrain.confidence import ConfidenceGrammar, field_confidences
 from engine.constrain.grammar import Grammar, GrammarProcessor, grammar_processor
 from engine.errors import Cancelled, ContextOverflow, RequestError
 from engine.generation.generate import Generation, TokenEvent, continue_from, top_logprobs_of
-from engine.generation.sampling import SamplingParams
+from engine.generation.sampling import ChainSettings, SamplingParams
 from engine.models.base import Model
 from engine.requests.prompts import encode_prompt, message_starts, prompt_ids, render_request, thinking_plan
 from engine.thinking.plan import ThinkingSettings
@@ -44,6 +44,7 @@ class SamplingOptions:
     repetition_penalty: float | None = None
     penalty_last_n: int | None = None
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    chain: ChainSettings | None = None  # llama.cpp's other samplers (engine/generation/sampler_chain.py)
 
     def fill(self, other: SamplingOptions) -> SamplingOptions:
         """These options, with every unset field taken from `other`."""
@@ -106,6 +107,8 @@ class GenerationRequest:
     # server's, inf: none
     timings_per_token: bool = False  # llama.cpp's: every streamed chunk carries the timings so far
     return_progress: bool = False  # llama.cpp's: a stream reports the prompt's evaluation as it goes
+    return_tokens: bool = False  # llama.cpp's: /completion's answer carries the generated token ids
+    post_sampling_probs: bool = False  # llama.cpp's: logprobs are the drawn-from distribution's (after samplers)
 
     @property
     def kind(self) -> str:
@@ -165,6 +168,7 @@ class Choice:
     stop_sequence: str | None = None  # the stop string that ended it, if one did
     reasoning: str | None = None  # the thinking apart from the answer (None: a reply that is not split)
     reasoning_tokens: int = 0  # of completion_tokens, those inside the thinking block
+    tokens: list[int] | None = None  # the generated token ids, in order (an end-of-generation token included)
 
 
 @dataclass
@@ -260,7 +264,7 @@ def prepare(model: Model, req: GenerationRequest, *, window: int | None = None,
         procs = [grammar_processor(model.tokenizer, grammar, kind)] if grammar is not None else []
         choices.append(Generation(model, ids, opts.max_tokens, window=window, sampling=seeded, stop=list(opts.stop),
                                   top_logprobs=req.top_logprobs if req.logprobs else 0, logprobs=bool(req.logprobs),
-                                  processors=procs, thinking=plan))
+                                  processors=procs, thinking=plan, post_sampling=req.post_sampling_probs))
     head = ""
     if req.echo:
         head = req.prompt if isinstance(req.prompt, str) else model.tokenizer.decode(ids, skip_special=True)
@@ -292,6 +296,7 @@ class Delta:
     stop_sequence: str | None = None  # on the last piece: the stop string that ended the choice, if one did
     reasoning: str = ""  # thinking text in this piece (a split reply); `text` is the answer's
     thinking: bool = False  # its token was a reasoning token
+    token: int | None = None  # the generated token (None: the echoed prompt)
 
 
 class ChoiceOutput:
@@ -318,7 +323,8 @@ class ChoiceOutput:
                 top = [(t, tok.piece_bytes(t), lp) for t, lp in (ev.top_logprobs or [])]
                 lps.append(TokenLogprob(ev.token, tok.piece_bytes(ev.token), ev.logprob, top, self._offset))
                 self._offset += len(self._decoder.push(ev.token))
-        return Delta(self._index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence, ev.reasoning, ev.thinking)
+        return Delta(self._index, ev.text, lps, ev.finish_reason, 1, ev.stop_sequence, ev.reasoning, ev.thinking,
+                     ev.token)
 
 
 def run(model: Model, prep: Prepared, *, should_stop: Callable[[], bool] | None = None,
@@ -361,6 +367,7 @@ class Collector:
         self._stops: list[str | None] = [None] * n
         self._reasoning: list[list[str] | None] = [[] if g.splits else None for g in prep.choices]
         self._thought = [0] * n
+        self._ids: list[list[int]] = [[] for _ in range(n)]
         self.generated = 0  # tokens over all choices
 
     def add(self, d: Delta) -> None:
@@ -375,12 +382,14 @@ class Collector:
         if d.reasoning:
             self._reasoning[d.index].append(d.reasoning)
         self._thought[d.index] += d.thinking
+        if d.token is not None:
+            self._ids[d.index].append(d.token)
 
     def result(self) -> Completion:
         choices = [Choice("".join(p), f, n, lp, stop_sequence=st, reasoning=None if r is None else "".join(r),
-                          reasoning_tokens=t) for p, f, n, lp, st, r, t in
+                          reasoning_tokens=t, tokens=ids) for p, f, n, lp, st, r, t, ids in
                    zip(self._parts, self._finish, self._tokens, self._logprobs, self._stops, self._reasoning,
-                       self._thought)]
+                       self._thought, self._ids)]
         if self._request.calls_tools:
             for c in choices:
                 text, calls = parse_tool_calls(c.text, self._request.tool_schemas)
