@@ -161,9 +161,10 @@ def test_reference_matmul_and_embed_rows():
 
 
 def test_unsupported_types_are_refused():
-    with pytest.raises(NotImplementedError, match="IQ2_XXS"):  # no decoder at all yet (66 bytes per 256 weights)
-        reference.dequantize_raw(np.zeros((2, 66), np.uint8), 16, 256)
-    with pytest.raises(NotImplementedError, match="IQ2_XXS"):  # nor a CPU kernel
+    with pytest.raises(NotImplementedError, match="Q8_K"):  # no decoder at all (292 bytes per 256 weights)
+        reference.dequantize_raw(np.zeros((2, 292), np.uint8), 15, 256)
+    assert reference.dequantize_raw(np.zeros((2, 66), np.uint8), 16, 256).shape == (2, 256)  # IQ2_XXS: the oracle's
+    with pytest.raises(NotImplementedError, match="IQ2_XXS"):  # but no CPU kernel yet
         exact.dequantize_into(np.zeros((2, 66), np.uint8), 16, np.empty((2, 256), np.float32))
     with pytest.raises(ValueError):  # row_bytes does not match the column count
         exact.dequantize_into(np.zeros((2, 20), np.uint8), GGMLType.Q4_1, np.empty((2, 64), np.float32))

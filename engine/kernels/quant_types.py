@@ -24,8 +24,15 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
     IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
     IQ4_XS = 23
+    IQ1_M = 29
     BF16 = 30
     TQ1_0 = 34
     TQ2_0 = 35
@@ -52,6 +59,14 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.IQ4_XS: (256, 2 + 2 + 4 + 128),
     GGMLType.TQ1_0: (256, 48 + 4 + 2),
     GGMLType.TQ2_0: (256, 64 + 2),
+    # the lattice types (Tensor types II): only the numpy reference decodes them so far (reference_lattice.py)
+    GGMLType.IQ2_XXS: (256, 2 + 64),
+    GGMLType.IQ2_XS: (256, 2 + 64 + 8),
+    GGMLType.IQ2_S: (256, 2 + 32 + 32 + 8 + 8),
+    GGMLType.IQ3_XXS: (256, 2 + 64 + 32),
+    GGMLType.IQ3_S: (256, 2 + 64 + 8 + 32 + 4),
+    GGMLType.IQ1_S: (256, 2 + 32 + 16),
+    GGMLType.IQ1_M: (256, 32 + 16 + 8),
 }
 
 # The types of the compiled decode step's shared runtime dispatch (int8.rows_into, dequant.dequant_row): every

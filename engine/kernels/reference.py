@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, QTensor, row_bytes, type_name
+from engine.kernels import reference_lattice
 
 QK_K = 256  # weights per K-quant super-block
 
@@ -287,6 +288,7 @@ _BLOCK_DECODERS = {
     GGMLType.IQ4_XS: _iq4_xs,
     GGMLType.TQ1_0: _tq1_0,
     GGMLType.TQ2_0: _tq2_0,
+    **{GGMLType[name]: decode for name, decode in reference_lattice.DECODERS.items()},
 }
 _FLOAT_DECODERS = {GGMLType.F32: _f32, GGMLType.F16: _f16_rows, GGMLType.BF16: _bf16}
 
