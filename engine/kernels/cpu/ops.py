@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.kernels.backend import PROMPT_TILE
 from engine.kernels.cpu import rowops
 
 
@@ -79,6 +80,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: flo
                                          v[: pos0 + t0 + ATTN_BLOCK], pos0 + t0, scale, window, softcap, sinks)
                                for t0 in range(0, T, ATTN_BLOCK)])
     L, Hkv, _ = k.shape
+    if pos0 == 0 and T < PROMPT_TILE:
+        # A prompt's first tile, when partial, runs as a whole one: queries padded with zeros to PROMPT_TILE,
+        # keys and values to PROMPT_TILE (past every real query's position: masked). Its two GEMMs then have the
+        # shapes a whole first tile has, so a row's numbers there do not depend on the prompt's length:
+        # OpenBLAS (its SkylakeX kernels, 0.3.31) takes small products through another kernel whose per-row
+        # roundings change with the row and column counts ((x[:4] @ w)[:3] != x[:3] @ w for a (64, 3) w), and
+        # the model amplified that to logprobs ~0.5 apart between a prompt and its prefix
+        # (tests/test_generate.py::test_logprobs_rows_match_next_logprobs). Cost: a short prompt's attention is
+        # a whole tile's (SmolLM2, 3 tokens: 17 -> 22 ms). Not past the first tile: padding a few queries at a
+        # long context to a whole tile multiplies that chunk's attention work (up to 64x),
+        # and a later tile's rows are promised the same numbers only across cuts on tile boundaries
+        # (kernels/backend.py, PROMPT_TILE).
+        qp = np.zeros((PROMPT_TILE, H, D), q.dtype)
+        qp[:T] = q
+        kp, vp = (np.zeros((PROMPT_TILE, *a.shape[1:]), a.dtype) for a in (k, v))
+        kp[:L], vp[:L] = k, v
+        return attention(qp, kp, vp, pos0, scale, window, softcap, sinks)[:T]
     group = H // Hkv
     first = max(0, pos0 - window + 1) if window else 0  # keys no query of this chunk can see
     k, v = k[first:], v[first:]
