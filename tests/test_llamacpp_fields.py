@@ -1,5 +1,5 @@
 """llama.cpp's request fields on /v1/chat/completions and /v1/completions do what docs/server.md's table says
-("llama.cpp's request fields"): read into OpenAI's, accepted without effect, accepted at a neutral value only, or
+("llama.cpp's request fields"): read into OpenAI's, run as llama.cpp's samplers, accepted without effect, or
 refused naming the field; and a body as llama.cpp's web UI sends it gets an answer from the real server."""
 
 from __future__ import annotations

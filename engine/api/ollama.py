@@ -9,7 +9,8 @@ A body is read into the OpenAI body that means the same (messages, sampling, for
 through openai.py's parser, so a request means one thing whichever format it came in. Ollama's own server ignores
 fields it does not know; goinfer refuses them (400, naming the field), except the ones Ollama documents: its loader
 and runtime options (num_gpu, num_thread, use_mmap, num_ctx, ...) are accepted and change nothing here (the server's
-flags decide them), and a sampler goinfer lacks is accepted at its neutral value only.
+flags decide them), llama.cpp's samplers (typical_p, mirostat) run as on the OpenAI routes, and tail-free sampling,
+which neither has any more, is accepted at its neutral value only.
 The answers, the NDJSON stream and the dialects: ollama_answers.py.
 """
 
