@@ -83,6 +83,13 @@ LOWBIT_TYPES: frozenset[GGMLType] = frozenset({
     GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0,
 })
 
+# The lattice types (Tensor types II, under way): the reference and the exact path's row decoders read them
+# (reference_lattice.py, cpu/dequant_lattice.py); no integer kernels yet, so the loader still refuses them.
+LATTICE_TYPES: frozenset[GGMLType] = frozenset({
+    GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S,
+    GGMLType.IQ1_M,
+})
+
 # The types every kernel computes with: the loader refuses a file holding any other (GGUFFile.check_tensor_types),
 # the CPU kernels refuse the rest, the self-test covers these. GGMLType also names types only the numpy reference
 # decodes so far.

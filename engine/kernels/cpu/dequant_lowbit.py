@@ -15,6 +15,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from engine.kernels.cpu import dequant_lattice as lattice
 from engine.kernels.cpu.dequant import Block, decoder_codegen, decoder_sig, dequant_row, f16_at
 from engine.kernels.cpu.ir import IQ4_NL_CODE, IQ4_XS_CODE, Q2_K_CODE, Q3_K_CODE, TQ1_0_CODE, TQ2_0_CODE
 from engine.kernels.reference import IQ4_NL_VALUES
@@ -173,7 +174,8 @@ _base_row = njit(inline="always")(dequant_row.py_func)
 
 
 def dequant_any_row(src, code, dst):
-    """Decode one row of any type the exact path computes with (COMPUTE_TYPES | LOWBIT_TYPES).
+    """Decode one row of any type the exact path computes with (COMPUTE_TYPES, and the lattice types:
+    dequant_lattice.py).
 
     Plain Python on purpose: exact.py compiles it inlined with a constant code (njit(inline="always")), which
     prunes the branches of the other types; as a jitted dispatch with a runtime code it would compile them all."""
@@ -189,5 +191,19 @@ def dequant_any_row(src, code, dst):
         _row_tq1_0(src, dst)
     elif code == TQ2_0_CODE:
         _row_tq2_0(src, dst)
+    elif code == lattice.IQ2_XXS_CODE:
+        lattice._row_iq2_xxs(src, dst)
+    elif code == lattice.IQ2_XS_CODE:
+        lattice._row_iq2_xs(src, dst)
+    elif code == lattice.IQ2_S_CODE:
+        lattice._row_iq2_s(src, dst)
+    elif code == lattice.IQ3_XXS_CODE:
+        lattice._row_iq3_xxs(src, dst)
+    elif code == lattice.IQ3_S_CODE:
+        lattice._row_iq3_s(src, dst)
+    elif code == lattice.IQ1_S_CODE:
+        lattice._row_iq1_s(src, dst)
+    elif code == lattice.IQ1_M_CODE:
+        lattice._row_iq1_m(src, dst)
     else:
         _base_row(src, code, dst)

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.cpu.dequant_lowbit import dequant_any_row
-from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, row_bytes, type_name
+from engine.kernels.quant_types import COMPUTE_TYPES, LATTICE_TYPES, GGMLType, row_bytes, type_name
 
 # =========================================================================================================
 # Drivers (parallel over rows)
@@ -94,8 +94,9 @@ def _matvec(code: int):
 # =========================================================================================================
 
 
-# The low-bit types too: their decoders compile only in their own closures (dequant_lowbit.py).
-_CODES = frozenset(int(t) for t in COMPUTE_TYPES)
+# The low-bit types too: their decoders compile only in their own closures (dequant_lowbit.py); and the lattice
+# types, which only this path decodes so far (the loader refuses them until their integer kernels exist).
+_CODES = frozenset(int(t) for t in COMPUTE_TYPES | LATTICE_TYPES)
 
 
 def _check(raw: np.ndarray, ggml_type, n_cols: int) -> int:
