@@ -238,7 +238,11 @@ def test_low_bit_models_get_a_step_of_their_own_types(file):
     assert lowbit and model.backend.step is not None and model.backend.step.lowbit == lowbit
     run = model.backend.step.dispatcher
     assert run is step_variants.step_for(tuple(sorted(lowbit))) and run is not decode_step.decode_step
-    _compare(model, PROMPT)
+    # 3% where the others take 2%: with 2- and 3-bit weights the 8-bit activations' rounding moves the logits more,
+    # in either path. On a Zen 4 (AVX-512 VNNI) the Q3_K_M file's step and layerwise pass differed by 2.2% of the
+    # largest logit at the first token, each 2.6-2.9% from exact f32 math (the same distance: noise, not a bug;
+    # a wrong kernel moves them by the logits' own size).
+    _compare(model, PROMPT, rtol=3e-2)
 
 
 def test_a_model_without_low_bit_types_keeps_the_shared_step():

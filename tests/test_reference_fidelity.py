@@ -119,7 +119,16 @@ def test_greedy_generation_follows_llama_cpp(request, name, case_name):
     # only ask for one of llama.cpp's top three.
     upto = next((j for j, pos in enumerate(case["positions"]) if pos["margin"] < GREEDY_MARGIN), len(want))
     n = min(upto + 1, len(want))
-    got = [ev.token for ev in engine.generate(model, case["tokens"], max_tokens=n, temperature=0.0)]
-    assert got[:upto] == want[:upto]
-    if upto < len(want):
+    events = list(engine.generate(model, case["tokens"], max_tokens=n, temperature=0.0, top_logprobs=2))
+    got = [ev.token for ev in events]
+    # A near-tie of ours counts too: 8-bit activations move a logprob by up to about 1 (research/fidelity_noise.md),
+    # and where llama.cpp was sure by 0.53 the decode path on a Zen 4 had the two at -0.63 / -0.77 (exact f32 math:
+    # llama.cpp's order). Where we part from llama.cpp, its token must be our second, within GREEDY_MARGIN of our
+    # first; the two runs then go their own ways. A wrong kernel parts confidently and fails here.
+    parted = next((j for j in range(min(upto, len(got))) if got[j] != want[j]), None)
+    if parted is not None:
+        (_, first), (second_id, second) = events[parted].top_logprobs
+        assert second_id == want[parted] and first - second < GREEDY_MARGIN, \
+            f"position {parted}: ours {got[parted]} ({first:.3f}) over llama.cpp's {want[parted]} ({second:.3f})"
+    elif upto < len(want):
         assert got[upto] in [i for i, _ in case["positions"][upto]["top"][:3]]
