@@ -53,8 +53,12 @@ def _k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q, am
 
 # Types gguf.quants cannot quantize, beyond the K-quants above: random blocks with each f16 scale at `byte` set to
 # about amax / `largest`, `largest` being what the scale multiplies at most (sub-block scale x quant).
+# The lattice types (f16 d first; IQ1_M's d is the top nibbles of its four scale words at byte 48): d x group scale
+# x grid point at most.
 _RANDOM_BLOCK_SCALES = {Q.Q2_K: ((80, 15 * 3), (82, 15 * 3)), Q.Q3_K: ((108, 32 * 4),), Q.IQ4_NL: ((0, 127),),
-                        Q.IQ4_XS: ((0, 32 * 127),)}
+                        Q.IQ4_XS: ((0, 32 * 127),), Q.IQ2_XXS: ((0, 167),), Q.IQ2_XS: ((0, 167),),
+                        Q.IQ2_S: ((0, 167),), Q.IQ3_XXS: ((0, 480),), Q.IQ3_S: ((0, 465),), Q.IQ1_S: ((0, 17),),
+                        Q.IQ1_M: ((48, 17),)}
 
 
 def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q, amax: float) -> np.ndarray:
@@ -62,7 +66,13 @@ def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q, ama
     n = rows * cols // block
     blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
     for byte, largest in _RANDOM_BLOCK_SCALES[qtype]:
-        blocks[:, byte:byte + 2] = _f16_bytes(amax / largest * rng.uniform(0.5, 1.5, size=n))
+        d = _f16_bytes(amax / largest * rng.uniform(0.5, 1.5, size=n))
+        if qtype == Q.IQ1_M:  # nibble i of d's bits: the top nibble of scale word i (byte 49 + 2 i)
+            bits = d.view(np.uint16).reshape(n).astype(np.int64)
+            for i in range(4):
+                blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
+        else:
+            blocks[:, byte:byte + 2] = d
     return blocks.reshape(rows, -1)
 
 
@@ -290,8 +300,8 @@ def write_unsupported_arch_fixture(path) -> Path:
     return Path(path)
 
 
-def write_unsupported_type_fixture(path, type_name: str = "IQ2_XXS") -> Path:
-    """The llama fixture with blk.0.ffn_down stored as type_name (IQ2_XXS: GGML type 16), which we cannot compute
+def write_unsupported_type_fixture(path, type_name: str = "Q8_1") -> Path:
+    """The llama fixture with blk.0.ffn_down stored as type_name (Q8_1: GGML type 9), which we cannot compute
     with: random bytes in that type's blocks."""
     rows, cols = LLAMA["n_embd"], LLAMA["n_ff"]
     qtype = Q[type_name]

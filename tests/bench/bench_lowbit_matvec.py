@@ -1,8 +1,8 @@
-"""The int8 matvec of the low-bit K-quants against Q4_K's (not a test): whether Q2_K and Q3_K read their smaller rows
-at least at Q4_K's rate, so a decode over them runs at memory speed.
+"""The int8 matvec of the low-bit types against Q4_K's (not a test): whether Q2_K, Q3_K and the lattice types (--types
+IQ2_XS,IQ3_XXS,...) read their smaller rows at least at Q4_K's rate, so a decode over them runs at memory speed.
 
     PYTHONPATH=. .venv/bin/python tests/bench/bench_lowbit_matvec.py [--rows 8960] [--cols 1536] [--m 1] \\
-        [--reps 200] [--stream-mb 512] [--threads N] [--tier vnni]
+        [--reps 200] [--stream-mb 512] [--threads N] [--tier vnni] [--types Q4_K,Q3_K,Q2_K]
 
 Weights are random blocks with finite f16 scales (speed does not depend on the values), in Qwen2.5-1.5B's FFN
 shape by default (gate/up: 8960 rows of 1536; --rows 1536 --cols 8960 for down). Two regimes, best of the reps:
@@ -21,12 +21,15 @@ import numpy as np
 
 from engine.kernels.cpu import int8, ir
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType
+from testdata import make_fixtures
 
 G = GGMLType
 F16_FIELDS = {G.Q2_K: (80, 82), G.Q3_K: (108,), G.Q4_K: (0, 2)}  # byte offsets of each block's f16 d (and dmin)
 
 
 def random_blocks(t: GGMLType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    if t not in F16_FIELDS:  # (the lattice types: the fixtures' random blocks, with sane scales)
+        return make_fixtures.random_weight(rng, rows, cols, t)
     block, size = BLOCK_GEOMETRY[t]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     for off in F16_FIELDS[t]:
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--stream-mb", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tier", default=None)
+    ap.add_argument("--types", default="Q4_K,Q3_K,Q2_K")
     args = ap.parse_args()
     if args.threads:
         numba.set_num_threads(args.threads)
@@ -60,7 +64,7 @@ def main() -> None:
     x = rng.standard_normal((args.m, args.cols)).astype(np.float32)
     print(f"W ({args.rows}, {args.cols}), M = {args.m}, {numba.get_num_threads()} threads, "
           f"tier {args.tier or ir.TIER}")
-    for t in (G.Q4_K, G.Q3_K, G.Q2_K):
+    for t in (G[name] for name in args.types.split(",")):
         w = random_blocks(t, args.rows, args.cols, rng)
         copies = [int8.prepare([(w, t)])] + [int8.prepare([(w.copy(), t)])
                                              for _ in range(max(1, args.stream_mb * 2**20 // w.nbytes) - 1)]

@@ -10,6 +10,7 @@ vocabulary with unused [PAD] tokens as the real Qwen files are.
 Usage (the quantizer needs llama-cpp-python, which is never a project dependency: a bench venv has it):
   python tests/bench/qwen_shapes.py OUT_DIR [0.5b 1.5b] --llama-python /path/to/venv/bin/python [--types Q4_K_M,Q2_K]
 then: python tests/bench/bench_speed.py OUT_DIR/qwen2.5-0.5b-shape.Q4_K_M.gguf --llama-python ...
+(the lattice ftypes IQ2_XS, IQ3_XXS, ...: --llama-tools DIR with llama-imatrix and llama-quantize as well)
 """
 
 from __future__ import annotations
@@ -105,12 +106,29 @@ def write_f16(path: Path, shape: dict, seed: int = 0) -> None:
     w.close()
 
 
+def _quantize_with_imatrix(tools: Path | None, f16: Path, out: Path, ftype: str) -> None:
+    if tools is None:
+        sys.exit(f"{ftype} needs --llama-tools (llama.cpp makes it only with an importance matrix)")
+    imatrix = f16.with_suffix(".imatrix.gguf")
+    if not imatrix.exists():  # (random weights: any text steers the quantizer as well as another)
+        text = f16.with_suffix(".txt")
+        text.write_text(" ".join(_tokenizer_fields()[0][1000:3000]).replace("\u0120", " "))
+        subprocess.run([str(tools / "llama-imatrix"), "-m", str(f16), "-f", str(text), "-o", str(imatrix), "-c", "128",
+                        "--chunks", "8", "-t", "2", "--no-ppl"], check=True, capture_output=True)
+        text.unlink()
+    subprocess.run([str(tools / "llama-quantize"), "--imatrix", str(imatrix), str(f16), str(out), ftype], check=True,
+                   capture_output=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("sizes", nargs="*", default=list(SHAPES))
     ap.add_argument("--llama-python", required=True, help="a python with llama-cpp-python (the quantizer)")
     ap.add_argument("--types", default="Q4_K_M", help="llama.cpp ftypes, comma-separated (Q4_K_M,Q3_K_M,IQ4_XS,Q2_K)")
+    ap.add_argument("--llama-tools", type=Path, help="llama-imatrix and llama-quantize (.ci/run builds them): the "
+                    "lattice ftypes (IQ2_XS, IQ3_XXS, ...) need an importance matrix, made here on a text of the "
+                    "tokenizer's own words")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     for size in a.sizes:
@@ -120,9 +138,13 @@ def main() -> int:
             if not out.exists():
                 if not f16.exists():
                     write_f16(f16, SHAPES[size])
-                subprocess.run([a.llama_python, "-c", QUANTIZE, str(f16), str(out), ftype], check=True)
+                if ftype.startswith("IQ") and ftype not in ("IQ4_XS", "IQ4_NL"):
+                    _quantize_with_imatrix(a.llama_tools, f16, out, ftype)
+                else:
+                    subprocess.run([a.llama_python, "-c", QUANTIZE, str(f16), str(out), ftype], check=True)
             print(out)
         f16.unlink(missing_ok=True)
+        f16.with_suffix(".imatrix.gguf").unlink(missing_ok=True)
     return 0
 
 

@@ -2,10 +2,11 @@
 blocks to f32, bit for bit as reference_lattice.py decodes it (ggml's float operations in ggml's order: the group
 scale first, then scale x grid point, then the sign; IQ1: scale x (point + delta)).
 
-Plain compiled loops for now (the exact path's correctness first; issue 49's integer kernels come next). Like
-dequant_lowbit.py's decoders they sit outside dequant_row's runtime dispatch, so only a model holding one compiles
-it (dequant_lowbit.dequant_any_row's branches, pruned per type for a constant code). The grids are
-the reference's arrays, frozen into the compiled code as constants. Block layouts: reference_lattice.py.
+Plain compiled loops, for the exact path and the prompt GEMM's unpacking (gemm8_lattice.py); the default path's
+integer kernels are lattice.py's. Like dequant_lowbit.py's decoders they sit outside dequant_row's runtime dispatch,
+so only a model holding one compiles it (dequant_lowbit.dequant_any_row's branches, pruned per type for a constant
+code). The grids are the reference's arrays, frozen into the compiled code as constants. Block layouts:
+reference_lattice.py.
 """
 
 from __future__ import annotations

@@ -37,10 +37,12 @@ from numba.extending import intrinsic
 
 from engine.kernels.cpu import ir as kir
 from engine.kernels.cpu import gemm8_unpack, plain_threads
+from engine.kernels.cpu.dequant_lattice import (IQ1_M_CODE, IQ1_S_CODE, IQ2_S_CODE, IQ2_XS_CODE, IQ2_XXS_CODE,
+                                                IQ3_S_CODE, IQ3_XXS_CODE)
 from engine.kernels.cpu.ir import (FLT, I32, IQ4_XS_CODE, Q2_K_CODE, Q3_K_CODE, Q4_K_CODE, Q5_K_CODE, Q6_K_CODE, V,
                                    Emitter, is_arr)
 from engine.kernels.cpu.quantize import QK_K, quantize_k_into
-from engine.kernels.quant_types import GGMLType, QTensor, row_bytes
+from engine.kernels.quant_types import LATTICE_TYPES, GGMLType, QTensor, row_bytes
 
 # The two forms of the kernel: (rows, tokens) of a tile, by the token type that selects its code (see _tile_kernel)
 WIDE, NARROW = np.int32(0), np.int16(0)  # 512-bit vpdpbusd; 256-bit vpmaddubsw (AVX2)
@@ -48,7 +50,7 @@ TILE = {"512": (16, 8), "256": (8, 4)}
 TOKENS = 8  # the input is padded to whole tiles of this many tokens (a multiple of both forms')
 BLOCK_BYTES = 256 * 1024  # unpacked rows a thread keeps (in L2) while every token tile passes over them
 TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.TQ1_0,
-                   GGMLType.TQ2_0})
+                   GGMLType.TQ2_0}) | LATTICE_TYPES
 # IQ4_XS's quants are a codebook's levels (-127..113, here + 128): products with the input overflow the 256-bit
 # form's int16 pair sums, so only the 512-bit form (int32 sums) takes it. (IQ4_NL, like the legacy types, reads
 # Q8_0 activations at decode: its prompts take dequantize + sgemm, not a GEMM that would see other numbers.)
@@ -235,6 +237,9 @@ def _symmetric_tile(e, n, nsub, sub, tokens, rows, iacc, facc, weights, inputs, 
 _tile_q4, _tile_q5, _tile_q6 = _tile_kernel(32, 8), _tile_kernel(32, 4), _tile_kernel(16, 2)
 # IQ4_XS, TQ1_0, TQ2_0 (sub-blocks of 32); Q6_K, Q3_K (16): the same, but symmetric in the 512-bit form
 _tile_sym32, _tile_sym16 = _tile_kernel(32, 8, True), _tile_kernel(16, 2, True)
+# The lattice types (gemm8_lattice.OFFSETS): u <= 124 (IQ2_*, IQ3_XXS), u <= 30 (IQ3_S, IQ1_*)
+_tile_wide32, _tile_wide16 = _tile_kernel(32, 1, True), _tile_kernel(16, 1, True)
+_tile_mid32, _tile_mid16 = _tile_kernel(32, 4, True), _tile_kernel(16, 4, True)
 # IQ4_XS: sym32 with the codebook's levels (+ 128) looked up from the indices in the tile
 _tile_iq4 = _tile_kernel(32, 8, True, lut=gemm8_unpack.IQ4_LEVELS)
 
@@ -250,7 +255,7 @@ def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, xs, out, n_chunks, ch):
     n_groups = (rows + R - 1) // R
     sb_bytes = QK_K * R  # one super-block of the group's rows
     per_block = max(1, BLOCK_BYTES // (nsb * sb_bytes))  # groups whose tiles stay in L2 while the tokens pass
-    u = np.empty(K, np.uint8)
+    u = np.empty(4 * K, np.uint8)  # a row's quants (TQ1_0), or its f32 weights (the lattice types)
     tiles = np.empty((per_block, nsb * sb_bytes), np.uint8)
     ws = np.empty((per_block, nsb * (QK_K // 16), 2, R), np.float32)  # room for 16 sub-blocks (Q6_K)
     wi = np.empty((per_block, nsb * (QK_K // 16), R), np.int32)
@@ -274,6 +279,14 @@ def _gemm(form, R, TT, raw, code, xq, xd, xm32, xm16, xs, out, n_chunks, ch):
                     _tile_q4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
                 elif code == IQ4_XS_CODE:  # (the 512-bit form only)
                     _tile_iq4(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == IQ2_XXS_CODE or code == IQ3_XXS_CODE:  # (u <= 124: one group a time in i16)
+                    _tile_wide32(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == IQ2_XS_CODE or code == IQ2_S_CODE:
+                    _tile_wide16(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == IQ3_S_CODE or code == IQ1_S_CODE:  # (u <= 30)
+                    _tile_mid32(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
+                elif code == IQ1_M_CODE:
+                    _tile_mid16(form, tiles[j], nsb, xq, t0 * K, K, xd, xm16, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
                 else:  # the ternary types (u <= 3): b_j = c a_j
                     _tile_sym32(form, tiles[j], nsb, xq, t0 * K, K, xd, xm32, xs, t0 * nsb, ws[j], wi[j], wd[j], res)
                 for t in range(min(TT, T - t0)):

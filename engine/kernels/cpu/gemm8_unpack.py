@@ -11,7 +11,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from engine.kernels.cpu import gemm8_lattice
 from engine.kernels.cpu.dequant import f16_at, k_scale_min
+from engine.kernels.cpu.dequant_lattice import (IQ1_M_CODE, IQ1_S_CODE, IQ2_S_CODE, IQ2_XS_CODE, IQ2_XXS_CODE,
+                                                IQ3_S_CODE, IQ3_XXS_CODE)
 from engine.kernels.cpu.ir import (I8, I32, IQ4_XS_CODE, Q2_K_CODE, Q3_K_CODE, Q4_K_CODE, Q5_K_CODE, Q6_K_CODE,
                                    TQ1_0_CODE, TQ2_0_CODE, V, Emitter, is_arr)
 from engine.kernels.cpu.quantize import QK_K
@@ -22,7 +25,8 @@ def unpack(form, raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
     """Rows [r0, r0 + R) of raw (R = ws.shape[2], the tile's rows, the form's; past `rows` zero scales) -> tile
     (their quants u, layout above), ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term), wi (sub-blocks,
     R) i32 (its integer scale as two i16) and wd (nsb, R) f32 (each super-block's d); u: scratch (K,) uint8.
-    The quants go straight into the tile (_quant_tile), TQ1_0's (base 3) through u, a row at a time.
+    The quants go straight into the tile (_quant_tile), TQ1_0's (base 3) through u, a row at a time, the lattice
+    types' a row at a time too (gemm8_lattice.py; u then holds a row's f32 weights: (4 K,) bytes).
     Plain Python: inlined into each type's GEMM (gemm8._gemm_of) with its code a constant, the other types pruned."""
     t32 = tile.view(np.uint32)
     u32 = u.view(np.uint32)
@@ -43,6 +47,9 @@ def unpack(form, raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
             _scales_iq4_xs(raw[r0 + r], nsb, ws, wi, wd, r)
         elif code == TQ1_0_CODE:
             _unpack_tq1_0(raw[r0 + r], nsb, u, ws, wi, wd, r)
+        elif (code == IQ2_XXS_CODE or code == IQ2_XS_CODE or code == IQ2_S_CODE or code == IQ3_XXS_CODE
+              or code == IQ3_S_CODE or code == IQ1_S_CODE or code == IQ1_M_CODE):
+            _unpack_lattice(raw[r0 + r], code, nsb, u, tile, ws, wi, wd, r)
         elif code == TQ2_0_CODE:
             for sb in range(nsb):
                 _ternary_scales(ws, wi, wd, sb, r, f16_at(raw[r0 + r], sb * 66 + 64))  # qs[64] | f16 d
@@ -65,6 +72,9 @@ def unpack(form, raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
         _tile_iq4_xs(form, raw, r0, nsb, tile)
     elif code == TQ2_0_CODE:
         _tile_tq2_0(form, raw, r0, nsb, tile)
+
+
+_unpack_lattice = njit(inline="always")(gemm8_lattice.unpack)
 
 
 @njit(cache=True)
@@ -132,7 +142,8 @@ def _scales_q3_k(src, nsb, ws, wi, wd, r):
 
 # The types whose min term is c times the scale (w = a_j (u - c)), by code: (c, columns of a sub-block). The 512-bit
 # form sums (u - c) x in int32 for them (gemm8._symmetric_tile).
-OFFSETS = {IQ4_XS_CODE: (128, 32), Q6_K_CODE: (32, 16), Q3_K_CODE: (4, 16), TQ1_0_CODE: (1, 32), TQ2_0_CODE: (1, 32)}
+OFFSETS = {IQ4_XS_CODE: (128, 32), Q6_K_CODE: (32, 16), Q3_K_CODE: (4, 16), TQ1_0_CODE: (1, 32), TQ2_0_CODE: (1, 32),
+           **gemm8_lattice.OFFSETS}
 
 IQ4_LEVELS = tuple(int(v) + 128 for v in IQ4_NL_VALUES)  # the codebook's levels as unsigned quants u
 

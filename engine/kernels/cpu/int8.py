@@ -1,8 +1,8 @@
 """Integer CPU matvec (llama.cpp-style): activations quantized to int8 once per input vector (quantize.py),
 weights read in their GGUF blocks in place, integer dot products per block (legacy.py, kquant.py; the low-bit
-types in iquant.py, ternary.py), f32 scale algebra per block. This module holds the drivers over rows and
-matrices, the f32 dot products of float weights (F32/F16/BF16 take the f32 activations as they are) and the
-Python API; ir.py holds the IR toolkit and the tiers.
+types in kquant_low.py, iquant.py, ternary.py, lattice.py), f32 scale algebra per block. This module holds the
+drivers over rows and matrices, the f32 dot products of float weights (F32/F16/BF16 take the f32 activations as
+they are) and the Python API; ir.py holds the IR toolkit and the tiers.
 
 Rows are spread over plain threads in ranges (plain_threads.py: a parallel region here fought the BLAS threads
 of the prompt pass around it); each row is read from memory once per call and reused
@@ -39,7 +39,7 @@ from numba import njit
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
 from engine.kernels.cpu import kquant_low, plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
-from engine.kernels.cpu import iquant, ternary
+from engine.kernels.cpu import iquant, lattice, ternary
 from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, IQ4_NL_CODE, IQ4_XS_CODE, MXFP4_CODE, Q2_K_CODE, Q3_K_CODE,
                                    Q4_0_CODE, Q4_1_CODE, Q4_K_CODE, Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE,
                                    Q8_0_CODE, TQ1_0_CODE, TQ2_0_CODE, tier_token)
@@ -48,7 +48,7 @@ from engine.kernels.cpu.kquant_low import rows_q2_k, rows_q3_k
 from engine.kernels.cpu.legacy import (idots_mxfp4, idots_q4_0, idots_q4_1, idots_q5_0, idots_q5_1, idots_q8_0,
                                        rows_mxfp4, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
 from engine.kernels.cpu.quantize import KB_SUMS, QK, QK_K, legacy_x_order, quantize_k_into, quantize_legacy_into
-from engine.kernels.quant_types import COMPUTE_TYPES, GGMLType, QTensor, row_bytes, type_name
+from engine.kernels.quant_types import COMPUTE_TYPES, LATTICE_TYPES, GGMLType, QTensor, row_bytes, type_name
 
 # The 32-weight block types, which read the legacy (Q8_0-style) activation blocks; MXFP4 has their shape.
 LEGACY_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.MXFP4})
@@ -58,7 +58,7 @@ FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 # LEGACY_TYPES or K_TYPES: the decode step (step_matvec.needs, rows_into's run-time dispatch) and the packed layout
 # read those.
 LOWBIT_LEGACY = frozenset({GGMLType.IQ4_NL})
-LOWBIT_K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0})
+LOWBIT_K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0}) | LATTICE_TYPES
 _READS_LEGACY, _READS_K = LEGACY_TYPES | LOWBIT_LEGACY, K_TYPES | LOWBIT_K
 
 # =========================================================================================================
@@ -179,6 +179,20 @@ def _rows_any(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, 
         ternary.rows_tq1_0(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     elif code == TQ2_0_CODE:
         ternary.rows_tq2_0(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ2_XXS_CODE:
+        lattice.rows_iq2_xxs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ2_XS_CODE:
+        lattice.rows_iq2_xs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ2_S_CODE:
+        lattice.rows_iq2_s(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ3_XXS_CODE:
+        lattice.rows_iq3_xxs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ3_S_CODE:
+        lattice.rows_iq3_s(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ1_S_CODE:
+        lattice.rows_iq1_s(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
+    elif code == lattice.IQ1_M_CODE:
+        lattice.rows_iq1_m(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     else:
         _rows_base(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
 
@@ -409,7 +423,8 @@ def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
     legacy types (M, rows, K/32) = sum(u * x) per block, u the stored unsigned quant (signed q for Q8_0;
     for MXFP4 u = the E2M1 code's doubled value + 12, see legacy.py; IQ4_NL: the signed level);
     K types (M, rows, K/256, 2) = [sum_s scale_s * sum(u * x), sum_s min_s * bsum_s] (Q6_K: offset included,
-    second entry 0; IQ4_XS: [sum_s ls_s sum(v x), 0]; TQ1_0, TQ2_0: [sum(u x), bsum], ternary.py)."""
+    second entry 0; IQ4_XS: [sum_s ls_s sum(v x), 0]; TQ1_0, TQ2_0: [sum(u x), bsum], ternary.py; the lattice
+    types: [sum_g ls_g sum(q x)_g, 0], lattice.py)."""
     p = prepare([w])
     _check_input(p, qin)
     raw, code = p.raws[0], p.codes[0]
@@ -421,6 +436,8 @@ def integer_dots(w, qin: QInput, tier: str | None = None) -> np.ndarray:
     out = np.zeros((M, raw.shape[0], n), np.int32)
     if t in (GGMLType.Q2_K, GGMLType.Q3_K):  # each kept out of _integer_dots' run-time dispatch, as out of rows_into's
         kquant_low.integer_dots_into(code, raw, qin.xqk, qin.xbk, out, tier_token(tier))
+    elif t in LATTICE_TYPES:
+        lattice.integer_dots(code, raw, qin.xqk, qin.xbk, out, tier_token(tier))
     elif t in LOWBIT_LEGACY or t == GGMLType.IQ4_XS:
         iquant.integer_dots(code, raw, qin.xq8, qin.xqk, qin.xbk, out, tier_token(tier))
     elif t in LOWBIT_K:

@@ -41,7 +41,9 @@ ROWS, COLS, T = 8, 256, 3  # one super-block per row for K quants; T rows of inp
 _F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
                GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
                GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
-               GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,)}
+               GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,), GGMLType.IQ2_XXS: (0,), GGMLType.IQ2_XS: (0,),
+               GGMLType.IQ2_S: (0,), GGMLType.IQ3_XXS: (0,), GGMLType.IQ3_S: (0,), GGMLType.IQ1_S: (0,),
+               GGMLType.IQ1_M: ()}  # (IQ1_M's d: the top nibbles of its scale words, fixed_weight sets them)
 
 
 @dataclass
@@ -92,6 +94,10 @@ def fixed_weight(ggml_type: GGMLType, rows: int = ROWS, cols: int = COLS, seed: 
         scales = rng.uniform(0.002, 0.05, (rows, n_blocks, len(_F16_FIELDS[ggml_type]))).astype(np.float16)
         for i, off in enumerate(_F16_FIELDS[ggml_type]):
             raw[:, :, off:off + 2] = scales[:, :, i:i + 1].view(np.uint8).reshape(rows, n_blocks, 2)
+        if ggml_type == GGMLType.IQ1_M:
+            d = rng.uniform(0.002, 0.05, (rows, n_blocks)).astype(np.float16).view(np.uint16).astype(np.int64)
+            for i in range(4):  # nibble i of d: the top nibble of scale word i
+                raw[:, :, 49 + 2 * i] = (raw[:, :, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4)
         raw = raw.reshape(rows, n_blocks * size)
     raw = np.ascontiguousarray(raw.reshape(rows, -1))
     # Read-only, as a model's mapped weights are: numba compiles a kernel once per argument type, and a writable

@@ -88,6 +88,8 @@ class DecodeStep:
             raise _NotInStep(f"{name} is {t.ggml_type.name}")
         if t.ggml_type in LOWBIT_TYPES:
             self.lowbit.add(int(t.ggml_type))
+            if len(self.lowbit) > step_variants.SLOTS:  # (no file seen mixes that many)
+                raise _NotInStep(f"more than {step_variants.SLOTS} low-bit types")
         off = _offset(t.raw, self.buf, name)
         packed_off = -1 if t.packed is None else _offset(t.packed, self.pbuf, name)
         return [off, t.rows, t.raw.shape[1], int(t.ggml_type), packed_off]

@@ -38,7 +38,7 @@ def step_for(codes: tuple[int, ...]) -> Dispatcher:
     return variant(decode_step, swaps, "lowbit_" + "_".join(str(c) for c in codes))
 
 
-_SLOTS = 6  # every low-bit type at once
+SLOTS = 6  # the low-bit types a variant adds (a model holding more decodes layer by layer: step_tables.py)
 _NO_CODE = -1  # an empty slot
 # (globals, not closure cells: numba's cache keys a closure by pickling its cells, and a jitted function pickles
 # differently in every process)
@@ -51,7 +51,7 @@ def rows_with(codes: tuple[int, ...]):
     """int8.rows_into's dispatch with the low-bit types `codes` (sorted, at most six) added. Each slot a closure
     cell, so numba prunes the empty ones and inlines one low-bit kernel per slot (int8.rows_of_code with a
     constant code): a variant compiles its model's low-bit types only, and numba's cache keys it by the codes."""
-    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * _SLOTS)[:_SLOTS]
+    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * SLOTS)[:SLOTS]
 
     @njit(cache=True)
     def rows(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier):
@@ -77,7 +77,7 @@ def rows_with(codes: tuple[int, ...]):
 def row_with(codes: tuple[int, ...]):
     """dequant.dequant_row's dispatch with the low-bit types `codes` added, as rows_with adds them to the
     matvec's: the variant reads its embedding rows here."""
-    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * _SLOTS)[:_SLOTS]
+    k0, k1, k2, k3, k4, k5 = (tuple(codes) + (_NO_CODE,) * SLOTS)[:SLOTS]
 
     @njit(cache=True)
     def row(src, code, dst):
