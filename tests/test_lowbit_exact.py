@@ -18,7 +18,7 @@ from engine.kernels import reference
 from engine.kernels.cpu import dequant_lowbit, exact
 from engine.kernels.quant_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING, ROOT
-from tests.test_lowbit_reference import LOWBIT, _assert_bit_equal, _ids, _random_blocks
+from tests.test_lowbit_reference import KIT_TYPES, LOWBIT, _assert_bit_equal, _ids, _random_blocks
 from tests.test_quant_kernels import _assert_close, _bits
 
 
@@ -109,7 +109,7 @@ def test_each_closure_compiles_its_own_decoder_only(tmp_path):
 
 
 def test_exact_matches_reference_on_real_tensors():
-    # Every low-bit tensor of the kit (~900) decoded on the calling thread; the parallel drivers (matvec, dequantize)
+    # Every low-bit tensor of the kit (~1,200) decoded on the calling thread; the parallel drivers (matvec, dequantize)
     # on the first two of each file and type, since a parallel launch costs milliseconds on a small machine.
     if not QUANT_KIT.is_dir() or not any(QUANT_KIT.glob("*.gguf")):
         pytest.skip(QUANT_KIT_MISSING)
@@ -117,8 +117,8 @@ def test_exact_matches_reference_on_real_tensors():
     rng = np.random.default_rng(6)
     for path in sorted(QUANT_KIT.glob("*.gguf")):
         f, in_file = GGUFFile(path), {}
-        for name, e in f.entries.items():  # the directory only: f.tensor() refuses these types until integration
-            if e.type_id not in {int(t) for t in LOWBIT}:
+        for name, e in f.entries.items():  # (the directory: raw blocks, as stored)
+            if e.type_id not in {int(t) for t in KIT_TYPES}:
                 continue
             t, cols = GGMLType(e.type_id), e.shape[-1]
             raw = f.data[e.offset:e.offset + e.nbytes].reshape(-1, row_bytes(t, cols))
@@ -130,4 +130,4 @@ def test_exact_matches_reference_on_real_tensors():
                 x = rng.standard_normal((3, cols)).astype(np.float32)
                 _assert_close(exact.matvec(raw, t, x, np.empty((3, raw.shape[0]), np.float32)), x, w)
             seen[t.name] = seen.get(t.name, 0) + 1
-    assert set(seen) == {t.name for t in LOWBIT}, f"the kit holds tensors of {seen} only"
+    assert set(seen) == {t.name for t in KIT_TYPES}, f"the kit holds tensors of {seen} only"

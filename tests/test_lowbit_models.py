@@ -1,5 +1,6 @@
-"""The low-bit types (Q2_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0) on whole models: the quant kit's files (the family
-kit's models quantized by llama.cpp's own quantizer, each with llama.cpp's log-probabilities on the kit's cases;
+"""The low-bit types (Q2_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, and the lattice types IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ1_S, IQ1_M) on whole models: the quant kit's files (the family kit's models quantized by llama.cpp's own
+quantizer, the lattice mixes with its importance matrix, each with llama.cpp's log-probabilities on the kit's cases;
 testdata/make_quant_kit.py). Real files mix types (Q3_K_M holds Q3_K, Q4_K, Q5_K and Q6_K; a row length that is not
 a multiple of 256 falls back to a 32-weight type), so every file is a mixed file.
 

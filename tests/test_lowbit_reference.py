@@ -11,11 +11,12 @@ import pytest
 import engine
 from engine.errors import UnsupportedModel
 from engine.kernels import reference
-from engine.kernels.quant_types import BLOCK_GEOMETRY, STEP_TYPES, GGMLType, row_bytes
+from engine.kernels.quant_types import BLOCK_GEOMETRY, LATTICE_TYPES, STEP_TYPES, GGMLType, row_bytes
 from tests.conftest import QUANT_KIT, QUANT_KIT_MISSING
 from testdata import make_fixtures
 
 LOWBIT = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0, GGMLType.TQ2_0]
+KIT_TYPES = LOWBIT + sorted(LATTICE_TYPES)  # every type the quant kit's files hold tensors of (its real-tensor tests)
 # Byte offsets of each block's f16 fields (d, and Q2_K's dmin), from the layouts in reference.py.
 F16_FIELDS = {GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
               GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,)}
@@ -126,7 +127,7 @@ def test_reference_matches_gguf_on_real_tensors():
     seen: dict[str, int] = {}
     for path in _kit_files():
         for tensor in gguf.GGUFReader(path).tensors:
-            if int(tensor.tensor_type) not in {int(t) for t in LOWBIT}:
+            if int(tensor.tensor_type) not in {int(t) for t in KIT_TYPES}:
                 continue
             t = GGMLType(int(tensor.tensor_type))
             cols = int(tensor.shape[0])  # GGUF lists the row length first
@@ -134,7 +135,7 @@ def test_reference_matches_gguf_on_real_tensors():
             got = reference.dequantize_raw(raw, t, cols)
             _assert_bit_equal(got, _oracle(raw, t).reshape(got.shape), f"{path.name}: {tensor.name} ({t.name})")
             seen[t.name] = seen.get(t.name, 0) + 1
-    assert set(seen) == {t.name for t in LOWBIT}, f"the kit holds tensors of {seen} only"
+    assert set(seen) == {t.name for t in KIT_TYPES}, f"the kit holds tensors of {seen} only"
 
 
 def test_ternary_files_decode_to_the_same_weights():
