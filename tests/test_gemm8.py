@@ -62,9 +62,13 @@ def test_the_largest_quants_against_the_largest_inputs_do_not_overflow(t, tier):
     size, quants = QUANT_BYTES[t]
     blocks = raw.reshape(rows, K // 256, size)
     blocks[:, :, quants] = 255
-    w = QTensor("w", t, (rows, K), raw)
-    x = np.full((9, K), 3.5, np.float32)
-    x[1::2] *= -1  # every input at +-127 after quantization, exactly
+    assert_exact_against_extreme_inputs(QTensor("w", t, (rows, K), raw), tier)
+
+
+def assert_exact_against_extreme_inputs(w: QTensor, tier) -> None:
+    """The GEMM of w against inputs at +-127 (after quantization, exactly): the f32 product's result, within 1e-5."""
+    x = np.full((9, w.cols), 3.5, np.float32)
+    x[1::2] *= -1
     want = x @ reference.dequantize(w).reshape(w.shape).T
     got = gemm8.matmul(gemm8.QuantizedInput(x), w, tier)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

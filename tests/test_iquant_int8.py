@@ -226,12 +226,17 @@ def kit_matrices() -> list[QTensor]:
 
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 def test_real_tensors(kit_matrices, tier):
+    check_real_tensors(kit_matrices, tier, lambda w, x, qin: _ref_integer_dots(w.raw, w.ggml_type, w.cols, x))
+
+
+def check_real_tensors(matrices: list[QTensor], tier, ref_dots) -> None:
+    """Each matrix against two random inputs: integer dots exactly ref_dots(w, x, qin)'s, the float result within
+    1e-5 of the float64 product of the quantized operands."""
     rng = np.random.default_rng(10)
-    for w in kit_matrices:
+    for w in matrices:
         x = rng.standard_normal((2, w.cols)).astype(np.float32)
         qin = int8.quantize(x, [w.ggml_type])
-        np.testing.assert_array_equal(int8.integer_dots(w, qin, tier=tier),
-                                      _ref_integer_dots(w.raw, w.ggml_type, w.cols, x), err_msg=w.name)
+        np.testing.assert_array_equal(int8.integer_dots(w, qin, tier=tier), ref_dots(w, x, qin), err_msg=w.name)
         got = int8.matvec([w], qin, tier=tier)
         wf = reference.dequantize(w)
         _assert_close(got, int8.dequantized_input(qin, w.ggml_type), wf)

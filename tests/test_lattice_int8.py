@@ -15,8 +15,8 @@ from engine.kernels import reference
 from engine.kernels.cpu import gemm8, int8
 from engine.kernels.quant_types import BLOCK_GEOMETRY, LATTICE_TYPES, STEP_TYPES, GGMLType, QTensor
 from testdata import make_fixtures
-from tests.test_gemm8 import _type_tiers
-from tests.test_iquant_int8 import _kit_matrices
+from tests.test_gemm8 import _type_tiers, assert_exact_against_extreme_inputs
+from tests.test_iquant_int8 import _kit_matrices, check_real_tensors
 from tests.test_q8_kernels import TIER_PARAMS, _assert_close, _ids, _inputs
 
 G = GGMLType
@@ -112,12 +112,7 @@ def test_the_largest_levels_against_the_largest_inputs_do_not_overflow(t, tier):
     rows, K = 9, 512
     raw = _blocks(t, rows, K, seed=5).copy()
     LARGEST[t](raw.reshape(-1, BLOCK_GEOMETRY[t][1]))
-    w = QTensor("w", t, (rows, K), raw)
-    x = np.full((9, K), 3.5, np.float32)
-    x[1::2] *= -1  # every input at +-127 after quantization, exactly
-    want = x @ reference.dequantize(w).reshape(w.shape).T
-    got = gemm8.matmul(gemm8.QuantizedInput(x), w, tier)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert_exact_against_extreme_inputs(QTensor("w", t, (rows, K), raw), tier)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,14 +129,4 @@ def kit_matrices() -> list[QTensor]:
 
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 def test_real_tensors(kit_matrices, tier):
-    rng = np.random.default_rng(10)
-    for w in kit_matrices:
-        x = rng.standard_normal((2, w.cols)).astype(np.float32)
-        qin = int8.quantize(x, [w.ggml_type])
-        np.testing.assert_array_equal(int8.integer_dots(w, qin, tier=tier),
-                                      _ref_integer_dots(w.raw, w.ggml_type, w.cols, qin.xqk), err_msg=w.name)
-        got = int8.matvec([w], qin, tier=tier)
-        wf = reference.dequantize(w)
-        _assert_close(got, int8.dequantized_input(qin, w.ggml_type), wf)
-        exact = x.astype(np.float64) @ wf.T.astype(np.float64)  # int8 activations cost ~0.5 %: a sanity bound
-        assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact), w.name
+    check_real_tensors(kit_matrices, tier, lambda w, x, qin: _ref_integer_dots(w.raw, w.ggml_type, w.cols, qin.xqk))
