@@ -179,7 +179,7 @@ def test_the_decode_step_sees_none_of_them():
     assert set(TYPES) <= int8.LOWBIT_LEGACY | int8.LOWBIT_K
 
 
-@pytest.mark.parametrize("t", [G.Q4_K, G.IQ4_XS], ids=["Q4_K", "IQ4_XS"])
+@pytest.mark.parametrize("t", [G.Q4_K, G.IQ4_XS, G.IQ3_S], ids=["Q4_K", "IQ4_XS", "IQ3_S"])
 def test_a_constant_code_compiles_its_own_kernel_only(t):
     code = int(t)
 
@@ -190,7 +190,7 @@ def test_a_constant_code_compiles_its_own_kernel_only(t):
     raw = np.zeros(2 * row_bytes(t, 256), np.uint8)
     qin = int8.quantize(np.ones((1, 256), np.float32), [t])
     one(raw, row_bytes(t, 256), *qin[1:], qin.x, np.zeros((1, 2), np.float32), ir.tier_token())
-    called = set(re.findall(r"rows_(?:q\d_\d|q\d_k|mxfp4|iq4_nl|iq4_xs|tq\d_0|f16|bf16|f32)",
+    called = set(re.findall(r"rows_(?:q\d_\d|q\d_k|mxfp4|iq4_nl|iq4_xs|iq[123]_(?:xxs|xs|s|m)|tq\d_0|f16|bf16|f32)",
                             "".join(one.inspect_llvm(s) for s in one.signatures)))
     assert called == {f"rows_{t.name.lower()}"}
 
@@ -257,6 +257,7 @@ def test_a_step_variant_compiles_its_own_low_bit_kernels_only():
     rows(code, raw, np.int64(0), raw.size // 2, np.int64(0), np.int64(2), *qin[1:], qin.x, np.zeros((1, 2), np.float32),
          np.int64(0), ir.tier_token())
     row(raw[: raw.size // 2], code, np.zeros(256, np.float32))
-    for f, pattern in ((rows, r"rows_(?:q2_k|q3_k|iq4_nl|iq4_xs|tq\d_0)"), (row, r"_row_(?:q2_k|q3_k|iq4_nl|iq4_xs|tq\d_0)")):
+    lowbit = r"(?:q2_k|q3_k|iq4_nl|iq4_xs|tq\d_0|iq[123]_(?:xxs|xs|s|m))"
+    for f, pattern in ((rows, r"rows_" + lowbit), (row, r"_row_" + lowbit)):
         called = set(re.findall(pattern, "".join(f.inspect_llvm(s) for s in f.signatures)))
         assert called == {pattern.split("(")[0] + "q3_k"}, called

@@ -82,15 +82,15 @@ def test_each_closure_compiles_its_own_decoder_only(tmp_path):
     code = textwrap.dedent("""
         import json
         import numpy as np
-        from engine.kernels.cpu import dequant, dequant_lowbit, exact
+        from engine.kernels.cpu import dequant, dequant_lattice, dequant_lowbit, exact
         from engine.kernels.quant_types import GGMLType, row_bytes
 
         def compiled():
-            return sorted(n for m in (dequant, dequant_lowbit) for n in dir(m)
+            return sorted(n for m in (dequant, dequant_lowbit, dequant_lattice) for n in dir(m)
                           if n.startswith("_row_") and getattr(m, n).signatures)
 
         seen = []
-        for t in (GGMLType.Q4_K, GGMLType.Q2_K):
+        for t in (GGMLType.Q4_K, GGMLType.Q2_K, GGMLType.IQ1_M):
             raw = np.zeros((3, row_bytes(t, 256)), np.uint8)
             exact.dequantize_into(raw, t, np.empty((3, 256), np.float32))
             exact.matvec(raw, t, np.zeros((1, 256), np.float32), np.empty((1, 3), np.float32))
@@ -100,7 +100,8 @@ def test_each_closure_compiles_its_own_decoder_only(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "empty"), PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [["_row_q4_k"], ["_row_q2_k", "_row_q4_k"]]
+    assert json.loads(out.stdout) == [["_row_q4_k"], ["_row_q2_k", "_row_q4_k"],
+                                      ["_row_iq1_m", "_row_q2_k", "_row_q4_k"]]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from engine.kernels.cpu import dequant_lattice as lattice
+# (the codes by name: numba prunes a branch on a global constant, not on a module attribute, lattice.X)
+from engine.kernels.cpu.dequant_lattice import (IQ1_M_CODE, IQ1_S_CODE, IQ2_S_CODE, IQ2_XS_CODE, IQ2_XXS_CODE,
+                                                IQ3_S_CODE, IQ3_XXS_CODE)
 from engine.kernels.cpu.dequant import Block, decoder_codegen, decoder_sig, dequant_row, f16_at
 from engine.kernels.cpu.ir import IQ4_NL_CODE, IQ4_XS_CODE, Q2_K_CODE, Q3_K_CODE, TQ1_0_CODE, TQ2_0_CODE
 from engine.kernels.reference import IQ4_NL_VALUES
@@ -191,19 +194,19 @@ def dequant_any_row(src, code, dst):
         _row_tq1_0(src, dst)
     elif code == TQ2_0_CODE:
         _row_tq2_0(src, dst)
-    elif code == lattice.IQ2_XXS_CODE:
+    elif code == IQ2_XXS_CODE:
         lattice._row_iq2_xxs(src, dst)
-    elif code == lattice.IQ2_XS_CODE:
+    elif code == IQ2_XS_CODE:
         lattice._row_iq2_xs(src, dst)
-    elif code == lattice.IQ2_S_CODE:
+    elif code == IQ2_S_CODE:
         lattice._row_iq2_s(src, dst)
-    elif code == lattice.IQ3_XXS_CODE:
+    elif code == IQ3_XXS_CODE:
         lattice._row_iq3_xxs(src, dst)
-    elif code == lattice.IQ3_S_CODE:
+    elif code == IQ3_S_CODE:
         lattice._row_iq3_s(src, dst)
-    elif code == lattice.IQ1_S_CODE:
+    elif code == IQ1_S_CODE:
         lattice._row_iq1_s(src, dst)
-    elif code == lattice.IQ1_M_CODE:
+    elif code == IQ1_M_CODE:
         lattice._row_iq1_m(src, dst)
     else:
         _base_row(src, code, dst)

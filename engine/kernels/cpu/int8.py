@@ -39,6 +39,8 @@ from numba import njit
 # (importing exact also sets numba's threading-layer preference: omp before tbb and workqueue)
 from engine.kernels.cpu import kquant_low, plain_threads
 from engine.kernels.cpu.dequant import half_bits_to_f32, u32_bits_to_f32
+from engine.kernels.cpu.dequant_lattice import (IQ1_M_CODE, IQ1_S_CODE, IQ2_S_CODE, IQ2_XS_CODE, IQ2_XXS_CODE,
+                                                IQ3_S_CODE, IQ3_XXS_CODE)
 from engine.kernels.cpu import iquant, lattice, ternary
 from engine.kernels.cpu.ir import (BF16_CODE, F16_CODE, IQ4_NL_CODE, IQ4_XS_CODE, MXFP4_CODE, Q2_K_CODE, Q3_K_CODE,
                                    Q4_0_CODE, Q4_1_CODE, Q4_K_CODE, Q5_0_CODE, Q5_1_CODE, Q5_K_CODE, Q6_K_CODE,
@@ -179,19 +181,19 @@ def _rows_any(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, 
         ternary.rows_tq1_0(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     elif code == TQ2_0_CODE:
         ternary.rows_tq2_0(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ2_XXS_CODE:
+    elif code == IQ2_XXS_CODE:
         lattice.rows_iq2_xxs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ2_XS_CODE:
+    elif code == IQ2_XS_CODE:
         lattice.rows_iq2_xs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ2_S_CODE:
+    elif code == IQ2_S_CODE:
         lattice.rows_iq2_s(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ3_XXS_CODE:
+    elif code == IQ3_XXS_CODE:
         lattice.rows_iq3_xxs(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ3_S_CODE:
+    elif code == IQ3_S_CODE:
         lattice.rows_iq3_s(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ1_S_CODE:
+    elif code == IQ1_S_CODE:
         lattice.rows_iq1_s(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
-    elif code == lattice.IQ1_M_CODE:
+    elif code == IQ1_M_CODE:
         lattice.rows_iq1_m(raw, base, rb, r0, r1, xqk, xdk, xbk, out, c0, tier)
     else:
         _rows_base(code, raw, base, rb, r0, r1, xq8, xs8, xqk, xdk, xbk, x, out, c0, tier)
