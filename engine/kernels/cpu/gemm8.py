@@ -1,5 +1,6 @@
 """Prompt matmuls (T input rows at once) in int8: the fast path's prefill for K-quant matrices (Q4_K, Q5_K, Q6_K;
-the low-bit Q2_K, Q3_K, TQ1_0, TQ2_0, and IQ4_XS in the 512-bit form: their unpacking, gemm8_unpack.py).
+the low-bit Q2_K, Q3_K, TQ1_0, TQ2_0, the lattice types, and IQ4_XS in the 512-bit form: their unpacking,
+gemm8_unpack.py and gemm8_lattice.py).
 
 Why: a prompt through dequantized f32 weights and sgemm runs at the f32 FMA peak (8 MACs per 256-bit FMA, 16 per
 512-bit); int8 does more per instruction (`vpdpbusd` on 512 bits: 64; AVX2's `vpmaddubsw`: 32 into int16 pairs),

@@ -24,9 +24,9 @@ from engine.kernels.reference import IQ4_NL_VALUES
 def unpack(form, raw, code, r0, rows, nsb, u, tile, ws, wi, wd):
     """Rows [r0, r0 + R) of raw (R = ws.shape[2], the tile's rows, the form's; past `rows` zero scales) -> tile
     (their quants u, layout above), ws (sub-blocks, 2, R) f32 (each sub-block's scale and min term), wi (sub-blocks,
-    R) i32 (its integer scale as two i16) and wd (nsb, R) f32 (each super-block's d); u: scratch (K,) uint8.
+    R) i32 (its integer scale as two i16) and wd (nsb, R) f32 (each super-block's d); u: scratch (4 K,) uint8.
     The quants go straight into the tile (_quant_tile), TQ1_0's (base 3) through u, a row at a time, the lattice
-    types' a row at a time too (gemm8_lattice.py; u then holds a row's f32 weights: (4 K,) bytes).
+    types' a row at a time too (gemm8_lattice.py; u then holds a row's f32 weights).
     Plain Python: inlined into each type's GEMM (gemm8._gemm_of) with its code a constant, the other types pruned."""
     t32 = tile.view(np.uint32)
     u32 = u.view(np.uint32)

@@ -94,7 +94,7 @@ def _sign_bits(e: Emitter, wp, off):
     """<32 x i8> +-1 of the 32 sign bits in the 4 bytes at off (bit j of byte l: weight 8 l + j negative)."""
     b = e.b
     rep = e.shuf(e.ld(wp, off, V(I8, 4)), None, [j // 8 for j in range(32)])
-    neg = b.icmp_unsigned("!=", b.and_(rep, e.vc(I8, [1 << (j % 8) for j in range(32)] )), ir.Constant(_V32, None))
+    neg = b.icmp_unsigned("!=", b.and_(rep, e.vc(I8, [1 << (j % 8) for j in range(32)])), ir.Constant(_V32, None))
     return b.select(neg, e.splat_c(I8, -1, 32), e.splat_c(I8, 1, 32))
 
 
