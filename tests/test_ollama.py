@@ -126,13 +126,15 @@ def test_options_reach_the_sampler(client, name):
 
 
 def test_a_tool_call_comes_back_as_an_object_streamed_and_not(client, name):
+    # (the arguments the tiny model writes besides city depend on the CPU's rounding: an extra one is no fault of
+    # the wire format; the streamed call is the same call)
     r = client.chat(model=name, messages=WEATHER, tools=[get_weather], options=CALLING)
-    assert [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls] == \
-        [("get_weather", {"city": "Paris"})]
+    whole = [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls]
+    assert len(whole) == 1 and whole[0][0] == "get_weather" and whole[0][1]["city"] == "Paris"
     assert r.message.content == "" and r.done_reason == "stop"
     parts = list(client.chat(model=name, messages=WEATHER, tools=[get_weather], options=CALLING, stream=True))
     calls = [c for p in parts for c in (p.message.tool_calls or [])]
-    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == whole
     # the call answered: a tool message by tool_name, and the model goes on
     after = client.chat(model=name, messages=WEATHER + [r.message, {"role": "tool", "content": "sunny",
                                                                     "tool_name": "get_weather"}], options=CALLING)
@@ -224,7 +226,8 @@ def test_langchain_chat_ollama_calls_a_tool(served, name):
             args = m["tool_calls"][0]["function"]["arguments"]
             history.append(AIMessage("", tool_calls=[{"name": "get_weather", "args": args, "id": f"c{len(history)}"}]))
     reply = chat.bind_tools([get_weather]).invoke(history)
-    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
+    calls = [(c["name"], c["args"]) for c in reply.tool_calls]  # (extra arguments: the CPU's rounding, see above)
+    assert len(calls) == 1 and calls[0][0] == "get_weather" and calls[0][1]["city"] == "Paris"
     assert chat.invoke("What is the capital of France?").content
 
 
