@@ -7,7 +7,7 @@ import pytest
 
 import engine
 from engine.errors import ContextOverflow, InvalidRequest
-from engine.kernels import vmath
+from engine.kernels import nucleus, vmath
 from engine.generation.sampling import SamplingParams, make_logits_processors, make_sampler
 
 
@@ -210,6 +210,75 @@ def test_sampler_sorts_only_what_it_keeps_and_draws_as_a_full_sort(kw):
         for _ in range(5):
             logits = rng.normal(0, scale, 262144).astype(np.float32)
             assert fast(logits.copy()) == slow(logits.copy())
+
+
+def _kept_by_full_sort(logits: np.ndarray, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The ids top-p then min-p keep, sorted (larger logit, then lower id, first), and their logits: the oracle."""
+    ids = np.lexsort((np.arange(len(logits)), -logits.astype(np.float64)))
+    vals = logits[ids].astype(np.float64)
+    ids, vals = ids[vals > -np.inf], vals[vals > -np.inf]
+    probs = np.exp(vals - vals[0]) / np.exp(vals - vals[0]).sum()
+    if top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+        ids, vals, probs = ids[:cut], vals[:cut], probs[:cut]
+    if min_p > 0:
+        keep = probs >= min_p * probs[0]
+        ids, vals = ids[keep], vals[keep]
+    return ids, vals
+
+
+def _rows(rng):
+    """Flat, peaked, tied and masked rows, from a handful of tokens to a Qwen-sized vocabulary."""
+    yield rng.normal(0, 0.05, 151936).astype(np.float32)  # nearly flat: the nucleus is most of the vocabulary
+    yield rng.normal(0, 1.0, 151936).astype(np.float32)
+    yield rng.normal(0, 6.0, 151936).astype(np.float32)  # peaked: a few tokens
+    yield rng.integers(-3, 4, 50000).astype(np.float32)  # seven values: long runs of ties at every cut
+    masked = rng.normal(0, 2.0, 30000).astype(np.float32)
+    masked[rng.random(30000) < 0.9] = -np.inf  # a grammar's mask
+    yield masked
+    yield np.array([2.0, 2.0, 2.0, -np.inf], np.float32)
+    yield np.array([0.7], np.float32)
+
+
+@pytest.mark.parametrize("top_p,min_p", [(0.9, 0.0), (0.95, 0.0), (0.999, 0.0), (0.5, 0.0), (1.0, 0.05),
+                                         (1.0, 1e-4), (0.95, 0.05), (0.8, 0.3)])
+def test_the_nucleus_keeps_and_weighs_what_a_full_sort_keeps(top_p, min_p):
+    # The sampler's kept set (every token ranked at or above nucleus.nucleus_cut's cut) is the full sort's, token for
+    # token, and its probabilities at the temperature (drawn: the likeliest 20 and the drawn token's) are the full
+    # sort's softmax over that set.
+    rng = np.random.default_rng(int(top_p * 1000 + min_p * 1e5))
+    for logits in _rows(rng):
+        want, vals = _kept_by_full_sort(logits, top_p, min_p)
+        m, cut_value, cut_id = nucleus.nucleus_cut(logits, top_p, min_p)
+        ids = np.arange(len(logits))
+        kept = np.flatnonzero((logits > cut_value) | ((logits == cut_value) & (ids <= cut_id)))
+        assert np.array_equal(np.sort(want), kept), (len(want), len(kept))
+        sample = make_sampler(SamplingParams(temperature=0.7, top_p=top_p, min_p=min_p, seed=1))
+        z = vals / 0.7
+        probs = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        for _ in range(3):
+            token = sample(logits.copy())
+            assert token in set(want.tolist())
+            p, best = sample.drawn(token, 20)
+            np.testing.assert_allclose(p, probs[list(want).index(token)], rtol=1e-9)
+            assert [t for t, _ in best] == want[:20].tolist()
+            np.testing.assert_allclose([q for _, q in best], probs[:20], rtol=1e-9)
+
+
+def test_nucleus_draws_follow_the_kept_distribution():
+    # The draw is the inverse CDF in rank order over the kept set: the full sort's draw at the same uniform, wherever
+    # the uniform is not within rounding of a CDF step.
+    rng = np.random.default_rng(9)
+    for logits in _rows(rng):
+        want, vals = _kept_by_full_sort(logits, 0.9, 0.0)
+        z = (vals - vals[0]) * 1.3
+        cdf = np.cumsum(np.exp(z))
+        cdf /= cdf[-1]
+        m, cut_value, cut_id = nucleus.nucleus_cut(logits, 0.9, 0.0)
+        for u in rng.random(100):
+            i = int(np.searchsorted(cdf, u, side="right"))
+            if np.min(np.abs(cdf[max(0, i - 1) : i + 1] - u)) > 1e-9:
+                assert nucleus.draw_above(logits, m, cut_value, cut_id, 1.3, u)[0] == want[i]
 
 
 def test_the_sampling_object_and_its_fields_as_keywords_pick_the_same_tokens(smol):

@@ -15,6 +15,7 @@ dynamic temperature, mirostat) or reorders them gets llama.cpp's chain (sampler_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from engine.errors import InvalidRequest
 from engine.generation.sampler_chain import ChainSampler, ChainSettings
-from engine.kernels import vmath
+from engine.kernels import nucleus, vmath
 
 HEAP_MAX_K = 1024  # top-k selection by a compiled heap up to here (0.1 ms on 262k logits), argpartition above
 
@@ -119,8 +120,10 @@ def make_sampler(p: SamplingParams, tokenizer=None) -> Sampler:
 
 
 class FastSampler:
-    """Greedy, or a draw after top-k, top-p, min-p and temperature: the samplers most requests use, fast (a compiled
-    pass over the vocabulary, and a sort of only the few candidates that can be kept)."""
+    """Greedy, or a draw after top-k, top-p, min-p and temperature: the samplers most requests use, fast (compiled
+    passes over the vocabulary; a sort of only the top-k set, or of the one value bucket the top-p cut and the draw
+    land in: engine/kernels/nucleus.py). Draws are the inverse CDF over the kept tokens in rank order, seed for seed
+    the draws of a sampler that sorts the whole vocabulary (tests/test_generate.py)."""
 
     def __init__(self, p: SamplingParams):
         self.p = p
@@ -139,39 +142,36 @@ class FastSampler:
             # Every token is a candidate: one compiled pass, in id order (no sort of the vocabulary per token).
             self._last = ("all", row)
             return int(vmath.softmax_draw(row, np.float32(1.0 / p.temperature), self.rng.random()))
-        c, v = self._candidates(row)
-        probs = _softmax(v / p.temperature)
-        self._last = ("some", c, probs)
-        return int(c[self.rng.choice(len(c), p=probs)])
+        if 0 < p.top_k < n:
+            c, v = self._top_k_candidates(row)
+            probs = _softmax(v / p.temperature)
+            self._last = ("some", c, probs)
+            return int(c[self.rng.choice(len(c), p=probs)])
+        # top-p and/or min-p over the whole vocabulary: the kept set is every token ranked at or above a cut, found
+        # and drawn from without sorting the vocabulary (engine/kernels/nucleus.py); one uniform per draw, as
+        # Generator.choice takes.
+        m, cut_value, cut_id = nucleus.nucleus_cut(row, p.top_p, p.min_p)
+        if not m > -np.inf:  # every logit masked: the first token, as argmax would give
+            self._last = ("one", 0)
+            return 0
+        inv_temp = 1.0 / p.temperature
+        token, total = nucleus.draw_above(row, m, cut_value, cut_id, inv_temp, self.rng.random())
+        self._last = ("cut", row, m, cut_value, cut_id, inv_temp, total)
+        return int(token)
 
-    def _candidates(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The ids top-k, top-p and min-p keep, and their logits (f64), most likely first."""
-        p, n = self.p, len(row)
-        top_k = 0 < p.top_k < n
-        # Probabilities for top_p / min_p are over the top_k set when top_k is on, else over the whole vocabulary
-        # (its normalizer compiled: numpy's f64 exp over 262k logits took 4 ms); then only as many of the best as
-        # they can keep are sorted (few), growing the set until it holds them. Selection runs on the f32 logits
-        # (4x faster than on an f64 copy), the kept few in f64.
-        total = None if top_k else float(vmath.sum_exp(row, row.max()))  # sum(exp(logit - max))
-        k = p.top_k if top_k else 64
-        while True:
-            take = (vmath.top_k_indices(row, k) if k <= HEAP_MAX_K else np.argpartition(-row, k - 1)[:k]) if k < n \
-                else np.arange(n)
-            cv = row[take].astype(np.float64)
-            order = np.lexsort((take, -cv))  # descending logit, then ascending id: deterministic
-            c, v = take[order], cv[order]
-            e = np.exp(v - v[0])
-            probs = e / (e.sum() if total is None else total)  # v[0] is the maximum
-            cum = np.cumsum(probs)
-            if top_k or k >= n:
-                break
-            if p.top_p < 1.0 and cum[-1] >= p.top_p:
-                break  # the nucleus ends inside this set (min_p then only trims it)
-            if p.top_p >= 1.0 and probs[-1] < p.min_p * probs[0]:
-                break  # every token min_p keeps is in this set
-            k *= 4
+    def _top_k_candidates(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids top-k, then top-p and min-p over the top-k set, keep, and their logits (f64), most likely first."""
+        p = self.p
+        # Selection runs on the f32 logits (4x faster than on an f64 copy), the kept few in f64.
+        k = p.top_k
+        take = vmath.top_k_indices(row, k) if k <= HEAP_MAX_K else np.argpartition(-row, k - 1)[:k]
+        cv = row[take].astype(np.float64)
+        order = np.lexsort((take, -cv))  # descending logit, then ascending id: deterministic
+        c, v = take[order], cv[order]
+        e = np.exp(v - v[0])  # v[0] is the maximum
+        probs = e / e.sum()
         if p.top_p < 1.0:
-            cut = int(np.searchsorted(cum, p.top_p) + 1)
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
             c, v, probs = c[:cut], v[:cut], probs[:cut]
         if p.min_p > 0:
             keep = probs >= p.min_p * probs[0]
@@ -187,6 +187,17 @@ class FastSampler:
             ids = np.argpartition(-v, n - 1)[:n] if 0 < n < len(v) else np.arange(len(v) if n else 0)
             ids = ids[np.lexsort((ids, -v[ids]))]
             return float(np.exp(v[token] - lse)), [(int(i), float(np.exp(v[i] - lse))) for i in ids]
+        if self._last[0] == "cut":
+            _, row, m, cut_value, cut_id, inv_temp, total = self._last
+            best = vmath.top_k_indices(row, min(n, len(row))) if n else np.zeros(0, np.int64)
+            best = best[np.lexsort((best, -row[best]))]
+            best = best[(row[best] > cut_value) | ((row[best] == cut_value) & (best <= cut_id))]
+
+            def prob(i: int) -> float:
+                return math.exp((float(row[i]) - m) * inv_temp) / total
+
+            kept = row[token] > cut_value or (row[token] == cut_value and token <= cut_id)
+            return (prob(token) if kept else 0.0), [(int(i), prob(int(i))) for i in best]
         _, c, probs = self._last
         hit = np.flatnonzero(c == token)
         return (float(probs[hit[0]]) if len(hit) else 0.0), [(int(t), float(q)) for t, q in zip(c[:n], probs[:n])]
