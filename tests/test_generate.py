@@ -232,6 +232,9 @@ def _rows(rng):
     yield rng.normal(0, 0.05, 151936).astype(np.float32)  # nearly flat: the nucleus is most of the vocabulary
     yield rng.normal(0, 1.0, 151936).astype(np.float32)
     yield rng.normal(0, 6.0, 151936).astype(np.float32)  # peaked: a few tokens
+    banned = rng.normal(0, 0.05, 151936).astype(np.float32)
+    banned[[5, 70000, 151000]] = [-1e9, -100.0, -70.0]  # logit_bias bans far below the rest
+    yield banned
     yield rng.integers(-3, 4, 50000).astype(np.float32)  # seven values: long runs of ties at every cut
     masked = rng.normal(0, 2.0, 30000).astype(np.float32)
     masked[rng.random(30000) < 0.9] = -np.inf  # a grammar's mask

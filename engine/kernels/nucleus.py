@@ -28,6 +28,7 @@ from engine.kernels import kernel_cache
 kernel_cache.configure()
 
 _BUCKETS = 4096
+_RANGE = 64.0  # logits more than this below the largest all go to the last bucket (e^-64 ~ 1.6e-28)
 
 
 def nucleus_cut(x: np.ndarray, top_p: float, min_p: float) -> tuple[float, float, int]:
@@ -59,7 +60,7 @@ def _weights(x: np.ndarray, m: float, inv_temp: float) -> np.ndarray:
 @njit(cache=True)
 def _cut(x, e, m, top_p, min_p):
     n = x.shape[0]
-    lo = _finite_min(x)
+    lo = _range_floor(x, m)
     floor = -np.inf  # min-p: p_i >= min_p p_max  <=>  x_i - m >= ln(min_p)
     if min_p > 0:
         floor = math.log(min_p)
@@ -102,7 +103,7 @@ def _cut(x, e, m, top_p, min_p):
 def _draw(x, w, m, cut_value, cut_id, u):
     n = x.shape[0]
     lo = np.float64(cut_value) - m
-    scale = _BUCKETS / -lo if lo < 0 else 0.0
+    scale = _BUCKETS / min(-lo, _RANGE) if lo < 0 else 0.0  # (a kept token further down: the last bucket)
     mass = np.zeros(_BUCKETS, np.float64)
     total = 0.0
     for i in range(n):
@@ -138,12 +139,14 @@ def _bucket(d, scale):
 
 
 @njit(cache=True)
-def _finite_min(x):
-    """The smallest finite logit (as f64)."""
-    lo = np.inf
+def _range_floor(x, m):
+    """The smallest logit within _RANGE of the largest m (as f64): where the buckets end. Logits further down (a
+    logit_bias ban at -100 or -1e9) weigh under e^-64 each and share the last bucket, so they do not stretch the
+    buckets until every other token falls into the first."""
+    lo = m
     for i in range(x.shape[0]):
         v = np.float64(x[i])
-        if v < lo and v > -np.inf:
+        if v < lo and v >= m - _RANGE:
             lo = v
     return lo
 
