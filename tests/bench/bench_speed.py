@@ -8,6 +8,8 @@ Measures through the public API, wall clock, medians over --reps runs after one 
   decode_tok_s      the next --gen-tokens greedy tokens / their time
   decode_sampled_tok_s  the same, sampled (temperature 0.8, top_p 0.95; goinfer only)
   peak_rss_mb       the process's peak resident memory
+  read_gb_s         the machine's read bandwidth (tests/bench/bandwidth.py), before and after our runs
+  decode_bandwidth_share  decode tok/s x the weight bytes a token reads (bytes_per_token_mb) / the best read_gb_s
 With --llama-python PY (a python that has llama-cpp-python), runs ../shared/bench/llama_cpp_anchor.py on
 the same file in the same sitting and prints both and our/their ratios. The two take turns, run by run (ours,
 then one anchor run of one warm-up and one measured rep, --reps times): this VM's memory bandwidth drifts by
@@ -34,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bandwidth import read_bandwidth
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHOR = ROOT.parent / "shared" / "bench" / "llama_cpp_anchor.py"
@@ -110,12 +114,18 @@ def main() -> None:
         if a.llama_python:
             theirs.append(_anchor(a.llama_python, a.model, a.threads, a.prompt_tokens, a.gen_tokens))
 
+    bandwidth = [read_bandwidth()[0]]  # the machine's read bandwidth before and after our runs (it drifts)
     ours = measure_goinfer(a.model, a.quant, a.prompt_tokens, a.gen_tokens, a.reps, llama_turn)
+    bandwidth.append(read_bandwidth()[0])
+    token_bytes = decode_bytes(a.model)
     if a.cold:
         ours["first_token_cold_cache_s"] = _first_token_s(a.model, a.quant, a.threads, cold=True)
         ours["first_token_warm_cache_s"] = _first_token_s(a.model, a.quant, a.threads, cold=False)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {_cpu_name()}, {os.cpu_count()} cores",
-              "threads": a.threads, "model": Path(a.model).name, "goinfer": ours}
+              "threads": a.threads, "model": Path(a.model).name, "goinfer": ours,
+              "read_gb_s": [round(b, 1) for b in bandwidth], "bytes_per_token_mb": round(token_bytes / 1e6, 1)}
+    best_bw = max(bandwidth) * 1e9
+    ours["decode_bandwidth_share"] = round(ours["decode_tok_s"] * token_bytes / best_bw, 3)
     if theirs:
         pf = statistics.median(t["prefill_tok_s_median"] for t in theirs)
         dc = statistics.median(t["decode_tok_s_median"] for t in theirs)
@@ -124,6 +134,7 @@ def main() -> None:
             "prefill_tok_s_median": round(pf, 2), "decode_tok_s_median": round(dc, 2),
             "load_s": statistics.median(t["load_s"] for t in theirs),
             "foreign_cpu_frac": max(t["foreign_cpu_frac"] for t in theirs)}
+        result["llama_cpp"]["decode_bandwidth_share"] = round(dc * token_bytes / best_bw, 3)
         result["ratio"] = {"prefill": round(ours["prefill_tok_s"] / pf, 2), "decode": round(ours["decode_tok_s"] / dc, 2)}
         result["rounds"] = [
             {"ours": r, "llama_cpp": {"prefill_tok_s": round(t["prefill_tok_s_median"], 1),
@@ -133,6 +144,16 @@ def main() -> None:
                        "decode": round(r["decode_tok_s"] / t["decode_tok_s_median"], 2)}}
             for r, t in zip(ours["runs"], theirs)]
     print(json.dumps(result, indent=2))
+
+
+def decode_bytes(path: str) -> int:
+    """The weight bytes a decode step reads: every tensor of the file but the token embeddings (a row each token),
+    which the output head reads whole where it is tied to them (no output.weight)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    embd = sizes.get("token_embd.weight", 0)
+    return sum(sizes.values()) - (0 if "output.weight" not in sizes else embd)
 
 
 def _anchor(python: str, model: str, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
