@@ -4,9 +4,10 @@ a few compiled passes.
 The candidates top-p keeps are the fewest most likely tokens whose probabilities sum to top_p; a sampler that sorts
 the vocabulary for them pays a sort of 152k-262k logits per token, and when the distribution is flat (a long
 creative reply, a random-weight model) the nucleus holds most of the vocabulary, so growing a partial selection
-until it covers top_p costs about as much as the whole forward pass did (docs/benchmarks.md, sampled decode).
-Here the logits are bucketed by value instead: 4096 equal-width buckets from the largest logit down to the smallest,
-each holding its tokens' count and probability mass; a scan from the top bucket finds the one where the cumulative
+until it covers top_p costs about as much as the whole forward pass did (docs/benchmarks.md, session 30, Sampling).
+Here the logits are bucketed by value instead: 4096 equal-width buckets from the largest logit down to the smallest
+within 64 of it (the rest share the last), each holding its tokens' probability mass; a scan from the top bucket
+finds the one where the cumulative
 mass reaches top_p, and only that bucket's tokens are sorted to find the exact last one. The kept set is then
 "every token ranked at or above the cut" (rank: larger logit first, the lower id first among equal logits, as the
 sorted candidates were), so it is two numbers, never a list. The draw walks the kept tokens' weights at the
