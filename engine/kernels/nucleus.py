@@ -7,8 +7,8 @@ creative reply, a random-weight model) the nucleus holds most of the vocabulary,
 until it covers top_p costs about as much as the whole forward pass did (docs/benchmarks.md, session 30, Sampling).
 Here the logits are bucketed by value instead: 4096 equal-width buckets from the largest logit down to the smallest
 within 64 of it (the rest share the last), each holding its tokens' probability mass; a scan from the top bucket
-finds the one where the cumulative
-mass reaches top_p, and only that bucket's tokens are sorted to find the exact last one. The kept set is then
+finds the one where the cumulative mass reaches top_p, and only that bucket's tokens are sorted to find the exact
+last one. The kept set is then
 "every token ranked at or above the cut" (rank: larger logit first, the lower id first among equal logits, as the
 sorted candidates were), so it is two numbers, never a list. The draw walks the kept tokens' weights at the
 temperature the same way: bucket masses to the bucket where the inverse CDF lands, that bucket's tokens sorted.
