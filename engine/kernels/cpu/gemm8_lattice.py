@@ -2,10 +2,9 @@
 u = q + c with w = a_j (u - c) per sub-block j, a_j = d f ls_j (lattice.py's algebra: q the weight's small signed
 integer, ls_j = 2 s_j + 1, f a power of two per type; c and the sub-block size per type in OFFSETS).
 
-How: IQ2_XXS, IQ2_XS and IQ3_XXS read q from the blocks through lattice.py's tables (a signed point per index,
-or a point and a sign mask); the others take the exact path's compiled row decoder (dequant_lattice.py), whose f32
-weights are exactly a_j q (every product fits f32's mantissa), so q = w / a_j exactly. The scales are read from the
-blocks here. A row's unpack runs once per prompt matmul and row, in scalar code, while the tile kernels
+How: the exact path's compiled row decoder (dequant_lattice.py) gives the row's f32 weights, which are exactly
+a_j q (every product fits f32's mantissa), so q = w / a_j exactly; the scales are read from the blocks here. A
+row's grid gathers and signs then run once per prompt matmul and row, in scalar code, while the tile kernels
 (gemm8._tile_kernel, symmetric) do the products for every token.
 """
 
@@ -18,10 +17,6 @@ from engine.kernels.cpu.dequant import f16_at, half_bits_to_f32
 from engine.kernels.cpu.dequant_lattice import (IQ1_M_CODE, IQ1_S_CODE, IQ2_S_CODE, IQ2_XS_CODE, IQ2_XXS_CODE,
                                                 IQ3_S_CODE, IQ3_XXS_CODE)
 from engine.kernels.cpu.dequant_lowbit import dequant_any_row
-from engine.kernels.cpu.lattice import SIGN_MASKS, SIGNED_IQ2_XS, SIGNED_IQ2_XXS
-from engine.kernels.reference_lattice import grid
-
-GRID_IQ3_XXS = grid("IQ3_XXS").astype(np.uint8)  # (256, 4)
 
 # code -> (c, columns of a sub-block): c the largest |q| (u = q + c >= 0), for gemm8_unpack.OFFSETS (unpack below
 # spells them out per type: numba reads no dict in compiled code)
@@ -36,29 +31,26 @@ def unpack(src, code, nsb, scratch, tile, ws, wi, wd, r):
     4 bytes each) and its scales into ws, wi, wd as gemm8_unpack.unpack's other types. scratch: (4 K,) bytes.
     Plain Python, inlined with a constant code (the other types' decoders pruned)."""
     w = scratch.view(np.float32)
+    _any_row(src, code, w)
     if code == IQ2_XXS_CODE:
         _scales_iq2_xxs(src, nsb, ws, wi, wd, r)
-        _levels_iq2_xxs(src, nsb, tile, ws.shape[2], r)
+        _levels(w, nsb * 256, 32, 43, ws, tile, r)
     elif code == IQ2_XS_CODE:
         _scales_nibbles(src, nsb, 74, 66, ws, wi, wd, r)
-        _levels_iq2_xs(src, nsb, tile, ws.shape[2], r)
+        _levels(w, nsb * 256, 16, 43, ws, tile, r)
     elif code == IQ2_S_CODE:
-        _any_row(src, code, w)
         _scales_nibbles(src, nsb, 82, 74, ws, wi, wd, r)
         _levels(w, nsb * 256, 16, 43, ws, tile, r)
     elif code == IQ3_XXS_CODE:
         _scales_iq3_xxs(src, nsb, ws, wi, wd, r)
-        _levels_iq3_xxs(src, nsb, tile, ws.shape[2], r)
+        _levels(w, nsb * 256, 32, 62, ws, tile, r)
     elif code == IQ3_S_CODE:
-        _any_row(src, code, w)
         _scales_iq3_s(src, nsb, ws, wi, wd, r)
         _levels(w, nsb * 256, 32, 15, ws, tile, r)
     elif code == IQ1_S_CODE:
-        _any_row(src, code, w)
         _scales_iq1_s(src, nsb, ws, wi, wd, r)
         _levels(w, nsb * 256, 32, 9, ws, tile, r)
     else:
-        _any_row(src, code, w)
         _scales_iq1_m(src, nsb, ws, wi, wd, r)
         _levels(w, nsb * 256, 16, 9, ws, tile, r)
 
@@ -71,49 +63,6 @@ def _levels(w, K, sub, c, ws, tile, r):
         a = ws[y // sub, 0, r]
         u = c if a == 0 else np.int32(np.rint(w[y] / a)) + c
         tile[((y >> 2) * R + r) * 4 + (y & 3)] = u
-
-
-# IQ2_XXS, IQ2_XS and IQ3_XXS: the levels straight from the blocks by lattice.py's tables (a signed point per index,
-# or a point and its sign mask), not from the exact decode divided by the scale (a float division a weight)
-
-
-@njit(cache=True, inline="always")
-def _put(tile, R, r, y, u):
-    tile[((y >> 2) * R + r) * 4 + (y & 3)] = u
-
-
-@njit(cache=True)
-def _levels_iq2_xs(src, nsb, tile, R, r):
-    for sb in range(nsb):
-        for j in range(32):  # u16 qs: the signed table's index as it is
-            q = SIGNED_IQ2_XS[_u16(src, sb * 74 + 2 + 2 * j)]
-            for k in range(8):
-                _put(tile, R, r, sb * 256 + 8 * j + k, np.int32(q[k]) + 43)
-
-
-@njit(cache=True)
-def _levels_iq2_xxs(src, nsb, tile, R, r):
-    for sb in range(nsb):
-        for g in range(8):
-            o = sb * 66 + 2 + 8 * g
-            s = _u16(src, o + 4) | (_u16(src, o + 6) << 16)
-            for p in range(4):
-                q = SIGNED_IQ2_XXS[np.int32(src[o + p]) | (((s >> (7 * p)) & 127) << 8)]
-                for k in range(8):
-                    _put(tile, R, r, sb * 256 + 32 * g + 8 * p + k, np.int32(q[k]) + 43)
-
-
-@njit(cache=True)
-def _levels_iq3_xxs(src, nsb, tile, R, r):
-    for sb in range(nsb):
-        for g in range(8):
-            o = sb * 98
-            s = _u16(src, o + 66 + 4 * g) | (_u16(src, o + 68 + 4 * g) << 16)
-            for h in range(4):  # eight weights: two points and one sign mask
-                m = SIGN_MASKS[(s >> (7 * h)) & 127]
-                for k in range(8):
-                    pt = GRID_IQ3_XXS[src[o + 2 + 8 * g + 2 * h + k // 4], k % 4]
-                    _put(tile, R, r, sb * 256 + 32 * g + 8 * h + k, np.int32(pt) * np.int32(m[k]) + 62)
 
 
 @njit(cache=True, inline="always")

@@ -51,24 +51,6 @@ _TABLES = {"ksigns": _KSIGN_MASKS, **{k: _table_bytes(k) for k in ("IQ2_XXS", "I
                                                                      "IQ3_S", "IQ1_S")}}
 
 
-def _signed_table(kind: str, index_bits: int) -> bytes:
-    """Every (grid point, sign index) pair's eight signed weights, at index point | sign index << index_bits: one
-    load gives a point with its signs, where the point and the ksigns mask took two loads and a shift and a mask
-    each, and a psign (IQ2_XS: 512 KB, IQ2_XXS: 256 KB; they stay in L2)."""
-    i = np.arange(128 << index_bits)
-    signs = np.where((ksigns()[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int16)
-    pts = grid(kind).astype(np.int16)
-    return (pts[i & ((1 << index_bits) - 1)] * signs[i >> index_bits]).astype(np.int8).tobytes()
-
-
-_TABLES["IQ2_XS_SIGNED"] = _signed_table("IQ2_XS", 9)  # (IQ2_XS's u16 qs is that index as it is)
-_TABLES["IQ2_XXS_SIGNED"] = _signed_table("IQ2_XXS", 8)
-# The same tables as arrays, (entries, 8) int8, for the prompt GEMM's row unpack (gemm8_lattice.py)
-SIGNED_IQ2_XS = np.frombuffer(_TABLES["IQ2_XS_SIGNED"], np.int8).reshape(-1, 8)
-SIGNED_IQ2_XXS = np.frombuffer(_TABLES["IQ2_XXS_SIGNED"], np.int8).reshape(-1, 8)
-SIGN_MASKS = np.frombuffer(_KSIGN_MASKS, np.int8).reshape(128, 8)
-
-
 def _table(e: Emitter, kind: str):
     """i8* to a table, a private constant of the function's module (made once per module)."""
     name = f"goinfer_lattice_{kind.lower()}"
@@ -130,52 +112,39 @@ def _scales16(e: Emitter, lo, hi):
     return e.shuf(v, None, [0] * 8 + [1] * 8)
 
 
-def _sb_scales(e: Emitter, wp, o, off, sb: dict):
-    """<16 x i16>: the odd scales 2 s + 1 of a super-block's 8 scale bytes at o + off (two nibbles each, low first),
-    decoded once per super-block in vectors (sb: the super-block's decoded parts) where each group's took ten
-    scalar and insert steps."""
-    if "scales" not in sb:
-        b = e.b
-        raw = b.zext(e.ld(wp, e.add(o, off), V(I8, 8)), V(I16, 8))
-        lo = b.and_(raw, e.splat_c(I16, 15, 8))
-        hi = b.lshr(raw, e.splat_c(I16, 4, 8))
-        nib = e.shuf(lo, hi, [j // 2 + 8 * (j % 2) for j in range(16)])
-        sb["scales"] = b.add(b.shl(nib, e.splat_c(I16, 1, 16)), e.splat_c(I16, 1, 16))
-    return sb["scales"]
-
-
-def _group_scales(e: Emitter, sc16, g: int):
-    """_scales16 of group g from a super-block's 16 scales."""
-    return e.shuf(sc16, None, [2 * g] * 8 + [2 * g + 1] * 8)
+def _nibble_scales(e: Emitter, wp, off):
+    """A byte of two 4-bit scales (low: the first 16 weights) as _scales16."""
+    s = _u(e, wp, off)
+    return _scales16(e, _odd(e, _field(e, s, 0, 15)), _odd(e, _field(e, s, 4, 15)))
 
 
 # --- one group of 32 per type: (q magnitudes or signed q, +-1 signs or None, scales) --------------------------------
 
 
-def _iq2_xxs(e, wp, o, g, sb):
+def _iq2_xxs(e, wp, o, g):
     # f16 d | per group: 4 index bytes, u32 of four 7-bit sign indices and the scale (bits 28-31)
     s = _u(e, wp, e.add(o, 6 + 8 * g), I32)
     ls = _odd(e, _field(e, s, 28, 15))
-    q = _points(e, "IQ2_XXS_SIGNED", [_or_high(e, _u(e, wp, e.add(o, 2 + 8 * g + k)), _field(e, s, 7 * k, 127))
-                                      for k in range(4)])
-    return q, None, _scales16(e, ls, ls)
+    q = _points(e, "IQ2_XXS", [_u(e, wp, e.add(o, 2 + 8 * g + k)) for k in range(4)])
+    return q, _ksigns(e, [_field(e, s, 7 * k, 127) for k in range(4)]), _scales16(e, ls, ls)
 
 
-def _iq2_xs(e, wp, o, g, sb):
+def _iq2_xs(e, wp, o, g):
     # f16 d | u16 qs[32] (9-bit index, 7-bit sign index) | scales[8]
     qs = [_u(e, wp, e.add(o, 2 + 8 * g + 2 * k), I16) for k in range(4)]
-    return _points(e, "IQ2_XS_SIGNED", qs), None, _group_scales(e, _sb_scales(e, wp, o, 66, sb), g)
+    q = _points(e, "IQ2_XS", [_field(e, v, 0, 511) for v in qs])
+    return q, _ksigns(e, [_field(e, v, 9, 127) for v in qs]), _nibble_scales(e, wp, e.add(o, 66 + g))
 
 
-def _iq2_s(e, wp, o, g, sb):
+def _iq2_s(e, wp, o, g):
     # f16 d | qs[32] | signs[32] | qh[8] | scales[8]: index qs[4g + k] | bits 2k, 2k+1 of qh[g] << 8
     qh = _u(e, wp, e.add(o, 66 + g))
     q = _points(e, "IQ2_S", [_or_high(e, _u(e, wp, e.add(o, 2 + 4 * g + k)), _field(e, qh, 2 * k, 3))
                              for k in range(4)])
-    return q, _sign_bits(e, wp, e.add(o, 34 + 4 * g)), _group_scales(e, _sb_scales(e, wp, o, 74, sb), g)
+    return q, _sign_bits(e, wp, e.add(o, 34 + 4 * g)), _nibble_scales(e, wp, e.add(o, 74 + g))
 
 
-def _iq3_xxs(e, wp, o, g, sb):
+def _iq3_xxs(e, wp, o, g):
     # f16 d | qs[64] (indices of 4-weight points) | u32 per group: four 7-bit sign indices and the scale
     s = _u(e, wp, e.add(o, 66 + 4 * g), I32)
     ls = _odd(e, _field(e, s, 28, 15))
@@ -183,7 +152,7 @@ def _iq3_xxs(e, wp, o, g, sb):
     return q, _ksigns(e, [_field(e, s, 7 * k, 127) for k in range(4)]), _scales16(e, ls, ls)
 
 
-def _iq3_s(e, wp, o, g, sb):
+def _iq3_s(e, wp, o, g):
     # f16 d | qs[64] | qh[8] (bit k of qh[g]: bit 8 of point k's index) | signs[32] | scales[4] (nibbles)
     qh = _u(e, wp, e.add(o, 66 + g))
     q = _points(e, "IQ3_S", [_or_high(e, _u(e, wp, e.add(o, 2 + 8 * g + k)), _field(e, qh, k, 1))
@@ -202,7 +171,7 @@ def _deltas(e: Emitter, signs):
     return e.shuf(v, None, [j * len(signs) // 32 for j in range(32)])
 
 
-def _iq1_s(e, wp, o, g, sb):
+def _iq1_s(e, wp, o, g):
     # f16 d | qs[32] | u16 qh[8]: bits 3k..3k+2 extend point k's index, 12-14 the scale, 15 the delta's sign
     qh = _u(e, wp, e.add(o, 34 + 2 * g), I16)
     pts = _points(e, "IQ1_S", [_or_high(e, _u(e, wp, e.add(o, 2 + 4 * g + k)), _field(e, qh, 3 * k, 7))
@@ -211,7 +180,7 @@ def _iq1_s(e, wp, o, g, sb):
     return e.b.add(pts, _deltas(e, [_field(e, qh, 15, 1)])), None, _scales16(e, ls, ls)
 
 
-def _iq1_m(e, wp, o, g, sb):
+def _iq1_m(e, wp, o, g):
     # qs[32] | qh[16] (a nibble per point: index bits 8-10, delta sign) | u16 scales[4] (3 bits per 16 weights, d in
     # the top nibbles)
     nib = [_field(e, _u(e, wp, e.add(o, 32 + 2 * g + k // 2)), 4 * (k % 2), 15) for k in range(4)]
@@ -246,9 +215,8 @@ def _body(code: int):
     def body(e: Emitter, wp, o, xs_at, bsums):
         b = e.b
         isums = [None] * len(bsums)
-        sb = {}  # the super-block's parts decoded once for its groups
         for g in range(8):
-            q, signs, sc = group(e, wp, o, g, sb)
+            q, signs, sc = group(e, wp, o, g)
             for v in range(len(bsums)):
                 x = xs_at(v, g)
                 if signs is None:  # signed q (IQ1)
