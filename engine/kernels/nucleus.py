@@ -78,16 +78,7 @@ def _cut(x, e, m, top_p, min_p):
         target = np.inf  # no top-p cut: min-p alone (its floor bounds the buckets)
     else:
         target = top_p * total
-    acc = 0.0
-    b = 0
-    last = -1
-    while b < _BUCKETS:
-        if mass[b] > 0:
-            last = b
-            if acc + mass[b] >= target:
-                break
-            acc += mass[b]
-        b += 1
+    b, acc, last = _scan(mass, target, False)
     if b == _BUCKETS:  # min-p ends the set, or rounding left top_p * total unreached: the last kept bucket's last token
         members = _sorted_members(x, m, scale, last, floor)
         return m, x[members[-1]], members[-1]
@@ -112,16 +103,7 @@ def _draw(x, w, m, cut_value, cut_id, u):
             total += w[i]
             mass[_bucket(np.float64(x[i]) - m, scale)] += w[i]
     target = u * total
-    acc = 0.0
-    b = 0
-    last = 0
-    while b < _BUCKETS:
-        if mass[b] > 0:
-            last = b
-            if acc + mass[b] > target:
-                break
-            acc += mass[b]
-        b += 1
+    b, acc, last = _scan(mass, target, True)
     if b == _BUCKETS:  # rounding put the draw past the last kept token
         return _sorted_members_above(x, m, scale, last, cut_value, cut_id)[-1], total
     members = _sorted_members_above(x, m, scale, b, cut_value, cut_id)
@@ -131,6 +113,21 @@ def _draw(x, w, m, cut_value, cut_id, u):
         if acc > target:
             return i, total
     return members[-1], total
+
+
+@njit(cache=True)
+def _scan(mass, target, strict):
+    """The first bucket whose cumulative mass reaches target (strict: exceeds it), the mass before it, and the last
+    bucket with any mass (the first is _BUCKETS where none reaches it)."""
+    acc = 0.0
+    last = 0
+    for b in range(_BUCKETS):
+        if mass[b] > 0:
+            last = b
+            if acc + mass[b] > target or (not strict and acc + mass[b] >= target):
+                return b, acc, last
+            acc += mass[b]
+    return _BUCKETS, acc, last
 
 
 @njit(cache=True, inline="always")
